@@ -1,0 +1,224 @@
+"""Settings: one table of defaults, ``TIERFLOW_*`` environment variables, ``config.set``.
+
+Sizes are binary: ``1 GB`` here is 2**30 bytes, as ``free -g`` and ``memory.report()``
+count. A size may be given as a number of bytes (``536870912``) or a string with a unit
+(``"512MB"``, ``"12GB"``, ``"1.5 GiB"``, ``"64k"``).
+
+Environment variables are read once, on first use of a setting, and a malformed value
+raises :class:`~tierflow.errors.ConfigError` naming the variable and an example.
+``config.set`` overrides both the defaults and the environment for this process and
+doubles as a context manager that restores the previous values:
+
+>>> from tierflow import config
+>>> with config.set(ram_budget="2GB"):
+...     config.get("ram_budget")
+2147483648
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "DEFAULTS",
+    "ENVIRONMENT",
+    "format_bytes",
+    "get",
+    "on_change",
+    "parse_size",
+    "reset",
+    "set",
+]
+
+KB = 1 << 10
+MB = 1 << 20
+GB = 1 << 30
+TB = 1 << 40
+
+# name:           default               # unit / meaning
+DEFAULTS: dict[str, Any] = {
+    "ram_budget": None,  # bytes; None = budget_fraction of free usable RAM, fixed at first use
+    "budget_fraction": 0.7,  # share of free usable RAM the default budget takes
+    "spill_dir": "~/.tierflow/spill",  # folder of memory-mapped spill files
+    "store_dir": "~/.tierflow/store",  # folder under which named stores live
+    "cache": None,  # name of the store the engine caches blocks in; None = no cache
+    "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
+}
+
+ENVIRONMENT: dict[str, str] = {
+    "ram_budget": "TIERFLOW_RAM_BUDGET",
+    "spill_dir": "TIERFLOW_SPILL_DIR",
+    "store_dir": "TIERFLOW_STORE_DIR",
+    "cache": "TIERFLOW_CACHE",
+}
+
+_EXAMPLES = {
+    "ram_budget": "12GB, 512MB or a number of bytes",
+    "budget_fraction": "0.7",
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": KB, "kb": KB, "kib": KB,
+    "m": MB, "mb": MB, "mib": MB,
+    "g": GB, "gb": GB, "gib": GB,
+    "t": TB, "tb": TB, "tib": TB,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+_lock = threading.Lock()
+_overrides: dict[str, Any] = {}
+_from_env: dict[str, Any] | None = None
+
+
+def parse_size(value: int | float | str, what: str = "size") -> int:
+    """Turn ``12GB``, ``"512 MB"``, ``1.5e9`` or ``4096`` into a number of bytes.
+
+    ``what`` names the setting or variable in the error message.
+
+    >>> parse_size("1.5GB")
+    1610612736
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as 12GB, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{what}={value!r} is not a size; write it like 12GB, 512MB or 1073741824"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ConfigError(f"{what}: expected a size such as 12GB, got {type(value).__name__}")
+    size = number * _UNITS[unit]
+    if not size > 0 or size != size or size == float("inf"):
+        raise ConfigError(f"{what}={value!r} must be a positive size, such as 12GB")
+    return int(size)
+
+
+def format_bytes(n: float, digits: int = 1) -> str:
+    """Format a byte count in binary units, the way tierflow prints sizes.
+
+    >>> format_bytes(6_400_000_000, 3)
+    '5.960 GB'
+    """
+    n = float(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("TB", TB), ("GB", GB), ("MB", MB), ("KB", KB)):
+        if n >= size:
+            return f"{sign}{n / size:.{digits}f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def _convert(name: str, value: Any, origin: str) -> Any:
+    if value is None:
+        return None
+    if name == "ram_budget":
+        return parse_size(value, origin)
+    if name == "budget_fraction":
+        try:
+            fraction = float(value)
+        except (TypeError, ValueError):
+            fraction = -1.0
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"{origin}={value!r} must be a fraction in (0, 1], such as 0.7")
+        return fraction
+    if name in ("spill_dir", "store_dir", "proc_root"):
+        return os.fspath(value)
+    if name == "cache":
+        return value if value not in ("", "0", "false", "False") else None
+    return value
+
+
+def _environment() -> dict[str, Any]:
+    global _from_env
+    if _from_env is None:
+        values = {}
+        for name, variable in ENVIRONMENT.items():
+            raw = os.environ.get(variable)
+            if raw is not None and raw.strip() != "":
+                values[name] = _convert(name, raw.strip(), variable)
+        _from_env = values
+    return _from_env
+
+
+def get(name: str) -> Any:
+    """The value of one setting: ``config.set`` > environment variable > default."""
+    if name not in DEFAULTS:
+        raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(DEFAULTS))}")
+    with _lock:
+        if name in _overrides:
+            return _overrides[name]
+        env = _environment()
+        return env.get(name, DEFAULTS[name])
+
+
+_listeners: list[Callable[[str], None]] = []
+
+
+def on_change(fn: Callable[[str], None]) -> None:
+    """Call ``fn(name)`` whenever a setting changes (layers that cache a setting use it)."""
+    _listeners.append(fn)
+
+
+class _Restore:
+    """What ``config.set`` returns: usable as a context manager that undoes the change."""
+
+    def __init__(self, previous: dict[str, Any]) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            for name, (had, value) in self._previous.items():
+                if had:
+                    _overrides[name] = value
+                else:
+                    _overrides.pop(name, None)
+        for name in self._previous:
+            _notify(name)
+
+
+def _notify(name: str) -> None:
+    for fn in list(_listeners):
+        fn(name)
+
+
+def set(**settings: Any) -> _Restore:
+    """Override settings for this process; use as a context manager to undo.
+
+    >>> from tierflow import config
+    >>> _ = config.set(spill_dir="/tmp/tierflow-spill")
+    """
+    converted = {}
+    for name, value in settings.items():
+        if name not in DEFAULTS:
+            raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(DEFAULTS))}")
+        converted[name] = _convert(name, value, name)
+    with _lock:
+        previous = {n: (n in _overrides, _overrides.get(n)) for n in converted}
+        _overrides.update(converted)
+    for name in converted:
+        _notify(name)
+    return _Restore(previous)
+
+
+def reset() -> None:
+    """Forget overrides and re-read the environment on next use (tests use this)."""
+    global _from_env
+    with _lock:
+        _overrides.clear()
+        _from_env = None
+    for name in DEFAULTS:
+        _notify(name)

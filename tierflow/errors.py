@@ -1,0 +1,58 @@
+"""Errors raised by tierflow.
+
+Every error is a :class:`TierflowError`. Leaves also inherit the built-in exception
+they resemble, so ``except OSError`` still catches a spill file that could not be
+reserved and ``except MemoryError`` still catches an out-of-memory that tierflow
+could not work around. Messages say what happened, with the numbers, and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DependencyError",
+    "OutOfMemoryError",
+    "SharedMemoryError",
+    "SpillError",
+    "StoreError",
+    "TierflowError",
+]
+
+
+class TierflowError(Exception):
+    """Base class of every error tierflow raises on purpose."""
+
+
+class ConfigError(TierflowError, ValueError):
+    """A setting or ``TIERFLOW_*`` environment variable has a value tierflow cannot use."""
+
+
+class DependencyError(TierflowError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+
+class SpillError(TierflowError, OSError):
+    """A spill file could not be created, reserved or mapped (full disk, bad folder)."""
+
+
+class SharedMemoryError(TierflowError, OSError):
+    """A shared-memory (/dev/shm) allocation would not fit the mount."""
+
+
+class StoreError(TierflowError, OSError):
+    """The two-tier store refused an operation (bad folder, value too big, full disk)."""
+
+
+class OutOfMemoryError(TierflowError, MemoryError):
+    """Memory ran out and retrying with smaller pieces did not help."""
+
+
+def missing_dependency(module: str, extra: str, purpose: str) -> DependencyError:
+    """Build the error for an optional import that failed.
+
+    >>> str(missing_dependency("tqdm", "progress", "progress bars"))
+    "progress bars need the optional package 'tqdm': pip install 'tierflow[progress]'"
+    """
+    return DependencyError(
+        f"{purpose} need the optional package {module!r}: pip install 'tierflow[{extra}]'"
+    )
