@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tierflow import config
+from tierflow.system import pressure
 
 
 @pytest.fixture(autouse=True)
@@ -25,8 +26,10 @@ def _isolated_settings(
     monkeypatch.setenv("TIERFLOW_SPILL_DIR", str(base / "spill"))
     monkeypatch.setenv("TIERFLOW_STORE_DIR", str(base / "store"))
     config.reset()
+    pressure.reset()
     yield
     config.reset()
+    pressure.reset()
 
 
 @pytest.fixture

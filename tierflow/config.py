@@ -70,7 +70,7 @@ _UNITS = {
     "g": GB, "gb": GB, "gib": GB,
     "t": TB, "tb": TB, "tib": TB,
 }  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 _lock = threading.Lock()
 _overrides: dict[str, Any] = {}

@@ -9,10 +9,12 @@ could not work around. Messages say what happened, with the numbers, and what to
 from __future__ import annotations
 
 __all__ = [
+    "BlockError",
     "ConfigError",
     "DependencyError",
     "OutOfMemoryError",
     "SharedMemoryError",
+    "SourceError",
     "SpillError",
     "StoreError",
     "TierflowError",
@@ -45,6 +47,28 @@ class StoreError(TierflowError, OSError):
 
 class OutOfMemoryError(TierflowError, MemoryError):
     """Memory ran out and retrying with smaller pieces did not help."""
+
+
+class SourceError(TierflowError, ValueError):
+    """A file cannot be read as rows: bad ``.npy`` header, wrong size, unsupported layout."""
+
+
+class BlockError(TierflowError, RuntimeError):
+    """A function applied to one row block failed or returned a block of the wrong shape.
+
+    ``index``, ``start`` and ``stop`` name the block (rows ``start:stop``); the original
+    exception, if any, is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, index: int = -1, start: int = 0, stop: int = 0) -> None:
+        super().__init__(message)
+        self.index = index
+        self.start = start
+        self.stop = stop
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keeps the block numbers when the error crosses a process boundary.
+        return (type(self), self.args, self.__dict__)
 
 
 def missing_dependency(module: str, extra: str, purpose: str) -> DependencyError:

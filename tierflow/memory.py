@@ -7,10 +7,20 @@ The engine (``import tierflow as tw``) is built on exactly these parts.
 
 from __future__ import annotations
 
-# -- system: limits, budget, pressure, devices, status (tierflow/system) ----------------
-# -- storage: spill files, tier placement, pool (tierflow/storage) ----------------------
-# -- storage: page release, sharing across processes, /dev/shm guard --------------------
-# -- storage: streaming (chunks, map, fit_batch) -----------------------------------------
-# -- storage: the two-tier store and @cached ---------------------------------------------
-
 __all__: list[str] = []
+
+# -- system: limits, budget, pressure, devices, status (tierflow/system) ----------------
+from .system.budget import budget
+from .system.limits import limits
+
+__all__ += ["budget", "limits"]
+
+from .system.devices import best_device, devices
+from .system.status import status
+
+__all__ = [*__all__, "best_device", "devices", "status"]
+
+from .system.pressure import pressure, relieve
+from .system.watch import on_pressure
+
+__all__ = [*__all__, "on_pressure", "pressure", "relieve"]

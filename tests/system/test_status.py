@@ -1,0 +1,192 @@
+"""memory.status(): one container-aware line, a table, and a dict for JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tierflow import config, memory
+from tierflow.system import status as status_module
+from tierflow.system.devices import FakeGpus, use_provider
+from tierflow.system.limits import MemoryFigures
+
+GB = 1 << 30
+
+# The line as the documentation shows it; GPUs are "cuda:N free/total GB free" or "no GPU".
+LINE = re.compile(
+    r"^RAM (?P<free>\d+\.\d)/(?P<usable>\d+\.\d) GB free "
+    r"\(this program (?P<rss>\d+\.\d\d) GB, budget (?P<budget>\d+\.\d) GB\)"
+    r" \| swap (?P<swap>\d+\.\d) GB"
+    r" \| SSD (?P<ssd>\d+(\.\d)?) GB free at (?P<spill>\S.*?)"
+    r" \| (?P<cores>\d+) cores?, load (?P<load>\d+\.\d\d|n/a)"
+    r" \| (?P<gpus>no GPU|cuda:\d+ \d+\.\d/\d+\.\d GB free(, cuda:\d+ \d+\.\d/\d+\.\d GB free)*)$"
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu() -> Iterator[None]:
+    with use_provider(FakeGpus([])):
+        yield
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespace:
+    """Fixed figures: a 7.8 GB cgroup with 7.3 GB free, 29 GB of SSD, 2 cores, load 0.34."""
+    figures = SimpleNamespace(
+        memory=MemoryFigures(
+            usable=int(7.8 * GB),
+            free=int(7.3 * GB),
+            source="cgroup v1",
+            cgroup_dir=None,
+            host_total=64 * GB,
+        ),
+        rss=int(0.04 * GB),
+        budget=int(5.1 * GB),
+        swap=0,
+        ssd=int(29.2 * GB),
+        load=(0.34, 0.2, 0.1),
+        measured=[],
+    )
+    monkeypatch.setattr(status_module.limits, "read_memory", lambda root=None: figures.memory)
+    monkeypatch.setattr(status_module.budget, "budget_bytes", lambda: figures.budget)
+    monkeypatch.setattr(status_module.devices, "cpu_cores", lambda root=None: 2)
+    monkeypatch.setattr(
+        status_module,
+        "psutil",
+        SimpleNamespace(
+            Process=lambda: SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=figures.rss)),
+            swap_memory=lambda: SimpleNamespace(used=figures.swap),
+        ),
+    )
+
+    def disk_usage(path: str) -> SimpleNamespace:
+        figures.measured.append(path)
+        return SimpleNamespace(free=figures.ssd)
+
+    monkeypatch.setattr(status_module.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(status_module.os, "getloadavg", lambda: figures.load)
+    # A home folder of our own, so that the spill folder prints as ~/.tierflow/spill
+    # without touching the real one.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config.set(spill_dir="~/.tierflow/spill")
+    figures.home = tmp_path
+    return figures
+
+
+def test_line_with_fixed_figures(machine: SimpleNamespace) -> None:
+    line = str(memory.status())
+    assert line == (
+        "RAM 7.3/7.8 GB free (this program 0.04 GB, budget 5.1 GB) | swap 0.0 GB"
+        " | SSD 29 GB free at ~/.tierflow/spill | 2 cores, load 0.34 | no GPU"
+    )
+    assert LINE.match(line)
+
+
+def test_ram_figures_are_the_cgroups_not_the_hosts(machine: SimpleNamespace) -> None:
+    machine.memory = MemoryFigures(
+        usable=512 << 20, free=300 << 20, source="cgroup v2", cgroup_dir="/x", host_total=64 * GB
+    )
+    found = memory.status()
+    assert str(found).startswith("RAM 0.3/0.5 GB free")
+    assert (found.ram_usable, found.ram_free, found.memory_source) == (
+        512 << 20,
+        300 << 20,
+        "cgroup v2",
+    )
+    assert "container (cgroup v2)" in found._repr_html_()
+
+
+def test_line_with_gpus(machine: SimpleNamespace) -> None:
+    gpus = [(int(130.1 * GB), int(139.8 * GB)), (int(2.5 * GB), 80 * GB)]
+    with use_provider(FakeGpus(gpus, names=["NVIDIA H200", "NVIDIA A100"])):
+        line = str(memory.status())
+    assert line.endswith(
+        "| 2 cores, load 0.34 | cuda:0 130.1/139.8 GB free, cuda:1 2.5/80.0 GB free"
+    )
+    assert LINE.match(line)
+
+
+def test_small_disk_keeps_a_decimal_and_no_load_average(
+    machine: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_load() -> tuple[float, float, float]:
+        raise OSError("no load average")
+
+    machine.ssd = int(3.24 * GB)
+    monkeypatch.setattr(status_module.os, "getloadavg", no_load)
+    line = str(memory.status())
+    assert "| SSD 3.2 GB free at ~/.tierflow/spill |" in line
+    assert "| 2 cores, load n/a |" in line
+    assert memory.status().load_1m is None
+    assert LINE.match(line)
+
+
+def test_ssd_is_measured_at_the_nearest_existing_folder_without_creating_it(
+    machine: SimpleNamespace,
+) -> None:
+    found = memory.status()
+    assert found.spill_dir == str(machine.home / ".tierflow/spill")
+    assert found.ssd_path == str(machine.home)
+    assert machine.measured == [str(machine.home)]
+    assert not (machine.home / ".tierflow").exists()
+
+
+def test_spill_folder_outside_home_is_shown_in_full(
+    machine: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "spill"
+    elsewhere.mkdir()
+    config.set(spill_dir=str(elsewhere))
+    found = memory.status()
+    assert f"| SSD 29 GB free at {elsewhere} |" in str(found)
+    assert found.ssd_path == str(elsewhere)
+
+
+def test_home_prefix_is_only_replaced_at_a_folder_boundary(machine: SimpleNamespace) -> None:
+    sibling = f"{machine.home}-other/spill"
+    assert status_module._home_short(sibling) == sibling
+    assert status_module._home_short(f"{machine.home}/spill") == "~/spill"
+
+
+def test_dict_is_json_with_bytes(machine: SimpleNamespace) -> None:
+    found = memory.status()
+    data = json.loads(json.dumps(found.as_dict()))
+    assert data["ram_free"] == int(7.3 * GB)
+    assert data["ram_usable"] == int(7.8 * GB)
+    assert data["memory_source"] == "cgroup v1"
+    assert data["rss"] == int(0.04 * GB)
+    assert data["budget"] == int(5.1 * GB)
+    assert data["ssd_free"] == int(29.2 * GB)
+    assert data["cores"] == 2
+    assert data["load_1m"] == 0.34
+    assert data["gpus"] == []
+    assert data["text"] == str(found)
+
+
+def test_repr_and_html(machine: SimpleNamespace) -> None:
+    found = memory.status()
+    assert repr(found) == f"<Status {found}>"
+    page = found._repr_html_()
+    assert page.startswith("<table>") and page.endswith("</table>")
+    assert "~/.tierflow/spill" in page
+    assert "container (cgroup v1)" in page
+    assert "<th style='text-align:left'>GPU</th>" in page
+
+
+def test_real_status_on_this_machine_parses() -> None:
+    found = memory.status()
+    match = LINE.match(str(found))
+    assert match, str(found)
+    assert 0 <= found.ram_free <= found.ram_usable
+    assert found.rss > 0
+    assert found.budget > 0
+    assert found.cores >= 1
+    assert found.ssd_free > 0
+    assert os.path.isdir(found.ssd_path)
+    assert found.spill_dir == os.path.abspath(os.path.expanduser(config.get("spill_dir")))

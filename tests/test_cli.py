@@ -1,0 +1,155 @@
+"""The ``tierflow`` command: status (text and JSON), demo, --version, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import tierflow
+from tierflow.cli import main
+from tierflow.system.devices import FakeGpus, use_provider
+
+GB = 1 << 30
+STATUS_LINE = re.compile(r"^RAM \d+\.\d/\d+\.\d GB free \(this program \d+\.\d\d GB, budget .* \| ")
+
+
+@pytest.fixture(autouse=True)
+def _default_provider() -> Iterator[None]:
+    with use_provider(None):
+        yield
+
+
+def run_cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **kwargs,  # type: ignore[call-overload]
+    )
+
+
+def test_status_prints_status_limits_pressure_and_devices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["status"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert STATUS_LINE.match(lines[0]), lines[0]
+    assert re.match(r"^limits: +\d+\.\d GB usable \((host|container \(cgroup v[12]\))\)", lines[1])
+    assert re.match(r"^pressure: +(ok|moderate|high|critical): ", lines[2])
+    assert lines[3] == "devices:"
+    assert re.match(r"^  cpu: \d+ cores?, \d+\.\d GB free$", lines[4])
+
+
+def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    with use_provider(FakeGpus([(6 * GB, 8 * GB)], names=["NVIDIA Test"])):
+        assert main(["status", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"status", "limits", "pressure", "devices"}
+    status = data["status"]
+    for key in ("ram_free", "ram_usable", "rss", "budget", "swap_used", "ssd_free", "cores"):
+        assert isinstance(status[key], int), key
+    assert status["text"].endswith("| cuda:0 6.0/8.0 GB free")
+    assert status["gpus"][0]["free"] == 6 * GB
+    limits = data["limits"]
+    assert {"usable", "free", "budget", "source", "text"} <= set(limits)
+    assert limits["usable"] == status["ram_usable"]
+    assert limits["budget"] == status["budget"]
+    pressure = data["pressure"]
+    assert pressure["level"] in ("ok", "moderate", "high", "critical")
+    assert isinstance(pressure["free"], int)
+    assert [d["id"] for d in data["devices"]] == ["cpu", "cuda:0"]
+    assert data["devices"][1] | {"text": None} == {
+        "id": "cuda:0",
+        "kind": "cuda",
+        "index": 0,
+        "name": "NVIDIA Test",
+        "free": 6 * GB,
+        "total": 8 * GB,
+        "cores": None,
+        "backend": "fake",
+        "text": None,
+    }
+
+
+def test_demo_prints_status_and_says_the_pipeline_comes_later(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert STATUS_LINE.match(out.splitlines()[0])
+    assert "comes with the engine, which is not built yet" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tierflow {tierflow.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give a command: status or demo"),
+        (["bogus"], "invalid choice: 'bogus'"),
+        (["status", "--yaml"], "unrecognized arguments: --yaml"),
+    ],
+)
+def test_bad_usage_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tierflow")
+    assert message in err
+
+
+def test_malformed_setting_exits_2_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TIERFLOW_RAM_BUDGET", "lots")
+    tierflow.config.reset()
+    assert main(["status"]) == 2
+    assert re.search(
+        r"^tierflow: error: TIERFLOW_RAM_BUDGET='lots' is not a size", capsys.readouterr().err
+    )
+
+
+def test_python_dash_m_tierflow_status() -> None:
+    done = run_cli("status")
+    assert done.returncode == 0, done.stderr
+    assert STATUS_LINE.match(done.stdout.splitlines()[0])
+    assert "devices:" in done.stdout
+    assert run_cli("nonsense").returncode == 2
+
+
+@pytest.mark.cgroup
+def test_status_inside_a_512_mb_cgroup_reports_at_most_512_mb() -> None:
+    try:
+        from cgroups import memory_cgroup, skip_reason
+    except ImportError as exc:
+        pytest.skip(f"the cgroup test helper is not importable: {exc}")
+    if (reason := skip_reason()) is not None:
+        pytest.skip(reason)
+    limit = 512 << 20
+    with memory_cgroup(limit) as cgroup:
+        done = cgroup.run(
+            [sys.executable, "-m", "tierflow", "status", "--json"],
+            timeout=60,
+            env=os.environ.copy(),
+        )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert 0 < data["limits"]["usable"] <= limit
+    assert data["limits"]["source"].startswith("cgroup v")
+    assert data["status"]["ram_usable"] <= limit
+    assert data["status"]["ram_free"] <= limit
+    assert data["status"]["budget"] < limit
+    assert data["devices"][0]["total"] <= limit
+    assert data["status"]["text"].startswith("RAM ")
+    assert "/0.5 GB free" in data["status"]["text"]

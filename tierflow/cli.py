@@ -1,0 +1,152 @@
+"""The ``tierflow`` command (also ``python -m tierflow``).
+
+::
+
+    tierflow status          # status line, limits, pressure and devices, readable
+    tierflow status --json   # the same as one JSON object, sizes in bytes
+    tierflow demo            # the demo pipeline (for now: the machine's status)
+    tierflow --version
+
+Exit codes: 0 ok, 1 tierflow failed (the message says why), 2 bad usage: an unknown
+command or option, or a malformed ``TIERFLOW_*`` setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .errors import ConfigError, TierflowError
+
+__all__ = ["demo", "main", "status"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierflow",
+        description=(
+            "Out-of-core dataflow: RAM while it fits, a memory-mapped spill file on the "
+            "SSD when it does not, the GPU with the most free memory when an operator "
+            "runs there."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"tierflow {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    status_parser = commands.add_parser(
+        "status",
+        help="show memory, limits, pressure and devices as this process sees them",
+        description="Show RAM, budget, swap, SSD, cores, pressure and GPUs.",
+    )
+    status_parser.add_argument(
+        "--json", action="store_true", help="print one JSON object, sizes in bytes"
+    )
+    status_parser.set_defaults(run=status)
+    demo_parser = commands.add_parser(
+        "demo",
+        help="run the demo pipeline",
+        description="Run the demo pipeline.",
+    )
+    demo_parser.set_defaults(run=demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    if getattr(args, "run", None) is None:
+        parser.print_usage(sys.stderr)
+        print("tierflow: error: give a command: status or demo", file=sys.stderr)
+        return 2
+    try:
+        code: int = args.run(args)
+    except ConfigError as exc:
+        print(f"tierflow: error: {exc}", file=sys.stderr)
+        return 2
+    except TierflowError as exc:
+        print(f"tierflow: error: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+def _report() -> dict[str, Any]:
+    """Status, limits, pressure and devices, read once each."""
+    from .system import devices, limits, pressure
+    from .system import status as status_module
+
+    return {
+        "status": status_module.status(),
+        "limits": limits.limits(),
+        "pressure": pressure.pressure(),
+        "devices": devices.devices(),
+    }
+
+
+def status(args: argparse.Namespace) -> int:
+    """``tierflow status [--json]``: print the machine as tierflow sees it."""
+    report = _report()
+    if args.json:
+        print(json.dumps({name: _jsonable(value) for name, value in report.items()}, indent=2))
+        return 0
+    print(report["status"])
+    print(f"limits:   {report['limits']}")
+    print(f"pressure: {report['pressure']}")
+    print("devices:")
+    for line in str(report["devices"]).splitlines():
+        print(f"  {line}")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``tierflow demo``: for now the machine's status; the pipeline demo comes later.
+
+    The demo will stream a file bigger than the RAM budget through a lazy pipeline once
+    the engine exists.
+    """
+    from .system import status as status_module
+
+    print(status_module.status())
+    print()
+    print(
+        "The pipeline demo (a file bigger than the RAM budget streamed through a lazy\n"
+        "pipeline) comes with the engine, which is not built yet. What exists today:\n"
+        "`from tierflow import memory` (status, limits, pressure, budget, devices);\n"
+        "see docs/memory.md and `tierflow status`."
+    )
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    """A report object as JSON: its own ``as_dict()``, or its fields, plus its text."""
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "as_dict"):
+        return _plain(value.as_dict())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields["text"] = str(value)
+        return fields
+    return _plain(value)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,179 @@
+"""``memory.status()``: the machine as this process sees it, on one line.
+
+::
+
+    RAM 7.3/7.8 GB free (this program 0.04 GB, budget 5.1 GB) | swap 0.0 GB | SSD 29 GB free at ~/.tierflow/spill | 2 cores, load 0.34 | no GPU
+
+- RAM: free and usable memory from :func:`tierflow.system.limits.read_memory`, so inside
+  a container these are the container's figures, not the host's;
+- this program: the resident set size (RSS) of this process;
+- budget: the RAM tierflow's big arrays and blocks may use (:func:`~tierflow.system.budget.budget_bytes`);
+- swap: swap in use on the machine;
+- SSD: free space of the filesystem of the spill folder (``spill_dir`` setting), measured
+  at its nearest existing parent when it is not created yet;
+- cores this process may use and the 1-minute load average;
+- each GPU's free and total memory (:func:`tierflow.system.devices.gpus`).
+
+Sizes are binary GB (2**30 bytes). ``as_dict()`` gives every figure in bytes for JSON.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .. import config
+from . import budget, devices, limits
+from .devices import Device
+
+__all__ = ["Status", "status"]
+
+GB = config.GB
+
+
+@dataclass(frozen=True)
+class Status:
+    """One reading of the machine; sizes in bytes.
+
+    ``ram_free``/``ram_usable`` and ``memory_source`` (``"host"``, ``"cgroup v1"``,
+    ``"cgroup v2"``) come from the memory limits; ``rss`` is this process's resident
+    memory; ``budget`` the RAM budget; ``swap_used`` the machine's swap in use;
+    ``ssd_free`` the free space where spill files go (``spill_dir``, measured at
+    ``ssd_path``, its nearest existing folder); ``cores`` the cores this process may use;
+    ``load_1m`` the 1-minute load average (None where the system has none); ``gpus`` one
+    :class:`~tierflow.system.devices.Device` per GPU.
+    """
+
+    ram_free: int
+    ram_usable: int
+    memory_source: str
+    rss: int
+    budget: int
+    swap_used: int
+    ssd_free: int
+    spill_dir: str
+    ssd_path: str
+    cores: int
+    load_1m: float | None
+    gpus: tuple[Device, ...] = ()
+
+    def _parts(self) -> list[str]:
+        load = "n/a" if self.load_1m is None else f"{self.load_1m:.2f}"
+        cores = f"{self.cores} core" + ("" if self.cores == 1 else "s")
+        gpus = ", ".join(f"{d.id} {d.free / GB:.1f}/{d.total / GB:.1f} GB free" for d in self.gpus)
+        return [
+            f"RAM {self.ram_free / GB:.1f}/{self.ram_usable / GB:.1f} GB free "
+            f"(this program {self.rss / GB:.2f} GB, budget {self.budget / GB:.1f} GB)",
+            f"swap {self.swap_used / GB:.1f} GB",
+            f"SSD {_ssd_gb(self.ssd_free)} GB free at {_home_short(self.spill_dir)}",
+            f"{cores}, load {load}",
+            gpus or "no GPU",
+        ]
+
+    def __str__(self) -> str:
+        return " | ".join(self._parts())
+
+    def __repr__(self) -> str:
+        return f"<Status {self}>"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every figure (sizes in bytes), the GPUs as dicts and the line as ``text``."""
+        return {
+            "ram_free": self.ram_free,
+            "ram_usable": self.ram_usable,
+            "memory_source": self.memory_source,
+            "rss": self.rss,
+            "budget": self.budget,
+            "swap_used": self.swap_used,
+            "ssd_free": self.ssd_free,
+            "spill_dir": self.spill_dir,
+            "ssd_path": self.ssd_path,
+            "cores": self.cores,
+            "load_1m": self.load_1m,
+            "gpus": [d.as_dict() for d in self.gpus],
+            "text": str(self),
+        }
+
+    def _repr_html_(self) -> str:
+        where = "host" if self.memory_source == "host" else f"container ({self.memory_source})"
+        load = "n/a" if self.load_1m is None else f"{self.load_1m:.2f}"
+        rows = [
+            ("RAM free", f"{self.ram_free / GB:.1f} of {self.ram_usable / GB:.1f} GB", where),
+            ("this program", f"{self.rss / GB:.2f} GB", "resident set size"),
+            ("budget", f"{self.budget / GB:.1f} GB", "RAM tierflow's arrays and blocks may use"),
+            ("swap used", f"{self.swap_used / GB:.1f} GB", ""),
+            ("SSD free", f"{_ssd_gb(self.ssd_free)} GB", _home_short(self.spill_dir)),
+            ("CPU", f"{self.cores} cores", f"load {load}"),
+        ]
+        rows += [(d.id, f"{d.free / GB:.1f} of {d.total / GB:.1f} GB", d.name) for d in self.gpus]
+        if not self.gpus:
+            rows.append(("GPU", "none", ""))
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
+            f"<td style='text-align:right'>{html.escape(value)}</td>"
+            f"<td style='text-align:left'>{html.escape(note)}</td></tr>"
+            for name, value, note in rows
+        )
+        return f"<table><caption>tierflow status</caption>{body}</table>"
+
+
+def status(root: str | None = None) -> Status:
+    """Read the machine now (a few file reads; GPUs as :func:`~tierflow.system.devices.gpus`).
+
+    ``root`` is where ``/proc`` and ``/sys/fs/cgroup`` are read (default: the
+    ``proc_root`` setting). Reading the budget fixes the default budget if it was not
+    fixed yet (see :func:`~tierflow.system.budget.budget`). Raises ``ConfigError`` for a
+    malformed ``TIERFLOW_RAM_BUDGET``; unreadable system files do not raise.
+
+    >>> print(status())  # doctest: +SKIP
+    RAM 7.3/7.8 GB free (this program 0.04 GB, budget 5.1 GB) | swap 0.0 GB | ...
+    """
+    figures = limits.read_memory(root)
+    spill_dir = os.path.abspath(os.path.expanduser(config.get("spill_dir")))
+    ssd_path = _existing_parent(spill_dir)
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this system
+        load = None
+    return Status(
+        ram_free=figures.free,
+        ram_usable=figures.usable,
+        memory_source=figures.source,
+        rss=psutil.Process().memory_info().rss,
+        budget=budget.budget_bytes(),
+        swap_used=psutil.swap_memory().used,
+        ssd_free=shutil.disk_usage(ssd_path).free,
+        spill_dir=spill_dir,
+        ssd_path=ssd_path,
+        cores=devices.cpu_cores(root),
+        load_1m=load,
+        gpus=tuple(devices.gpus()),
+    )
+
+
+def _existing_parent(path: str) -> str:
+    """``path`` or its nearest ancestor that exists (the root always does)."""
+    current = Path(path)
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    return str(current)
+
+
+def _home_short(path: str) -> str:
+    """``/home/ann/.tierflow/spill`` -> ``~/.tierflow/spill``."""
+    home = os.path.expanduser("~")
+    if home not in ("", "/") and (path == home or path.startswith(home.rstrip("/") + "/")):
+        return "~" + path[len(home.rstrip("/")) :]
+    return path
+
+
+def _ssd_gb(n: int) -> str:
+    """Whole GB from 10 GB up (``29``), one decimal below (``3.2``)."""
+    gb = n / GB
+    return f"{gb:.0f}" if gb >= 10 else f"{gb:.1f}"
