@@ -24,3 +24,25 @@ from .system.pressure import pressure, relieve
 from .system.watch import on_pressure
 
 __all__ = [*__all__, "on_pressure", "pressure", "relieve"]
+
+# -- storage: spill files, tier placement, pool (tierflow/storage) ----------------------
+from .storage.placement import array, free, on_disk, report
+from .storage.pool import pool
+
+__all__ += ["array", "free", "on_disk", "pool", "report"]
+
+# -- storage: page release, sharing across processes, /dev/shm guard --------------------
+from .storage.pages import file_resident_bytes, readahead, release, release_path, resident_bytes
+from .storage.sharing import to_tensor
+from .storage.shm import share_tensor, shared_array
+
+__all__ += [
+    "file_resident_bytes",
+    "readahead",
+    "release",
+    "release_path",
+    "resident_bytes",
+    "share_tensor",
+    "shared_array",
+    "to_tensor",
+]
