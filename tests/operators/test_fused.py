@@ -1,0 +1,386 @@
+"""FusedKernel and FusedReduction: bitwise NumPy results, sub-blocks, scratch, epilogues."""
+
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tierflow.operators.elementwise import (
+    Const,
+    Expr,
+    Input,
+    astype,
+    call,
+    clip,
+    evaluate,
+    round_,
+    walk,
+    where,
+)
+from tierflow.operators.fused import SUBBLOCK_BYTES, FusedKernel, FusedReduction, subblock_rows
+from tierflow.operators.linalg import Matmul
+from tierflow.operators.reductions import reduction
+from tierflow.operators.types import BlockOp, ReductionOp
+
+from .helpers import DTYPES, random_array, run_blockwise
+
+x = Input(0)
+y = Input(1)
+
+UNARY = [
+    np.negative, np.absolute, np.sqrt, np.exp, np.log1p, np.sin, np.floor, np.square,
+    np.invert, np.logical_not, np.isnan, np.sign, np.positive, np.rint, np.cbrt, np.tanh,
+    np.reciprocal, np.signbit,
+]  # fmt: skip
+BINARY = [
+    np.add, np.subtract, np.multiply, np.true_divide, np.floor_divide, np.remainder,
+    np.power, np.maximum, np.minimum, np.fmax, np.less, np.greater_equal, np.equal,
+    np.logical_and, np.logical_xor, np.bitwise_and, np.bitwise_or, np.arctan2, np.hypot,
+    np.copysign, np.heaviside, np.left_shift,
+]  # fmt: skip
+SCALARS: list[Any] = [2, -1, 0, 7, 0.5, 3.0, -2.5, True, np.float32(1.5), np.int8(3), np.uint8(2)]
+
+
+def _random_expr(rng: random.Random, depth: int, n_inputs: int, row_shape: tuple[int, ...]) -> Expr:
+    pool: list[Expr] = []
+
+    def leaf() -> Any:
+        r = rng.random()
+        if r < 0.6:
+            return Input(rng.randrange(n_inputs))
+        if r < 0.85:
+            return rng.choice(SCALARS)
+        dtype = rng.choice([np.int8, np.float32, np.float64, np.uint8])
+        shape = rng.choice([row_shape, (1, *row_shape)])
+        return np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape) % 5
+
+    def node(level: int) -> Any:
+        if pool and rng.random() < 0.15:
+            return rng.choice(pool)  # a shared sub-expression: the tree becomes a DAG
+        if level == 0 or rng.random() < 0.2:
+            return leaf()
+        r = rng.random()
+        if r < 0.35:
+            made: Expr = call(rng.choice(UNARY), node(level - 1))
+        elif r < 0.75:
+            made = call(rng.choice(BINARY), node(level - 1), node(level - 1))
+        elif r < 0.83:
+            made = where(node(level - 1), node(level - 1), node(level - 1))
+        elif r < 0.89:
+            lo, hi = rng.choice([(0, 5), (None, 2), (-1.5, None), (leaf(), 3)])
+            made = clip(node(level - 1), lo, hi)
+        elif r < 0.95:
+            made = astype(node(level - 1), rng.choice(DTYPES))
+        else:
+            made = round_(node(level - 1), rng.choice([0, 1, -1]))
+        pool.append(made)
+        return made
+
+    expr: Expr = node(depth)
+    return expr
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(0, 40),
+    row_shape=st.sampled_from([(), (1,), (3,), (2, 3)]),
+    subblock_bytes=st.sampled_from([1, 24, 200, 4096, SUBBLOCK_BYTES]),
+    depth=st.integers(1, 5),
+)
+def test_random_expressions_match_numpy_bitwise(
+    seed: int, rows: int, row_shape: tuple[int, ...], subblock_bytes: int, depth: int
+) -> None:
+    rng = random.Random(seed)
+    data = np.random.default_rng(seed)
+    n_inputs = rng.choice([1, 2])
+    dtypes = [rng.choice(DTYPES) for _ in range(n_inputs)]
+    # The second input may broadcast along its trailing axes (a column of size 1).
+    shapes = [row_shape] + [tuple(rng.choice([n, 1]) for n in row_shape)] * (n_inputs - 1)
+    expr = _random_expr(rng, depth, n_inputs, row_shape)
+    assume(isinstance(expr, Expr) and any(isinstance(n, Input) for n in walk(expr)))
+    blocks = [random_array(data, d, (rows, *s)) for d, s in zip(dtypes, shapes, strict=True)]
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want: Any = None
+        want_error: Exception | None = None
+        try:
+            want = evaluate(expr, *blocks)
+        except Exception as exc:
+            want_error = exc
+        try:
+            kernel = FusedKernel(expr, dtypes, shapes, subblock_bytes=subblock_bytes)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # Refused at build time: plain NumPy fails on zero rows with the same error,
+            # and on the real data too (maybe first on a value, e.g. a negative power).
+            assert want_error is not None, f"build refused {expr!r}: {exc}"
+            empty = [b[:0] for b in blocks]
+            with pytest.raises(type(exc)) as raised:
+                evaluate(expr, *empty)
+            assert str(raised.value) == str(exc)
+            return
+        if want_error is not None:
+            with pytest.raises(type(want_error)):
+                kernel.apply(*blocks)
+            return
+        got = kernel.apply(*blocks)
+    assert kernel.out_dtype == want.dtype
+    assert kernel.out_row_shape == want.shape[1:]
+    assert _same_bits(got, want), f"{expr!r} differs"
+
+
+def test_sqrt_chain_on_float32_is_bitwise_numpy_and_stays_float32() -> None:
+    block = random_array(np.random.default_rng(1), np.float32, (5000, 8), low=0, high=3)
+    expr = call(np.sqrt, x * 2.0 + 1)
+    kernel = FusedKernel(expr, [np.float32], [(8,)], subblock_bytes=4096)
+    got = kernel.apply(block)
+    assert got.dtype == np.float32
+    assert _same_bits(got, np.sqrt(block * 2.0 + 1))
+
+
+def test_subblock_rows_are_powers_of_two_within_budget() -> None:
+    assert subblock_rows(32) == 16384
+    assert subblock_rows(12) == 32768  # 512 KiB / 12 B = 43690, rounded down to a power of 2
+    assert subblock_rows(10**7) == 1
+    assert subblock_rows(0) == 1 << 30
+    kernel = FusedKernel(x + 1.0, [np.float32], [(8,)])
+    assert kernel.sub_rows == SUBBLOCK_BYTES // 32
+
+
+def test_chain_of_elementwise_ops_reuses_one_register_in_place() -> None:
+    expr: Expr = x
+    for ufunc in (np.negative, np.absolute, np.sqrt, np.exp, np.sin):
+        expr = call(ufunc, expr * 1.5)
+    kernel = FusedKernel(expr, [np.float32], [(8,)], subblock_bytes=4096)
+    # 10 operations, one float32 register of 128 rows x 8 columns.
+    assert kernel.temp_bytes(10_000) == 128 * 8 * 4
+    assert kernel.temp_bytes(3) == 3 * 8 * 4
+    block = np.random.default_rng(0).random((1000, 8), dtype=np.float32)
+    assert _same_bits(kernel.apply(block), evaluate(expr, block))
+
+
+def test_where_with_a_float_condition_counts_nan_as_true() -> None:
+    block = np.array([[0.0, np.nan, 2.0, -0.0]], dtype=np.float64)
+    expr = where(x, 1, 0)
+    got = FusedKernel(expr, [np.float64], [(4,)]).apply(block)
+    np.testing.assert_array_equal(got, [[0, 1, 1, 0]])
+    assert got.dtype == np.int64
+
+
+def test_round_of_integers_to_tens() -> None:
+    block = np.array([[14, 15, 26, -35]], dtype=np.int16)
+    expr = round_(x, -1)
+    assert _same_bits(FusedKernel(expr, [np.int16], [(4,)]).apply(block), np.round(block, -1))
+
+
+def test_constant_subexpressions_fold_with_numpys_dtype() -> None:
+    # np.add(1.0, 1.0) is a strong float64, so the float32 block is promoted — as in NumPy.
+    expr = x * call(np.add, 1.0, 1.0)
+    kernel = FusedKernel(expr, [np.float32], [(2,)])
+    block = np.ones((3, 2), np.float32)
+    assert kernel.out_dtype == np.float64
+    assert _same_bits(kernel.apply(block), evaluate(expr, block))
+
+
+def test_identity_expression_copies_the_block() -> None:
+    block = np.arange(6, dtype=np.int32).reshape(3, 2)
+    got = FusedKernel(x, [np.int32], [(2,)]).apply(block)
+    assert got is not block
+    np.testing.assert_array_equal(got, block)
+
+
+def test_apply_writes_into_out() -> None:
+    block = np.arange(12, dtype=np.float64).reshape(6, 2)
+    out = np.empty((6, 2))
+    kernel = FusedKernel(x * 2, [np.float64], [(2,)], subblock_bytes=16)
+    assert kernel.apply(block, out=out) is out
+    np.testing.assert_array_equal(out, block * 2)
+
+
+def test_out_of_the_wrong_shape_dtype_or_overlapping_an_input_is_refused() -> None:
+    kernel = FusedKernel(x * 2, [np.float64], [(2,)])
+    block = np.zeros((4, 2))
+    with pytest.raises(
+        ValueError, match=r"out has shape \(4, 3\) and dtype float64, expected shape \(4, 2\)"
+    ):
+        kernel.apply(block, out=np.empty((4, 3)))
+    with pytest.raises(ValueError, match="dtype float32"):
+        kernel.apply(block, out=np.empty((4, 2), np.float32))
+    with pytest.raises(ValueError, match="out overlaps input block 0"):
+        kernel.apply(block, out=block)
+
+
+def test_blocks_that_do_not_match_the_kernel_are_refused() -> None:
+    kernel = FusedKernel(x + y, [np.float32, np.float32], [(2,), (2,)])
+    a = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="takes 2 block"):
+        kernel.apply(a)
+    with pytest.raises(
+        ValueError, match=r"built for block 1 of dtype float32 .* got dtype float64"
+    ):
+        kernel.apply(a, np.zeros((4, 2)))
+    with pytest.raises(ValueError, match=r"got dtype float32 and shape \(4, 3\)"):
+        kernel.apply(a, np.zeros((4, 3), np.float32))
+    with pytest.raises(ValueError, match="block 0 has 4 rows and block 1 has 5"):
+        kernel.apply(a, np.zeros((5, 2), np.float32))
+    with pytest.raises(TypeError, match="not a NumPy array"):
+        kernel.apply(a, [[0, 0]] * 4)  # type: ignore[arg-type]
+
+
+def test_zero_rows_give_an_empty_block() -> None:
+    got = FusedKernel(call(np.sqrt, x), [np.float16], [(3,)]).apply(np.empty((0, 3), np.float16))
+    assert got.shape == (0, 3)
+    assert got.dtype == np.float16
+
+
+def test_kernel_is_a_block_op() -> None:
+    kernel = FusedKernel(x + 1, [np.int8], [(2,)])
+    assert isinstance(kernel, BlockOp)
+    assert kernel.row_independent
+    assert kernel.n_inputs == 1
+
+
+def test_rowwise_reduction_epilogue_is_bitwise_numpy() -> None:
+    block = np.random.default_rng(2).random((3000, 16), dtype=np.float32)
+    expr = call(np.sqrt, x * 2 + 1)
+    epilogue = reduction("sum", np.float32, (16,), axis=1)
+    kernel = FusedKernel(expr, [np.float32], [(16,)], epilogue=epilogue, subblock_bytes=4096)
+    assert kernel.out_row_shape == ()
+    assert _same_bits(kernel.apply(block), np.sqrt(block * 2 + 1).sum(axis=1))
+
+
+def test_matmul_epilogue() -> None:
+    block = np.random.default_rng(3).random((500, 4))
+    w = np.arange(8.0).reshape(4, 2)
+    kernel = FusedKernel(
+        call(np.exp, x), [np.float64], [(4,)], epilogue=Matmul(np.float64, (4,), w)
+    )
+    np.testing.assert_allclose(kernel.apply(block), np.exp(block) @ w, rtol=1e-13)
+
+
+def test_epilogue_must_take_the_expression_result() -> None:
+    wrong = reduction("sum", np.float64, (16,), axis=1)
+    with pytest.raises(ValueError, match="built for blocks of dtype float64 and row shape"):
+        FusedKernel(x * 2, [np.float32], [(16,)], epilogue=wrong)
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs"),
+    [
+        ("sum", {"axis": 0}),
+        ("sum", {}),
+        ("mean", {"axis": 0}),
+        ("var", {"axis": 0, "ddof": 1}),
+        ("min", {"axis": 0}),
+        ("argmax", {}),
+        ("argmin", {"axis": 0}),
+        ("count_nonzero", {"axis": 0}),
+    ],
+)
+def test_fused_reduction_matches_numpy_on_the_evaluated_block(
+    kind: str, kwargs: dict[str, Any]
+) -> None:
+    rng = np.random.default_rng(4)
+    data = rng.random((2500, 8), dtype=np.float32)
+    expr = call(np.sqrt, x * 2 + 1) - 1.5
+    kernel = FusedKernel(expr, [np.float32], [(8,)], subblock_bytes=4096)
+    fused = FusedReduction(kernel, reduction(kind, np.float32, (8,), **kwargs))
+    assert isinstance(fused, ReductionOp)
+    got = run_blockwise(fused, data, 700, rng)
+    evaluated = evaluate(expr, data)
+    want = getattr(np, kind)(evaluated, **kwargs)
+    oracle = getattr(np, kind)(evaluated.astype(np.float64), **kwargs)
+    assert np.asarray(got).dtype == np.asarray(want).dtype
+    if kind in ("min", "argmax", "argmin", "count_nonzero"):
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, oracle.astype(np.float32), rtol=2e-7, atol=1e-6)
+
+
+def test_fused_reduction_chunk_of_no_rows_is_none() -> None:
+    kernel = FusedKernel(x + 1, [np.float64], [(2,)])
+    fused = FusedReduction(kernel, reduction("max", np.float64, (2,), axis=0))
+    assert fused.chunk(np.empty((0, 2))) is None
+    with pytest.raises(ValueError, match="zero-size array to reduction operation maximum"):
+        fused.aggregate(None)
+
+
+def test_fused_reduction_refuses_rowwise_reductions_and_epilogues() -> None:
+    kernel = FusedKernel(x + 1, [np.float64], [(2,)])
+    with pytest.raises(ValueError, match="pass it as the kernel's epilogue"):
+        FusedReduction(kernel, reduction("sum", np.float64, (2,), axis=1))  # type: ignore[arg-type]
+    with_epilogue = FusedKernel(
+        x + 1, [np.float64], [(2,)], epilogue=reduction("sum", np.float64, (2,), axis=1)
+    )
+    with pytest.raises(ValueError, match="without an epilogue"):
+        FusedReduction(with_epilogue, reduction("sum", np.float64, (), axis=0))  # type: ignore[arg-type]
+
+
+def test_scratch_is_kept_between_calls_and_released_on_demand() -> None:
+    kernel = FusedKernel(call(np.sqrt, x * 2 + 1), [np.float32], [(8,)], subblock_bytes=4096)
+    assert kernel.scratch_bytes() == 0
+    kernel.apply(np.ones((10, 8), np.float32))
+    assert kernel.scratch_bytes() == 10 * 32  # sized to the first, small block
+    kernel.apply(np.ones((1000, 8), np.float32))
+    held = kernel.scratch_bytes()
+    assert held == 128 * 32  # grown to one full sub-block, not to the block
+    kernel.apply(np.ones((1000, 8), np.float32))
+    assert kernel.scratch_bytes() == held
+    assert kernel.release_scratch() == held
+    assert kernel.scratch_bytes() == 0
+
+
+def test_threads_share_a_kernel_with_their_own_scratch() -> None:
+    expr = call(np.sqrt, x * 2 + 1) * y
+    kernel = FusedKernel(expr, [np.float32, np.float32], [(8,), (1,)], subblock_bytes=2048)
+    rng = np.random.default_rng(5)
+    inputs = [
+        (rng.random((3000, 8), dtype=np.float32), rng.random((3000, 1), dtype=np.float32))
+        for _ in range(4)
+    ]
+    results: dict[int, np.ndarray] = {}
+    start = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        start.wait()
+        for _ in range(5):
+            results[i] = kernel.apply(*inputs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (a, b) in enumerate(inputs):
+        assert _same_bits(results[i], evaluate(expr, a, b))
+    assert kernel.scratch_bytes() == 4 * kernel.temp_bytes(3000)
+
+
+def test_constant_row_vector_broadcasts_in_every_subblock() -> None:
+    means = np.arange(8, dtype=np.float32)
+    block = np.random.default_rng(6).random((999, 8), dtype=np.float32)
+    expr = (x - means) / Const(means.reshape(1, 8) + 1)
+    got = FusedKernel(expr, [np.float32], [(8,)], subblock_bytes=1000).apply(block)
+    assert _same_bits(got, (block - means) / (means.reshape(1, 8) + 1))
+
+
+def test_a_freed_register_serves_a_later_unrelated_operation() -> None:
+    doubled = astype(x, np.float64) * 2  # float64 register r0, dead after the cast below
+    narrowed = astype(doubled, np.float32)  # float32 register r1
+    scaled = x * np.float64(3)  # reads only the input: takes the freed r0, no new register
+    expr = narrowed + scaled
+    kernel = FusedKernel(expr, [np.float32], [(4,)])
+    assert kernel.temp_bytes(10**9) == kernel.sub_rows * 4 * (8 + 4)
+    block = np.random.default_rng(7).random((100, 4), dtype=np.float32)
+    assert _same_bits(kernel.apply(block), evaluate(expr, block))

@@ -1,0 +1,716 @@
+"""Reductions of row-blocked arrays as chunk / combine / aggregate.
+
+:func:`reduction` builds every NumPy reduction the engine offers — ``sum``, ``prod``,
+``mean``, ``var``, ``std``, ``min``, ``max``, ``any``, ``all``, ``count_nonzero``,
+``argmin``, ``argmax`` — for an array of a given dtype and row shape, with NumPy's
+``axis`` (None, an int, a tuple, negative), ``keepdims``, ``dtype`` and ``ddof``.
+:class:`Histogram` and the user-defined :class:`Reduction` complete the set.
+
+Two kinds come back:
+
+* An axis set that includes axis 0 gives a :class:`~tierflow.operators.types.ReductionOp`:
+  ``chunk`` reduces one block to a partial of the output's size, ``combine`` merges
+  partials in any order, ``aggregate`` finishes.
+* An axis set without axis 0 reduces within rows only: a :class:`RowwiseReduction`, a
+  :class:`~tierflow.operators.types.BlockOp` that is NumPy itself applied to each block
+  (bitwise NumPy's result), and that fuses like an elementwise operator.
+
+What is NumPy's, and what differs:
+
+* Result dtypes are NumPy's, read from NumPy on a one-element probe: int sums give int64
+  (uint64 for unsigned), bool sums int64, means of integers float64, float16 means
+  float16, variances of complex numbers real.
+* Integer sums and products accumulate in the result dtype, so they wrap around exactly
+  as NumPy's do (modular arithmetic does not depend on the order). min, max, any, all,
+  count_nonzero, argmin and argmax are exact.
+* Float sums, products and means accumulate in float64 (complex128) and are cast to
+  NumPy's result dtype at the end. The order of additions differs from NumPy's (blocks,
+  then sub-blocks), so results differ in the last bits; for float32 and float16 data
+  they are usually *more* accurate than NumPy's own float32 accumulation. A float32
+  product that overflows only in an intermediate float32 step is finite here.
+* var and std merge per-block (count, mean, M2) with Chan's parallel formula, never a
+  sum of squares. An integer ``dtype`` for var/std is refused.
+* NaN propagates through sum, mean, min, max and var; argmin and argmax return the first
+  NaN; ties go to the first occurrence. (min/max of 0.0 and -0.0 may return either
+  zero: NumPy's choice depends on the order too.)
+* Empty input: an array without rows gets NumPy's own result for an empty array —
+  min/max raise ``ValueError: zero-size array to reduction operation minimum which has
+  no identity``, argmin raises, mean warns "Mean of empty slice" and gives nan, sum gives
+  0. var/std warn "Degrees of freedom <= 0 for slice" when ``ddof`` >= the count.
+
+Fast path: a reduction over axis 0 of a C-contiguous ``[n, k]`` block with small ``k``
+runs over the wide view ``[n / m, m * k]`` and folds the ``m`` partial rows at the end
+(:func:`reduce_rows`): NumPy's axis-0 loop over 8 columns runs its inner loop 8 elements
+at a time. Measured on float32 ``[1M, 8]`` into float64 (one thread): plain
+``sum(axis=0, dtype=float64)`` 1.1 GB/s, wide view 5.4 GB/s; ``min(axis=0)`` 0.8 vs 11.8
+GB/s; int32 sums 1.3 vs 5.5 GB/s.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._blocks import check_blocks, prepare_out
+from .types import Partial
+
+try:
+    from numpy.lib.array_utils import normalize_axis_tuple
+except ImportError:  # NumPy < 2
+    from numpy.core.numeric import normalize_axis_tuple  # type: ignore[no-redef]
+
+__all__ = [
+    "KINDS",
+    "WIDE_ELEMENTS",
+    "Histogram",
+    "Reduction",
+    "RowReduction",
+    "RowwiseReduction",
+    "accumulator_dtype",
+    "reduce_rows",
+    "reduction",
+]
+
+KINDS = (
+    "sum", "prod", "mean", "var", "std", "min", "max",
+    "any", "all", "count_nonzero", "argmin", "argmax",
+)  # fmt: skip
+
+WIDE_ELEMENTS = 4096  # row width of the wide view in reduce_rows (elements; measured above)
+_CHUNK_BYTES = 1 << 20  # float64 scratch per sub-block inside var/std, argmin, count_nonzero
+_ITER_BYTES = 64 * 1024  # NumPy's casting buffers in a reduction with a dtype
+
+_UFUNCS: dict[str, np.ufunc] = {
+    "sum": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "any": np.logical_or,
+    "all": np.logical_and,
+}
+_TAKES_DTYPE = frozenset({"sum", "prod", "mean", "var", "std"})
+
+
+def reduce_rows(ufunc: np.ufunc, block: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """``ufunc.reduce(block, axis=0, dtype=dtype)`` as an array of shape ``block.shape[1:]``.
+
+    Uses the wide view described in the module docstring when the block is C-contiguous
+    and its rows are narrow; ``block`` must have at least one row for ufuncs without an
+    identity (NumPy raises otherwise).
+
+    >>> reduce_rows(np.add, np.ones((10_000, 3), np.float32), np.float64)
+    array([10000., 10000., 10000.])
+    """
+    rows, row_shape = block.shape[0], block.shape[1:]
+    width = math.prod(row_shape)
+    # One column is already a contiguous (pairwise) reduction; from two columns on, NumPy's
+    # axis-0 loop runs `width` elements at a time (0.4 GB/s at two float32 columns).
+    if 2 <= width <= WIDE_ELEMENTS // 4 and block.flags.c_contiguous:
+        fold = 1 << ((WIDE_ELEMENTS // width).bit_length() - 1)
+        if rows >= 2 * fold:
+            whole = rows - rows % fold
+            flat = block.reshape(rows, width)
+            wide = ufunc.reduce(
+                flat[:whole].reshape(whole // fold, fold * width), axis=0, dtype=dtype
+            )
+            result = ufunc.reduce(wide.reshape(fold, width), axis=0, dtype=wide.dtype)
+            if whole < rows:
+                result = ufunc(result, ufunc.reduce(flat[whole:], axis=0, dtype=dtype))
+            return np.asarray(result).reshape(row_shape)
+    return np.asarray(ufunc.reduce(block, axis=0, dtype=dtype, keepdims=True)).reshape(row_shape)
+
+
+def accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype partial sums are kept in for a result of ``dtype``: float64 for float16,
+    float32 and float64, complex128 for complex64 and complex128, ``dtype`` itself otherwise
+    (integers and bool wrap exactly like NumPy's; long double stays long double)."""
+    if dtype.kind == "f":
+        return np.dtype(np.float64) if dtype.itemsize <= 8 else dtype
+    if dtype.kind == "c":
+        return np.dtype(np.complex128) if dtype.itemsize <= 16 else dtype
+    return dtype
+
+
+def _numpy(kind: str, x: np.ndarray, kwargs: dict[str, Any], out: np.ndarray | None = None) -> Any:
+    """NumPy's own reduction ``kind`` of ``x`` (the reference, and the empty-array answer)."""
+    if kind == "count_nonzero":
+        result = np.count_nonzero(x, **kwargs)
+        if out is not None:
+            np.copyto(out, result)
+            return out
+        return result
+    fn = getattr(np, kind)
+    return fn(x, **kwargs) if out is None else fn(x, out=out, **kwargs)
+
+
+def _probe_dtype(
+    kind: str, dtype: np.dtype, row_shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> np.dtype:
+    sample = np.zeros((1, *(max(n, 1) for n in row_shape)), dtype=dtype)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        return np.asarray(_numpy(kind, sample, kwargs)).dtype
+
+
+def _normalize_axes(kind: str, axis: Any, ndim: int) -> tuple[int, ...]:
+    if kind in ("argmin", "argmax"):
+        if axis is None:
+            return tuple(range(ndim))
+        return tuple(normalize_axis_tuple(operator.index(axis), ndim))
+    if axis is None:
+        return tuple(range(ndim))
+    return tuple(sorted(normalize_axis_tuple(axis, ndim)))
+
+
+def reduction(
+    kind: str,
+    in_dtype: Any,
+    row_shape: tuple[int, ...],
+    *,
+    axis: int | tuple[int, ...] | None = None,
+    keepdims: bool = False,
+    dtype: Any = None,
+    ddof: float = 0,
+) -> RowReduction | RowwiseReduction:
+    """The reduction ``kind`` of an array of ``in_dtype`` whose rows have ``row_shape``.
+
+    Axes count in the whole array (axis 0 is the row axis). Returns a
+    :class:`RowReduction` when the axes include axis 0, else a :class:`RowwiseReduction`.
+    Raises ValueError for an unknown kind, NumPy's AxisError for an axis out of range,
+    TypeError for a keyword the kind does not take (``dtype`` for min, ``ddof`` for sum,
+    a tuple axis for argmin) and what NumPy raises for an unusable dtype.
+
+    >>> op = reduction("sum", np.float32, (8,), axis=0)
+    >>> op.out_dtype, op.out_shape
+    (dtype('float32'), (8,))
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown reduction {kind!r}; known: {', '.join(KINDS)}")
+    in_dtype = np.dtype(in_dtype)
+    row_shape = tuple(int(n) for n in row_shape)
+    if dtype is not None and kind not in _TAKES_DTYPE:
+        raise TypeError(f"{kind} takes no dtype argument (got dtype={dtype!r})")
+    if ddof != 0 and kind not in ("var", "std"):
+        raise TypeError(f"{kind} takes no ddof argument (got ddof={ddof!r})")
+    if kind in ("argmin", "argmax") and isinstance(axis, tuple):
+        raise TypeError(f"{kind} takes an integer axis or None, got the tuple {axis!r}")
+    if kind in ("var", "std") and dtype is not None and np.dtype(dtype).kind in "biu":
+        raise TypeError(
+            f"{kind} with the integer dtype {np.dtype(dtype)} would truncate intermediate means; "
+            "give a float dtype (or none: float64 for integer data)"
+        )
+    ndim = len(row_shape) + 1
+    axes = _normalize_axes(kind, axis, ndim)
+    numpy_axis: Any = None
+    if axis is not None:
+        numpy_axis = axes[0] if kind in ("argmin", "argmax") else axes
+    kwargs: dict[str, Any] = {"axis": numpy_axis, "keepdims": keepdims}
+    if kind in _TAKES_DTYPE:
+        kwargs["dtype"] = None if dtype is None else np.dtype(dtype)
+    if kind in ("var", "std"):
+        kwargs["ddof"] = ddof
+    if 0 not in axes:
+        return RowwiseReduction(kind, in_dtype, row_shape, axes, keepdims, kwargs)
+    cls: type[RowReduction]
+    if kind in _UFUNCS:
+        cls = _UfuncReduction
+    elif kind == "count_nonzero":
+        cls = _CountNonzero
+    elif kind == "mean":
+        cls = _Mean
+    elif kind in ("var", "std"):
+        cls = _Moments
+    else:
+        cls = _ArgReduction
+    return cls(kind, in_dtype, row_shape, axes, keepdims, kwargs)
+
+
+class RowwiseReduction:
+    """A reduction over trailing axes only: NumPy's reduction applied to each block.
+
+    A :class:`~tierflow.operators.types.BlockOp`; the result of a block is rows of the
+    result of the whole array, bitwise.
+    """
+
+    row_independent = True
+    n_inputs = 1
+
+    def __init__(
+        self,
+        kind: str,
+        in_dtype: np.dtype,
+        row_shape: tuple[int, ...],
+        axes: tuple[int, ...],
+        keepdims: bool,
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.kind = kind
+        self.in_dtype = in_dtype
+        self.in_row_shape = row_shape
+        self.axes = axes
+        self._kwargs = kwargs
+        self.out_dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
+        self.out_row_shape = tuple(
+            1 if i + 1 in axes else n
+            for i, n in enumerate(row_shape)
+            if keepdims or i + 1 not in axes
+        )
+
+    def __repr__(self) -> str:
+        return f"RowwiseReduction({self.kind}, {self._kwargs})"
+
+    def apply(self, *blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """NumPy's reduction of the block; written into ``out`` when given."""
+        rows = check_blocks(blocks, [self.in_dtype], [self.in_row_shape], self.kind)
+        if out is not None:
+            out = prepare_out(out, rows, self.out_row_shape, self.out_dtype, blocks, self.kind)
+        return np.asarray(_numpy(self.kind, blocks[0], self._kwargs, out))
+
+    def temp_bytes(self, rows: int) -> int:
+        """Scratch of one ``apply``: block-sized float64 temporaries for var/std and
+        argmin/argmax over a non-last axis, a boolean copy for count_nonzero."""
+        elements = rows * math.prod(self.in_row_shape)
+        if self.kind in ("var", "std"):
+            return 2 * elements * accumulator_dtype(self.out_dtype).itemsize
+        if self.kind == "count_nonzero":
+            return elements
+        if self.kind in ("argmin", "argmax") and self.axes[0] != len(self.in_row_shape):
+            return elements * self.in_dtype.itemsize
+        return _ITER_BYTES
+
+
+class RowReduction:
+    """Base of the built-in reductions over the row axis (a ReductionOp).
+
+    Partials are tuples of small arrays shaped like the output without kept dimensions;
+    None is the partial of no rows.
+    """
+
+    row_independent = False
+    commutative = True
+    n_inputs = 1
+
+    def __init__(
+        self,
+        kind: str,
+        in_dtype: np.dtype,
+        row_shape: tuple[int, ...],
+        axes: tuple[int, ...],
+        keepdims: bool,
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.kind = kind
+        self.in_dtype = in_dtype
+        self.in_row_shape = row_shape
+        self.axes = axes
+        self.keepdims = keepdims
+        self._kwargs = kwargs
+        self.trailing = tuple(a - 1 for a in axes if a != 0)
+        self.reduced_per_row = math.prod(row_shape[a] for a in self.trailing)
+        self.core_shape = tuple(n for i, n in enumerate(row_shape) if i not in self.trailing)
+        self.out_shape: tuple[int, ...] = (
+            tuple(1 if i in axes else n for i, n in enumerate((1, *row_shape)))
+            if keepdims
+            else self.core_shape
+        )
+        self.out_dtype: np.dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind}, {self._kwargs})"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        """The partial of one block; None for a block without rows."""
+        rows = check_blocks(blocks, [self.in_dtype], [self.in_row_shape], self.kind)
+        if rows == 0:
+            return None
+        return self._chunk(blocks[0], int(row_offset))
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        """Merge two partials (None is the partial of no rows)."""
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return self._combine(a, b)
+
+    def aggregate(self, partial: Partial) -> Any:
+        """The result: an array of ``out_shape``, or a NumPy scalar when that is ``()``."""
+        if partial is None:
+            return _numpy(self.kind, np.empty((0, *self.in_row_shape), self.in_dtype), self._kwargs)
+        result = np.asarray(self._finish(partial)).reshape(self.out_shape)
+        return result[()] if result.ndim == 0 else result
+
+    def temp_bytes(self, rows: int) -> int:
+        """Scratch of one ``chunk``: partial-sized arrays and NumPy's casting buffers."""
+        return 4 * self.partial_bytes() + _ITER_BYTES
+
+    def partial_bytes(self) -> int:
+        """Bytes of one partial."""
+        return max(1, math.prod(self.core_shape)) * 16 + 64
+
+    def _reduce(self, ufunc: np.ufunc, block: np.ndarray, dtype: Any) -> np.ndarray:
+        """``ufunc`` over axis 0 and the reduced trailing axes, shaped ``core_shape``."""
+        part = reduce_rows(ufunc, block, dtype)
+        if self.trailing:
+            part = np.asarray(ufunc.reduce(part, axis=self.trailing, dtype=dtype))
+        return part
+
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        raise NotImplementedError
+
+    def _combine(self, a: Partial, b: Partial) -> Partial:
+        raise NotImplementedError
+
+    def _finish(self, partial: Partial) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _abs2(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``|values|**2`` (real), in place into ``out`` for real values when given."""
+    if values.dtype.kind == "c":
+        return np.square(values.real) + np.square(values.imag)
+    return np.multiply(values, values, out=out)
+
+
+def _subblocks(block: np.ndarray, bytes_per_element: int) -> list[tuple[int, np.ndarray]]:
+    """(first row, rows) pieces of ``block`` whose scratch stays near ``_CHUNK_BYTES``."""
+    row_elements = max(1, math.prod(block.shape[1:]))
+    step = max(1, _CHUNK_BYTES // (row_elements * bytes_per_element))
+    return [(start, block[start : start + step]) for start in range(0, block.shape[0], step)]
+
+
+class _UfuncReduction(RowReduction):
+    """sum, prod, min, max, any, all: one ufunc folds blocks and partials."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ufunc = _UFUNCS[self.kind]
+        if self.kind in ("sum", "prod"):
+            self.acc: np.dtype | None = accumulator_dtype(self.out_dtype)
+        elif self.kind in ("any", "all"):
+            self.acc = np.dtype(bool)
+        else:
+            self.acc = None
+
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        return self._reduce(self.ufunc, block, self.acc)
+
+    def _combine(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.asarray(self.ufunc(a, b, out=np.empty_like(a)))
+
+    def _finish(self, partial: np.ndarray) -> np.ndarray:
+        return partial.astype(self.out_dtype, copy=False)
+
+
+class _CountNonzero(RowReduction):
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        if len(self.axes) == block.ndim:
+            return np.asarray(np.count_nonzero(block), dtype=np.intp)
+        total = np.zeros(self.core_shape, dtype=np.intp)
+        for _, piece in _subblocks(block, 1):
+            total += self._reduce(np.add, piece.astype(bool), np.intp)
+        return total
+
+    def _combine(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.add(a, b, out=np.empty_like(a))
+
+    def _finish(self, partial: np.ndarray) -> np.ndarray:
+        return partial.astype(self.out_dtype, copy=False)
+
+    def temp_bytes(self, rows: int) -> int:
+        return _CHUNK_BYTES + super().temp_bytes(rows)
+
+
+class _Mean(RowReduction):
+    """Partial (count per output element, sum in the accumulator dtype)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.acc = accumulator_dtype(self.out_dtype)
+
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        return (block.shape[0] * self.reduced_per_row, self._reduce(np.add, block, self.acc))
+
+    def _combine(self, a: Partial, b: Partial) -> Partial:
+        return (a[0] + b[0], np.add(a[1], b[1], out=np.empty_like(a[1])))
+
+    def _finish(self, partial: Partial) -> np.ndarray:
+        count, total = partial
+        if count == 0:
+            warnings.warn("Mean of empty slice", RuntimeWarning, stacklevel=3)
+        return np.asarray(np.true_divide(total, np.intp(count))).astype(self.out_dtype)
+
+
+class _Moments(RowReduction):
+    """var and std: partial (count, shift, offset, M2) merged with Chan's formula.
+
+    The mean is ``shift + offset``: a first estimate and its small correction, kept
+    apart so that two block means near 1e9 still subtract to their exact difference
+    (a mean stored as one float64 near 1e9 is off by up to 6e-8, which Chan's merge
+    would multiply into M2).
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.ddof = self._kwargs["ddof"]
+        complex_in = self.in_dtype.kind == "c" or (
+            self._kwargs["dtype"] is not None and self._kwargs["dtype"].kind == "c"
+        )
+        self.acc = np.dtype(np.complex128) if complex_in else accumulator_dtype(self.out_dtype)
+        if self.acc.kind not in "fc":
+            self.acc = np.dtype(np.float64)
+        self.keep_shape = tuple(
+            1 if i in self.trailing else n for i, n in enumerate(self.in_row_shape)
+        )
+
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        partial: Partial = None
+        for _, piece in _subblocks(block, 2 * self.acc.itemsize):
+            count = piece.shape[0] * self.reduced_per_row
+            if count == 0:
+                zeros = np.zeros(self.core_shape, self.acc)
+                one = (0, zeros, zeros, zeros.real.copy())
+            else:
+                # Corrected two-pass (Chan, Golub, LeVeque): the deviations' own sum
+                # corrects the rounding of the first mean estimate.
+                guess = self._reduce(np.add, piece, self.acc) / count
+                dev = np.subtract(piece, guess.reshape((1, *self.keep_shape)), dtype=self.acc)
+                correction = self._reduce(np.add, dev, self.acc) / count
+                square = _abs2(dev, out=dev if dev.dtype.kind != "c" else None)
+                m2 = self._reduce(np.add, square, square.dtype) - count * _abs2(correction)
+                one = (count, guess, correction, m2)
+            partial = one if partial is None else self._combine(partial, one)
+        return partial
+
+    def _combine(self, a: Partial, b: Partial) -> Partial:
+        na, shift_a, offset_a, m2_a = a
+        nb, shift_b, offset_b, m2_b = b
+        if na == 0:
+            return b
+        if nb == 0:
+            return a
+        n = na + nb
+        delta = (shift_b - shift_a) + (offset_b - offset_a)
+        return (
+            n,
+            shift_a,
+            offset_a + delta * (nb / n),
+            m2_a + m2_b + _abs2(delta) * (na * nb / n),
+        )
+
+    def _finish(self, partial: Partial) -> np.ndarray:
+        count, _, _, m2 = partial
+        if self.ddof >= count:
+            warnings.warn("Degrees of freedom <= 0 for slice", RuntimeWarning, stacklevel=3)
+        var = np.true_divide(m2, max(count - self.ddof, 0))
+        if self.kind == "std":
+            var = np.sqrt(var)
+        return np.asarray(var).astype(self.out_dtype)
+
+    def temp_bytes(self, rows: int) -> int:
+        return 2 * _CHUNK_BYTES + super().temp_bytes(rows)
+
+
+class _ArgReduction(RowReduction):
+    """argmin / argmax over all axes or axis 0: partial (values, global indices)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.find = np.argmin if self.kind == "argmin" else np.argmax
+        self.better = np.less if self.kind == "argmin" else np.greater
+        self.flat = len(self.axes) == len(self.in_row_shape) + 1 and self._kwargs["axis"] is None
+        self.has_nan = self.in_dtype.kind in "fc"
+
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        if self.flat:
+            flat_index = int(self.find(block))
+            value = np.asarray(block[np.unravel_index(flat_index, block.shape)])
+            row_size = math.prod(self.in_row_shape)
+            return (value, np.asarray(row_offset * row_size + flat_index, dtype=np.int64))
+        partial: Partial = None
+        for start, piece in _subblocks(block, self.in_dtype.itemsize):
+            local = np.asarray(self.find(piece, axis=0))
+            values = np.take_along_axis(piece, local[np.newaxis], axis=0)[0]
+            one = (values, local.astype(np.int64) + (row_offset + start))
+            partial = one if partial is None else self._combine(partial, one)
+        return partial
+
+    def _combine(self, a: Partial, b: Partial) -> Partial:
+        va, ia = a
+        vb, ib = b
+        wins = self.better(vb, va)
+        tie = vb == va
+        if self.has_nan:
+            nan_a, nan_b = np.isnan(va), np.isnan(vb)
+            wins = wins | (nan_b & ~nan_a)
+            tie = tie | (nan_a & nan_b)
+        wins = wins | (tie & (ib < ia))
+        return (np.where(wins, vb, va), np.where(wins, ib, ia))
+
+    def _finish(self, partial: Partial) -> np.ndarray:
+        return np.asarray(partial[1]).astype(np.intp)
+
+    def temp_bytes(self, rows: int) -> int:
+        return _CHUNK_BYTES + super().temp_bytes(rows)
+
+
+class Histogram:
+    """``np.histogram`` of all values of a row-blocked array, as a ReductionOp.
+
+    ``bins`` is a number of equal bins (then ``range=(lo, hi)`` is required: the data's
+    range is unknown until every block is read) or a monotonic array of bin edges. Values
+    outside the range are left out, the last bin includes its right edge, NaN is left out,
+    as in NumPy. ``aggregate`` returns ``(hist, bin_edges)``; with ``density=True`` the
+    histogram is normalised like NumPy's.
+    """
+
+    row_independent = False
+    commutative = True
+    n_inputs = 1
+
+    def __init__(
+        self,
+        in_dtype: Any,
+        bins: int | np.ndarray | list[float] = 10,
+        range: tuple[float, float] | None = None,
+        *,
+        density: bool = False,
+    ) -> None:
+        self.in_dtype = np.dtype(in_dtype)
+        if isinstance(bins, str):
+            raise ValueError(
+                f"histogram bins={bins!r} estimates bins from all the data; give a number of "
+                "bins with range=(lo, hi), or the bin edges"
+            )
+        if np.ndim(bins) == 0 and range is None:
+            raise ValueError(
+                f"histogram with bins={bins} needs range=(lo, hi): the data's range is unknown "
+                "until every block is read (compute min and max first, or give bin edges)"
+            )
+        self._bins = bins
+        self._range = range
+        self.density = density
+        self.edges = np.histogram_bin_edges(np.empty(0, self.in_dtype), bins=bins, range=range)
+        self.out_shape = (len(self.edges) - 1,)
+        self.out_dtype = np.dtype(np.float64) if density else np.dtype(np.intp)
+
+    def __repr__(self) -> str:
+        return f"Histogram({self.out_shape[0]} bins from {self.edges[0]} to {self.edges[-1]})"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        """Counts per bin of one block (None without rows)."""
+        if len(blocks) != 1:
+            raise ValueError(f"histogram takes one block, {len(blocks)} were given")
+        block = blocks[0]
+        if block.dtype != self.in_dtype:
+            raise ValueError(f"histogram was built for dtype {self.in_dtype}, got {block.dtype}")
+        if block.shape[0] == 0:
+            return None
+        return np.histogram(block, bins=self._bins, range=self._range)[0]
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        """Add two count arrays."""
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return np.add(a, b)
+
+    def aggregate(self, partial: Partial) -> tuple[np.ndarray, np.ndarray]:
+        """``(hist, bin_edges)`` as ``np.histogram`` returns them."""
+        counts = np.zeros(self.out_shape, np.intp) if partial is None else partial
+        edges = self.edges.copy()
+        if self.density:
+            widths = np.array(np.diff(edges), float)
+            return counts / widths / counts.sum(), edges
+        return counts, edges
+
+    def temp_bytes(self, rows: int) -> int:
+        """NumPy's histogram works through its input 65536 values at a time."""
+        return 65536 * 24 + self.partial_bytes()
+
+    def partial_bytes(self) -> int:
+        """Bytes of the counts."""
+        return self.out_shape[0] * 8 + 64
+
+
+class Reduction:
+    """A user-defined reduction from three functions: a ReductionOp.
+
+    ``chunk(block)`` (or ``chunk(block, row_offset)`` with ``with_offset=True``) gives a
+    partial; ``combine(a, b)`` merges two, and must not modify them; ``aggregate(p)``
+    finishes (the partial itself when omitted). ``commutative=False`` makes the engine
+    combine neighbouring row ranges only, left before right. ``partial_bytes`` and
+    ``temp_bytes`` feed the memory plan.
+
+    >>> r = Reduction(lambda b: b.shape[0], lambda a, b: a + b)
+    >>> r.aggregate(r.combine(r.chunk(np.ones((3, 2))), r.chunk(np.ones((4, 2)))))
+    7
+    """
+
+    row_independent = False
+
+    def __init__(
+        self,
+        chunk: Callable[..., Any],
+        combine: Callable[[Any, Any], Any],
+        aggregate: Callable[[Any], Any] | None = None,
+        *,
+        with_offset: bool = False,
+        n_inputs: int = 1,
+        commutative: bool = True,
+        out_dtype: Any = None,
+        out_shape: tuple[int, ...] | None = None,
+        partial_bytes: int = 1024,
+        temp_bytes: Callable[[int], int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self._chunk = chunk
+        self._combine = combine
+        self._aggregate = aggregate
+        self.with_offset = with_offset
+        self.n_inputs = n_inputs
+        self.commutative = commutative
+        self.out_dtype = None if out_dtype is None else np.dtype(out_dtype)
+        self.out_shape = out_shape
+        self._partial_bytes = partial_bytes
+        self._temp_bytes = temp_bytes
+        self.name = name or getattr(chunk, "__name__", "reduction")
+
+    def __repr__(self) -> str:
+        return f"Reduction({self.name})"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        """The user's chunk of these blocks."""
+        if len(blocks) != self.n_inputs:
+            raise ValueError(
+                f"{self.name} takes {self.n_inputs} block(s), {len(blocks)} were given"
+            )
+        if self.with_offset:
+            return self._chunk(*blocks, row_offset)
+        return self._chunk(*blocks)
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        """The user's combine; None (no rows) passes the other partial through."""
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return self._combine(a, b)
+
+    def aggregate(self, partial: Partial) -> Any:
+        """The user's aggregate, or the partial itself."""
+        return partial if self._aggregate is None else self._aggregate(partial)
+
+    def temp_bytes(self, rows: int) -> int:
+        """The user's estimate, else 0."""
+        return 0 if self._temp_bytes is None else int(self._temp_bytes(rows))
+
+    def partial_bytes(self) -> int:
+        """The size given at construction."""
+        return self._partial_bytes
