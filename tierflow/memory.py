@@ -46,3 +46,10 @@ __all__ += [
     "shared_array",
     "to_tensor",
 ]
+
+# -- storage: streaming (chunks, map, fit_batch) -----------------------------------------
+# `map` shadows the builtin in this module only (memory.map is the public name).
+from .storage.oom import fit_batch
+from .storage.stream import chunks, map
+
+__all__ += ["chunks", "fit_batch", "map"]
