@@ -53,3 +53,8 @@ from .storage.oom import fit_batch
 from .storage.stream import chunks, map
 
 __all__ += ["chunks", "fit_batch", "map"]
+
+# -- storage: the two-tier store and @cached ---------------------------------------------
+from .storage.store import cached, store
+
+__all__ += ["cached", "store"]

@@ -1,0 +1,217 @@
+"""Fingerprints for ``@cached``: a function's identity, and its arguments by value.
+
+A function's identity is ``module.qualname@<digest of its code>``. The digest covers
+the bytecode, the names it uses, its constants (nested functions, lambdas and
+comprehensions recursively) and the flags of its code object, so editing the body
+misses and moving it down the file does not. Defaults are covered by the arguments
+(they are bound and hashed with them). Not covered: the values of globals and closure
+variables, and functions it calls; a new Python version changes bytecode, so its cache
+starts empty.
+
+Arguments are bound with the function's signature (``f(1, b=2)`` and ``f(1, 2)`` are
+one call) and hashed by value with BLAKE2b: ``None``, ``bool``, ``int``, ``float``
+(by ``repr``), ``complex``, ``str``, ``bytes``/``bytearray``, tuples, lists, dicts
+(order-independent), sets, NumPy arrays (dtype, shape and the bytes), NumPy scalars
+and dtypes. Every value is tagged with its type, so ``1``, ``1.0``, ``True`` and
+``"1"`` differ. Anything else is a ``TypeError`` naming the argument and its type:
+hashing an object by ``id`` or ``repr`` would make hits wrong or impossible.
+
+>>> def f(a, b=2): return a + b
+>>> call_digest(inspect.signature(f).bind(1), "f") == call_digest(
+...     inspect.signature(f).bind(1, b=2), "f")
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import struct
+import types
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SUPPORTED", "call_digest", "function_identity", "value_digest"]
+
+SUPPORTED = (
+    "None, bool, int, float, complex, str, bytes, tuples, lists, dicts, sets, "
+    "NumPy arrays, scalars and dtypes"
+)
+
+_LEN = struct.Struct(">Q")
+_MAX_DEPTH = 64
+# Non-contiguous arrays are hashed in row pieces of about this many bytes.
+_PIECE = 16 << 20
+
+
+def function_identity(fn: Any) -> str:
+    """``module.qualname@<16 hex digits>`` for a Python function.
+
+    Decorators made with ``functools.wraps`` are looked through (the wrapped body is
+    what counts). Raises ``TypeError`` for callables without Python code (builtins,
+    C extensions, objects with ``__call__``).
+    """
+    target = inspect.unwrap(fn)
+    code = getattr(target, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        raise TypeError(
+            f"@cached needs a Python function to fingerprint; {fn!r} has no Python code "
+            "(wrap the call in a def)"
+        )
+    h = hashlib.blake2b(digest_size=8)
+    _feed_code(h, code)
+    module = getattr(target, "__module__", None) or "?"
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", "?")
+    return f"{module}.{qualname}@{h.hexdigest()}"
+
+
+def _feed_code(h: Any, code: types.CodeType) -> None:
+    h.update(b"code")
+    _put(h, code.co_code)
+    for names in (code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
+        _put(h, "\0".join(names).encode())
+    h.update(
+        _LEN.pack(code.co_argcount)
+        + _LEN.pack(code.co_posonlyargcount)
+        + _LEN.pack(code.co_kwonlyargcount)
+        + _LEN.pack(code.co_flags)
+    )
+    h.update(_LEN.pack(len(code.co_consts)))
+    for const in code.co_consts:
+        _feed_const(h, const)
+
+
+def _feed_const(h: Any, const: Any) -> None:
+    if isinstance(const, types.CodeType):
+        _feed_code(h, const)
+    elif isinstance(const, (tuple, frozenset)):
+        items = list(const)
+        if isinstance(const, frozenset):
+            items.sort(key=repr)
+        h.update(b"(" + _LEN.pack(len(items)))
+        for item in items:
+            _feed_const(h, item)
+    else:  # None, Ellipsis, bool, int, float, complex, str, bytes
+        _put(h, f"{type(const).__name__}:{const!r}".encode())
+
+
+def _put(h: Any, data: bytes) -> None:
+    h.update(_LEN.pack(len(data)))
+    h.update(data)
+
+
+def call_digest(bound: inspect.BoundArguments, label: str) -> bytes:
+    """A 32-byte digest of one call's arguments, by value.
+
+    ``bound`` is ``signature.bind(*args, **kwargs)``; defaults are applied here.
+    ``label`` (the function's name) goes into error messages. Raises ``TypeError``
+    naming the argument (and where inside it) whose type cannot be hashed by value.
+    """
+    bound.apply_defaults()
+    h = hashlib.blake2b(digest_size=32)
+    for name, value in bound.arguments.items():
+        _put(h, name.encode())
+        _feed(h, value, f"argument {name!r}", label, 0)
+    return h.digest()
+
+
+def value_digest(value: Any, what: str = "value") -> bytes:
+    """A 32-byte digest of ``value`` by value (the rules of :func:`call_digest`)."""
+    h = hashlib.blake2b(digest_size=32)
+    _feed(h, value, what, "value_digest", 0)
+    return h.digest()
+
+
+def _feed(h: Any, value: Any, where: str, label: str, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise TypeError(
+            f"@cached {label}(): {where} is nested more than {_MAX_DEPTH} levels deep "
+            "(does it contain itself?)"
+        )
+    if value is None:
+        h.update(b"N")
+    elif isinstance(value, bool):
+        h.update(b"T" if value else b"F")
+    elif isinstance(value, np.ndarray):
+        _feed_array(h, value, where, label)
+    elif isinstance(value, np.generic):
+        if value.dtype.hasobject:
+            _unsupported(value, where, label)
+        h.update(b"g")
+        _put(h, _dtype_text(value.dtype))
+        _put(h, value.tobytes())
+    elif isinstance(value, np.dtype):
+        h.update(b"D")
+        _put(h, _dtype_text(value))
+    elif isinstance(value, int):
+        h.update(b"i")
+        _put(h, str(int(value)).encode())
+    elif isinstance(value, float):
+        h.update(b"f")
+        _put(h, repr(float(value)).encode())
+    elif isinstance(value, complex):
+        h.update(b"c")
+        _put(h, repr(complex(value)).encode())
+    elif isinstance(value, str):
+        h.update(b"s")
+        _put(h, value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, (bytes, bytearray)):
+        h.update(b"b")
+        _put(h, bytes(value))
+    elif isinstance(value, (tuple, list)):
+        h.update((b"(" if isinstance(value, tuple) else b"[") + _LEN.pack(len(value)))
+        for i, item in enumerate(value):
+            _feed(h, item, f"{where}[{i}]", label, depth + 1)
+    elif isinstance(value, dict):
+        pairs = []
+        for k, v in value.items():
+            kh = hashlib.blake2b(digest_size=32)
+            _feed(kh, k, f"{where} (a key)", label, depth + 1)
+            vh = hashlib.blake2b(digest_size=32)
+            _feed(vh, v, f"{where}[{k!r}]", label, depth + 1)
+            pairs.append(kh.digest() + vh.digest())
+        h.update(b"{" + _LEN.pack(len(pairs)))
+        for pair in sorted(pairs):
+            h.update(pair)
+    elif isinstance(value, (set, frozenset)):
+        items = []
+        for item in value:
+            ih = hashlib.blake2b(digest_size=32)
+            _feed(ih, item, f"{where} (an element)", label, depth + 1)
+            items.append(ih.digest())
+        h.update(b"S" + _LEN.pack(len(items)))
+        for digest in sorted(items):
+            h.update(digest)
+    else:
+        _unsupported(value, where, label)
+
+
+def _dtype_text(dtype: np.dtype[Any]) -> bytes:
+    # dtype.str of a structured dtype is only '|V12'; descr names its fields.
+    return repr(dtype.descr if dtype.fields else dtype.str).encode()
+
+
+def _feed_array(h: Any, arr: np.ndarray, where: str, label: str) -> None:
+    if arr.dtype.hasobject:
+        raise TypeError(
+            f"@cached {label}(): {where} is a NumPy array of dtype {arr.dtype} holding Python "
+            "objects, which cannot be hashed by value; convert it to a numeric or string array"
+        )
+    h.update(b"A")
+    _put(h, _dtype_text(arr.dtype))
+    h.update(_LEN.pack(arr.ndim) + b"".join(_LEN.pack(n) for n in arr.shape))
+    if arr.flags.c_contiguous:
+        h.update(arr.reshape(-1).view(np.uint8))
+        return
+    rows = max(1, _PIECE // max(1, arr[:1].nbytes))
+    for start in range(0, arr.shape[0], rows):
+        h.update(np.ascontiguousarray(arr[start : start + rows]).reshape(-1).view(np.uint8))
+
+
+def _unsupported(value: Any, where: str, label: str) -> None:
+    kind = type(value)
+    raise TypeError(
+        f"@cached {label}(): {where} is a {kind.__module__}.{kind.__qualname__}, which cannot "
+        f"be hashed by value; supported: {SUPPORTED}. Pass the values it is made from instead"
+    )
