@@ -78,13 +78,19 @@ def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str])
     }
 
 
-def test_demo_prints_status_and_says_the_pipeline_comes_later(
+def test_demo_prints_status_then_runs_the_pipeline_on_a_file_bigger_than_the_budget(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["demo"]) == 0
+    assert main(["demo", "--budget", "8MB", "--size", "32MB"]) == 0
     out = capsys.readouterr().out
     assert STATUS_LINE.match(out.splitlines()[0])
-    assert "comes with the engine, which is not built yet" in out
+    assert "8.0 MB" in out
+    assert "peak RSS" in out
+
+
+def test_demo_refuses_a_malformed_size(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--size", "lots"]) == 2
+    assert "--size='lots' is not a size" in capsys.readouterr().err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,8 +8,32 @@ arrays over files bigger than RAM.
 from __future__ import annotations
 
 from . import config, errors, memory
+from .engine.array import Array, from_array, from_files, from_npy, from_raw
+from .engine.compute import compute, persist, to_npy
+from .engine.executors import use_executor
+from .engine.functions import concatenate, stack, where
+from .engine.types import Callback
 from .errors import TierflowError
 
 __version__ = "0.1.0"
 
-__all__ = ["TierflowError", "__version__", "config", "errors", "memory"]
+__all__ = [
+    "Array",
+    "Callback",
+    "TierflowError",
+    "__version__",
+    "compute",
+    "concatenate",
+    "config",
+    "errors",
+    "from_array",
+    "from_files",
+    "from_npy",
+    "from_raw",
+    "memory",
+    "persist",
+    "stack",
+    "to_npy",
+    "use_executor",
+    "where",
+]

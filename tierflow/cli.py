@@ -4,7 +4,7 @@
 
     tierflow status          # status line, limits, pressure and devices, readable
     tierflow status --json   # the same as one JSON object, sizes in bytes
-    tierflow demo            # the demo pipeline (for now: the machine's status)
+    tierflow demo            # a file 4x the RAM budget, standardised in two streamed passes
     tierflow --version
 
 Exit codes: 0 ok, 1 tierflow failed (the message says why), 2 bad usage: an unknown
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .config import parse_size
 from .errors import ConfigError, TierflowError
 
 __all__ = ["demo", "main", "status"]
@@ -49,8 +50,18 @@ def _parser() -> argparse.ArgumentParser:
     status_parser.set_defaults(run=status)
     demo_parser = commands.add_parser(
         "demo",
-        help="run the demo pipeline",
-        description="Run the demo pipeline.",
+        help="run the demo pipeline on a generated file bigger than the RAM budget",
+        description=(
+            "Generate a float32 .npy several times bigger than a small RAM budget, compute "
+            "per-column mean and std in one pass, write the standardised features with "
+            "to_npy, and print throughput, peak RSS and the budget."
+        ),
+    )
+    demo_parser.add_argument(
+        "--budget", default="256MB", help="RAM budget for the demo (default 256MB)"
+    )
+    demo_parser.add_argument(
+        "--size", default="1GB", help="size of the generated file (default 1GB)"
     )
     demo_parser.set_defaults(run=demo)
     return parser
@@ -107,21 +118,21 @@ def status(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """``tierflow demo``: for now the machine's status; the pipeline demo comes later.
+    """``tierflow demo``: a file four times bigger than a 256 MB RAM budget, streamed.
 
-    The demo will stream a file bigger than the RAM budget through a lazy pipeline once
-    the engine exists.
+    Writes a 1 GB float32 ``.npy`` to a temporary folder, computes per-column mean and
+    standard deviation in one pass, writes the standardised features with ``to_npy``,
+    and prints the throughput, the peak RSS and the budget (see
+    :mod:`tierflow.engine.demo`). The folder is removed at the end.
     """
+    from .engine.demo import run_demo
     from .system import status as status_module
 
+    budget = parse_size(args.budget, "--budget")
+    size = parse_size(args.size, "--size")
     print(status_module.status())
     print()
-    print(
-        "The pipeline demo (a file bigger than the RAM budget streamed through a lazy\n"
-        "pipeline) comes with the engine, which is not built yet. What exists today:\n"
-        "`from tierflow import memory` (status, limits, pressure, budget, devices);\n"
-        "see docs/memory.md and `tierflow status`."
-    )
+    run_demo(budget=budget, file_bytes=size)
     return 0
 
 

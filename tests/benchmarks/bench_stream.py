@@ -4,7 +4,7 @@ One float32 ``.npy`` of shape ``[N, 8]`` is generated in a temporary folder (def
 3.5 GB; ``--size 200MB`` or ``TIERFLOW_BENCH_STREAM_SIZE``) and removed at the end.
 Every scan runs in its own child process (``bench_stream.py --child KIND ...``), so its
 peak RSS (``VmHWM``, reported by the child) is its own, and the parent samples the
-child's RSS every 20 ms with psutil for the plot.
+child's RSS every 20 ms for the plot (``_harness.run_sampled``).
 
 Targets (1,000,000-row blocks, i.e. 32 MB, unless said):
 
@@ -35,22 +35,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: cgroups.py
+
+from _harness import peak_rss, run_sampled
 
 from tierflow import config, memory
 from tierflow.storage import pages
@@ -60,7 +58,6 @@ ROWS = 1_000_000
 WIDTH = 8
 SIZE = os.environ.get("TIERFLOW_BENCH_STREAM_SIZE", "3.5GB")
 STRICT = os.environ.get("TIERFLOW_BENCH_STRICT", "") not in ("", "0")
-SAMPLE_S = 0.02
 
 CHUNKS_PEAK = 150 * MB
 CHUNKS_SPEED = 0.9
@@ -157,20 +154,6 @@ KINDS = {
 }
 
 
-def peak_rss() -> int:
-    """This process's peak RSS in bytes (``VmHWM``).
-
-    Not ``ru_maxrss``: Linux carries that across ``execve`` from the process image that
-    was replaced, and Python starts children with ``vfork``, so a child's ``ru_maxrss``
-    starts at its parent's peak (the file generator's, here).
-    """
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def child_main(kind: str, path: str, budget: str | None) -> None:
     """Run one workload and print its figures as one JSON line."""
     if budget:
@@ -205,40 +188,16 @@ def run_child(
 ) -> dict[str, Any]:
     """Run one workload in a child process; its JSON figures plus ``samples``:
     ``[(seconds since start, RSS bytes), ...]`` taken every 20 ms by this process."""
-    cmd = child_command(kind, path, budget)
-    if wrap is not None:
-        cmd = wrap(cmd)
-    samples: list[tuple[float, int]] = []
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done = threading.Event()
-
-    def sample() -> None:
-        try:
-            p = psutil.Process(proc.pid)
-            while not done.is_set():
-                samples.append((time.perf_counter() - start, p.memory_info().rss))
-                time.sleep(SAMPLE_S)
-        except psutil.Error:
-            pass  # the child has exited
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        done.set()
-        sampler.join()
-        if proc.poll() is None:
-            proc.kill()
-    if proc.returncode != 0:
+    run = run_sampled(child_command(kind, path, budget), wrap=wrap, timeout=timeout)
+    samples = [(s.t, s.rss) for s in run.samples]
+    if run.returncode != 0:
         return {
             "kind": kind,
-            "returncode": proc.returncode,
-            "error": err[-2000:],
+            "returncode": run.returncode,
+            "error": run.stderr[-2000:],
             "samples": samples,
         }
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
     result.update(returncode=0, samples=samples)
     return result
 

@@ -1,0 +1,191 @@
+"""Arrays: constructors, metadata, repr, keys, and the errors that name shapes and files."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow.errors import BlockError, SourceError
+
+
+def save(path: Path, a: np.ndarray) -> str:
+    np.save(path, a)
+    return str(path)
+
+
+@pytest.fixture
+def data() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(1000, 4)).astype(np.float32)
+
+
+def test_from_npy_reads_only_the_header_and_has_numpy_metadata(
+    tmp_path: Path, data: np.ndarray
+) -> None:
+    x = tw.from_npy(save(tmp_path / "a.npy", data), rows=300)
+    assert (x.shape, x.dtype, x.ndim, x.size, x.nbytes) == ((1000, 4), np.float32, 2, 4000, 16000)
+    assert x.blocks == ((0, 300), (300, 600), (600, 900), (900, 1000))
+    assert x.nblocks == 4 and len(x) == 1000
+    np.testing.assert_array_equal(x.compute(), data)
+
+
+def test_from_raw_takes_the_row_count_from_the_file(tmp_path: Path, data: np.ndarray) -> None:
+    path = tmp_path / "a.bin"
+    (b"HEAD" + data.tobytes()).__len__()
+    path.write_bytes(b"HEAD" + data.tobytes())
+    x = tw.from_raw(path, "float32", (-1, 4), offset=4, rows=128)
+    assert x.shape == (1000, 4)
+    np.testing.assert_array_equal(x.compute(), data)
+
+
+def test_from_array_wraps_without_copying_and_scalars_become_values() -> None:
+    a = np.arange(12.0).reshape(6, 2)
+    x = tw.from_array(a, rows=4)
+    assert x.blocks == ((0, 4), (4, 6))
+    assert tw.from_array(x) is x
+    s = tw.from_array(np.float32(2.5))
+    assert s.shape == () and s.compute() == np.float32(2.5)
+    with pytest.raises(TypeError, match="Python objects"):
+        tw.from_array(np.array([object()]))
+
+
+def test_default_blocks_follow_the_budget_and_spread_over_workers(data: np.ndarray) -> None:
+    tw.memory.budget("64MB")
+    x = tw.from_array(np.zeros((1 << 20, 8), np.float32))  # 32 MB
+    sizes = {b - a for a, b in x.blocks}
+    assert x.nblocks >= 4  # every worker gets blocks
+    assert max(sizes) * 32 <= 32 << 20  # at most 32 MB a block
+
+
+def test_from_files_one_row_per_file_in_the_workers(tmp_path: Path, data: np.ndarray) -> None:
+    paths = [save(tmp_path / f"{i}.npy", data[i]) for i in range(12)]
+    x = tw.from_files(paths, np.load, rows=5)
+    assert x.shape == (12, 4) and x.blocks == ((0, 5), (5, 10), (10, 12))
+    np.testing.assert_array_equal(x.compute(), data[:12])
+    np.testing.assert_allclose(x.mean(axis=0).compute(), data[:12].mean(axis=0), rtol=1e-6)
+
+
+def test_from_files_with_a_fixed_or_varying_number_of_rows(
+    tmp_path: Path, data: np.ndarray
+) -> None:
+    fixed = [save(tmp_path / f"f{i}.npy", data[3 * i : 3 * i + 3]) for i in range(5)]
+    x = tw.from_files(fixed, np.load, rows_per_file=3, rows=4)
+    assert x.shape == (15, 4)
+    np.testing.assert_array_equal(x[2:11].compute(), data[2:11])
+    pieces = [data[10 * i : 10 * i + i] for i in range(6)]
+    varying = [save(tmp_path / f"v{i}.npy", p) for i, p in enumerate(pieces)]
+    y = tw.from_files(varying, np.load, rows_per_file=None, rows=2)
+    assert y.shape == (None, 4) and y.nblocks == 3
+    np.testing.assert_array_equal(y.compute(), np.concatenate(pieces))
+    np.testing.assert_allclose(
+        y.sum(axis=0).compute(), np.concatenate(pieces).sum(axis=0), rtol=1e-5
+    )
+
+
+def test_from_files_errors_name_the_file(tmp_path: Path, data: np.ndarray) -> None:
+    paths = [save(tmp_path / f"{i}.npy", data[i]) for i in range(3)]
+    np.save(tmp_path / "2.npy", data[:2])  # two rows where one is expected
+    x = tw.from_files(paths, np.load, dtype="float32", row_shape=(4,))
+    with pytest.raises(BlockError, match=r"shape \(2, 4\) for file 2 of 3 \(.*2\.npy\)"):
+        x.compute()
+
+    def broken(path: str) -> np.ndarray:
+        raise OSError(f"cannot decode {path}")
+
+    y = tw.from_files(paths, broken, dtype="float32", row_shape=(4,))
+    with pytest.raises(BlockError, match=r"broken failed on file 0 of 3 .*OSError: cannot decode"):
+        y.compute()
+
+
+def test_shape_mismatch_names_both_shapes(data: np.ndarray) -> None:
+    x = tw.from_array(data)
+    with pytest.raises(ValueError, match=r"shape \(1000, 4\).*shape \(999, 4\)"):
+        x + tw.from_array(data[:999])
+    with pytest.raises(ValueError, match=r"\(1000, 4\).*\(3,\)"):
+        x * np.ones(3)
+    with pytest.raises(ValueError, match=r"shape \(\?, 4\) and \(1000, 4\)|\(\?, 4\).*\(1000, 4\)"):
+        x[x[:, 0] > 0] + x
+
+
+def test_numpy_type_errors_are_raised_when_the_pipeline_is_built() -> None:
+    x = tw.from_array(np.arange(10, dtype=np.uint8))
+    with pytest.raises(OverflowError):
+        x + 300
+    with pytest.raises(TypeError):
+        np.sqrt(tw.from_array(np.array(["a", "b"])))
+
+
+def test_a_source_file_changed_after_build_is_refused_by_name(
+    tmp_path: Path, data: np.ndarray
+) -> None:
+    path = save(tmp_path / "a.npy", data)
+    x = tw.from_npy(path)
+    time.sleep(0.01)
+    np.save(path, data[:10])
+    with pytest.raises(
+        SourceError, match=r"a\.npy changed after the array was built.*size 16128 -> 288 bytes"
+    ):
+        x.sum().compute()
+    os.remove(path)
+    with pytest.raises(SourceError, match="was deleted or moved"):
+        x.compute()
+
+
+def test_keys_are_stable_and_follow_content(tmp_path: Path, data: np.ndarray) -> None:
+    path = save(tmp_path / "a.npy", data)
+    k1 = (np.sqrt(tw.from_npy(path) * 2 + 1).sum(axis=0)).key
+    k2 = (np.sqrt(tw.from_npy(path) * 2 + 1).sum(axis=0)).key
+    assert k1 == k2 and len(k1) == 32 and int(k1, 16) >= 0
+    assert (np.sqrt(tw.from_npy(path) * 3 + 1).sum(axis=0)).key != k1
+    assert (tw.from_npy(path) - 1).key != (1 - tw.from_npy(path)).key
+    assert tw.from_array(data).key == tw.from_array(data.copy(), rows=7).key  # blocks: not content
+    assert tw.from_array(data).key != tw.from_array(data + 1).key
+
+    def f(b: np.ndarray) -> np.ndarray:
+        return b * 2
+
+    def g(b: np.ndarray) -> np.ndarray:
+        return b * 3
+
+    x = tw.from_array(data)
+    assert x.map_blocks(f).key != x.map_blocks(g).key
+    time.sleep(0.01)
+    np.save(path, data)  # same bytes, new modification time
+    assert (np.sqrt(tw.from_npy(path) * 2 + 1).sum(axis=0)).key != k1
+
+
+def test_repr_shows_shape_dtype_size_blocks_sources_and_pending(
+    tmp_path: Path, data: np.ndarray
+) -> None:
+    x = tw.from_npy(save(tmp_path / "feat.npy", data), rows=256)
+    y = np.sqrt(x * 2 + 1)[x[:, 0] > 0]
+    text = repr(y)
+    assert "shape    (?, 4)" in text and "dtype    float32" in text
+    assert "size     unknown until computed" in text and "sources  from_npy('feat.npy')" in text
+    assert "pending  " in text and "sqrt" in text and "mask" in text
+    assert "blocks   4 of 256 rows (last 232)" in repr(x)
+    html = x._repr_html_()
+    assert "<table>" in html and "15.62 KB" in html
+
+
+def test_visualize_draws_text_without_graphviz(tmp_path: Path, data: np.ndarray) -> None:
+    x = tw.from_array(data)
+    drawing = (x * 2).sum(axis=0).visualize(tmp_path / "g.txt")
+    text = str(drawing)
+    assert "from_array" in text and "multiply" in text and "sum(axis=0)" in text
+    assert "<- n0" in text and (tmp_path / "g.txt").read_text().strip() == text.strip()
+
+
+def test_scalar_conversion_computes_one_element(data: np.ndarray) -> None:
+    x = tw.from_array(data)
+    assert float(x.sum()) == pytest.approx(float(data.sum(dtype=np.float64)), rel=1e-6)
+    assert bool((x > -100).all())
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(x)
+    with pytest.raises(TypeError, match="cannot be iterated"):
+        list(x)
+    np.testing.assert_array_equal(np.asarray(x[:3]), data[:3])

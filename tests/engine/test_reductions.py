@@ -1,0 +1,174 @@
+"""Reductions and passes: one read for several results, stages, user reductions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow.engine.sources import FileReader
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Every row range a task reads from a file source, in order."""
+    seen: list[tuple[int, int]] = []
+    original = FileReader.read
+
+    def read(self: FileReader, i0: int, i1: int) -> np.ndarray:
+        seen.append((i0, i1))
+        return original(self, i0, i1)
+
+    monkeypatch.setattr(FileReader, "read", read)
+    yield seen
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> str:
+    a = np.random.default_rng(1).normal(3, 2, size=(5000, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", a)
+    return str(tmp_path / "x.npy")
+
+
+def test_mean_and_std_come_from_one_pass(path: str, reads: list[tuple[int, int]]) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=700)
+    mean, std, top = tw.compute(x.mean(axis=0), x.std(axis=0), x.max())
+    assert sorted(reads) == list(x.blocks)  # every block read exactly once
+    np.testing.assert_allclose(mean, a.mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(std, a.std(axis=0), rtol=1e-5)
+    assert top == a.max()
+
+
+def test_standardising_takes_a_second_stage(path: str, reads: list[tuple[int, int]]) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=1000)
+    z = (x - x.mean(axis=0)) / x.std(axis=0)
+    result = z.compute()
+    assert len(reads) == 2 * x.nblocks  # once for the moments, once for the output
+    np.testing.assert_allclose(result, (a - a.mean(0)) / a.std(0), rtol=1e-4, atol=1e-5)
+
+
+def test_the_same_computation_built_twice_runs_once(
+    path: str, reads: list[tuple[int, int]]
+) -> None:
+    s1, s2 = tw.compute(tw.from_npy(path, rows=1000).sum(), tw.from_npy(path, rows=1000).sum())
+    assert s1 == s2 and len(reads) == 5
+
+
+def test_reductions_over_trailing_axes_are_block_operations(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=999)
+    r = x.sum(axis=1)
+    assert r.shape == (5000,) and r.blocks == x.blocks
+    np.testing.assert_allclose(r.compute(), a.sum(axis=1), rtol=1e-5)
+    np.testing.assert_array_equal(x.argmax(axis=1).compute(), a.argmax(axis=1))
+    np.testing.assert_allclose(
+        np.sqrt(x * 2 + 10).var(axis=-1, keepdims=True).compute(),
+        np.sqrt(a * 2 + 10).var(axis=-1, keepdims=True),
+        rtol=1e-4,
+    )
+
+
+def test_argmin_argmax_use_global_row_numbers(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=333)
+    assert x.argmin().compute() == a.argmin()
+    np.testing.assert_array_equal(x.argmax(axis=0).compute(), a.argmax(axis=0))
+    with pytest.raises(
+        ValueError, match="argmin over the rows of an array whose row count is unknown"
+    ):
+        x[x[:, 0] > 0].argmin()
+
+
+def test_histogram_with_a_range_and_with_edges(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=800)
+    counts, edges = np.histogram(x, bins=7, range=(-2, 8))
+    want, want_edges = np.histogram(a, bins=7, range=(-2, 8))
+    np.testing.assert_array_equal(edges, want_edges)
+    np.testing.assert_array_equal(counts.compute(), want)
+    dense, _ = x.histogram(bins=[0, 1, 2, 5], density=True)
+    np.testing.assert_allclose(dense.compute(), np.histogram(a, bins=[0, 1, 2, 5], density=True)[0])
+    with pytest.raises(ValueError, match="needs range"):
+        x.histogram(bins=5)
+
+
+def test_user_reduction_commutative_and_ordered(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=512)
+    count = x.reduction(lambda b: len(b), lambda p, q: p + q, dtype=int, shape=())
+    assert count.compute() == 5000
+    assert (count * 2).compute() == 10000
+    # The Python int the aggregate returns is bound as the declared int (a strong
+    # scalar): float32 / int64 is float64, as the plan said when it was built.
+    share = x / count
+    assert share.dtype == np.float64
+    np.testing.assert_allclose(share.compute(), a / 5000)
+    firsts = x[:, 0].reduction(
+        lambda b: [float(b[0])] if len(b) else [],
+        lambda p, q: p + q,
+        commutative=False,
+        name="firsts",
+    )
+    assert firsts.compute() == [float(a[i, 0]) for i in range(0, 5000, 512)]
+    offsets = x.reduction(lambda b, start: [start], lambda p, q: p + q, with_offset=True)
+    assert sorted(offsets.compute()) == list(range(0, 5000, 512))
+    with pytest.raises(TypeError, match="no declared dtype and shape"):
+        firsts + 1
+
+
+def test_user_reduction_errors_name_the_block(path: str) -> None:
+    x = tw.from_npy(path, rows=1000)
+
+    def chunk(b: np.ndarray) -> Any:
+        if b[0, 0] > -100:
+            raise RuntimeError("bad block")
+        return 0
+
+    with pytest.raises(
+        tw.errors.BlockError,
+        match=r"reduction\(chunk\) failed on block \d of 5 \(rows \d+:\d+\).*bad block",
+    ):
+        x.reduction(chunk, lambda p, q: p + q).compute(executor="serial")
+
+
+def test_values_combine_with_numpy_semantics(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path)
+    m = x.mean(axis=0)
+    r = (m * 2 + np.arange(6)) / x.std()
+    want = (a.mean(axis=0) * 2 + np.arange(6)) / a.std()
+    np.testing.assert_allclose(r.compute(), want, rtol=1e-5)
+    assert r.shape == (6,) and r.dtype == want.dtype
+    np.testing.assert_allclose(m[2:4].compute(), a.mean(axis=0)[2:4], rtol=1e-5)
+    np.testing.assert_allclose(np.sqrt(x.var(axis=0)).compute(), a.std(axis=0), rtol=1e-5)
+
+
+def test_row_vector_and_matrix_products(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=1234)
+    w = np.random.default_rng(2).normal(size=(6, 3))
+    np.testing.assert_allclose((x @ w).compute(), a @ w, rtol=1e-5)
+    np.testing.assert_allclose(np.dot(x, w).sum(axis=0).compute(), (a @ w).sum(axis=0), rtol=1e-5)
+    v = np.arange(5000.0)
+    np.testing.assert_allclose((v @ x).compute(), v @ a, rtol=1e-6)
+    np.testing.assert_allclose((x[:, 0] @ v).compute(), a[:, 0] @ v, rtol=1e-6)
+    with pytest.raises(
+        ValueError, match=r"\(6,\).*\(5, 3\)|last axis \(6\) must equal w's first axis \(5\)"
+    ):
+        x @ np.ones((5, 3))
+
+
+def test_head_of_a_masked_array_stops_after_enough_blocks(
+    path: str, reads: list[tuple[int, int]]
+) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=100)
+    first = x[x[:, 0] > 3].head(10)
+    np.testing.assert_array_equal(first.compute(executor="serial"), a[a[:, 0] > 3][:10])
+    assert len(reads) < x.nblocks // 2  # later blocks were not needed

@@ -1,0 +1,275 @@
+"""The scheduler: admission within the budget, backpressure, spilling at critical,
+release of source pages, errors and interrupts, executors and callbacks."""
+
+from __future__ import annotations
+
+import _thread
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow.engine import executors, types
+from tierflow.errors import BlockError
+from tierflow.storage import pages, spill
+from tierflow.system import pressure
+from tierflow.system.types import Level
+
+MB = 1 << 20
+
+
+class Recorder:
+    """A callback that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def start(self, event: types.ComputeStarted) -> None:
+        self.events.append(event)
+
+    def task_done(self, event: types.TaskFinished) -> None:
+        self.events.append(event)
+
+    def finish(self, event: types.ComputeFinished) -> None:
+        self.events.append(event)
+
+    @property
+    def finished(self) -> types.ComputeFinished:
+        last = self.events[-1]
+        assert isinstance(last, types.ComputeFinished)
+        return last
+
+
+class Concurrency:
+    """A block function that records how many calls run at once."""
+
+    def __init__(self, pause: float = 0.02) -> None:
+        self.pause = pause
+        self.lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+        self.calls = 0
+
+    def __call__(self, b: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.now += 1
+            self.calls += 1
+            self.most = max(self.most, self.now)
+        time.sleep(self.pause)
+        with self.lock:
+            self.now -= 1
+        return b * 2
+
+
+def worker_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tierflow-worker")]
+
+
+def blocks_of(mb: float, n: int) -> tw.Array:
+    rows = int(mb * MB) // 8
+    return tw.from_array(np.ones((rows * n, 1)), rows=rows)
+
+
+def test_blocks_too_big_for_a_workers_share_are_cut_to_fit() -> None:
+    tw.memory.budget("3MB")  # a 1 MB block task projects 2 MB: more than 3 MB / (2 x 4)
+    fn = Concurrency()
+    rec = Recorder()
+    x = blocks_of(1, 8).map_blocks(fn, dtype=np.float64, row_shape=(1,))
+    result = x.compute(workers=4, callbacks=rec)
+    assert fn.calls > 8 and float(result.sum()) == 2 * len(result)
+    assert 0 < rec.finished.peak_bytes <= 3 * MB
+
+
+def test_admission_keeps_projected_memory_within_a_tiny_budget() -> None:
+    tw.memory.budget("3MB")
+    fn = Concurrency()
+    rec = Recorder()
+    x = blocks_of(1, 8)
+    # After a mask, blocks cannot be cut: each task projects its 1 MB block several
+    # times (masked copy, result, held block), more than the budget: one at a time.
+    y = x[x[:, 0] > 0].map_blocks(fn, dtype=np.float64, row_shape=(1,))
+    result = y.compute(workers=4, callbacks=rec)
+    assert fn.most == 1 and fn.calls == 8 and len(result) == 8 * (MB // 8)
+
+
+def test_a_bigger_budget_lets_workers_run_together() -> None:
+    tw.memory.budget("64MB")
+    fn = Concurrency()
+    rec = Recorder()
+    blocks_of(1, 8).map_blocks(fn, dtype=np.float64, row_shape=(1,)).compute(
+        workers=4, callbacks=rec
+    )
+    assert fn.most >= 2
+    assert rec.finished.peak_bytes <= 64 * MB
+
+
+def test_high_pressure_admits_one_task_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    tw.memory.budget("64MB")
+    monkeypatch.setattr(pressure, "level_now", lambda: Level.HIGH)
+    fn = Concurrency()
+    result = blocks_of(0.25, 6).map_blocks(fn, dtype=np.float64, row_shape=(1,)).compute(workers=4)
+    assert fn.most == 1 and fn.calls == 6 and float(result.sum()) == 2 * len(result)
+
+
+def test_critical_pressure_spills_held_blocks_and_deletes_them_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tw.memory.budget("64MB")
+    levels = iter([Level.OK])  # the first blocks run at ok, then the level is critical
+    monkeypatch.setattr(pressure, "level_now", lambda: next(levels, Level.CRITICAL))
+    before = len(spill.live_files())
+    a = np.random.default_rng(0).normal(size=(40_000, 4))
+    x = tw.from_array(a, rows=4000)
+    rec = Recorder()
+    masked = x[x[:, 0] > 0]  # unknown sizes: blocks are held until assembled
+    result = masked.compute(executor="serial", callbacks=rec)
+    np.testing.assert_array_equal(result, a[a[:, 0] > 0])
+    assert rec.finished.spilled_bytes > 0
+    assert len(spill.live_files()) == before + (1 if tw.memory.on_disk(result) else 0)
+
+
+def test_finished_source_blocks_leave_the_process(tmp_path: Path) -> None:
+    path = tmp_path / "x.npy"
+    np.save(path, np.ones((1 << 20, 4), np.float32))  # 16 MB
+    x = tw.from_npy(path, rows=1 << 17)
+    assert x.sum().compute() == 4 << 20
+    mapping = x._node.reader.source._mapping()  # type: ignore[attr-defined]
+    assert pages.mapped_bytes(mapping) <= 2 * 4096 * x.nblocks  # page edges at most
+
+
+def test_depth_first_order_appends_a_block_before_reading_the_next() -> None:
+    rec = Recorder()
+    x = tw.from_array(np.arange(100.0), rows=10)
+    with tempfile.TemporaryDirectory() as folder:
+        x[x > 17].to_npy(f"{folder}/m.npy", executor="serial", callbacks=rec)
+    names = [e.name for e in rec.events if isinstance(e, types.TaskFinished)]
+    blocks = [i for i, n in enumerate(names) if n.startswith("block")]
+    appends = [i for i, n in enumerate(names) if n.startswith("append")]
+    assert len(blocks) == len(appends) == 10
+    # At most one block is read ahead (the queued one) before a block is appended.
+    assert all(appends[j] < blocks[j + 2] for j in range(8))
+
+
+def test_the_first_error_stops_the_compute_and_the_workers() -> None:
+    calls: list[int] = []
+
+    def fails(b: np.ndarray) -> np.ndarray:
+        calls.append(int(b[0, 0]))
+        if b[0, 0] == 300:
+            raise ValueError("block 3 is bad")
+        time.sleep(0.01)
+        return b
+
+    x = tw.from_array(np.arange(2000.0).reshape(2000, 1), rows=100)
+    with pytest.raises(
+        BlockError, match=r"failed on block 3 of 20 \(rows 300:400\).*block 3 is bad"
+    ) as info:
+        x.map_blocks(fails, dtype=np.float64, row_shape=(1,)).compute(workers=2)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert (info.value.index, info.value.start, info.value.stop) == (3, 300, 400)
+    assert len(calls) < 20 and worker_threads() == []
+
+
+@pytest.mark.parametrize("where", ["worker", "main"])
+def test_keyboard_interrupt_stops_workers_and_leaves_nothing(tmp_path: Path, where: str) -> None:
+    tw.memory.budget("1MB")  # the output spills: its file must go too
+    before = len(spill.live_files())
+    calls: list[int] = []
+
+    def work(b: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        if len(calls) == 5:
+            if where == "worker":
+                raise KeyboardInterrupt
+            _thread.interrupt_main()
+        time.sleep(0.01)
+        return b + 1
+
+    x = tw.from_array(np.zeros((400_000, 1)), rows=10_000)
+    y = x.map_blocks(work, dtype=np.float64, row_shape=(1,))
+    with pytest.raises(KeyboardInterrupt):
+        y.compute(workers=2)
+        time.sleep(1)  # the interrupt of the main thread may land just after
+    done = len(calls)
+    time.sleep(0.1)
+    assert len(calls) == done < 40  # nothing runs after the interrupt
+    assert worker_threads() == [] and len(spill.live_files()) == before
+    with pytest.raises(KeyboardInterrupt):
+        calls.clear()
+        y.to_npy(tmp_path / "out.npy", workers=2)
+        time.sleep(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_serial_and_thread_executors_and_a_custom_one() -> None:
+    main = threading.get_ident()
+    seen: set[int] = set()
+
+    def where(b: np.ndarray) -> np.ndarray:
+        seen.add(threading.get_ident())
+        return b
+
+    x = tw.from_array(np.zeros((100, 1)), rows=10).map_blocks(
+        where, dtype=np.float64, row_shape=(1,)
+    )
+    x.compute(executor="serial")
+    assert seen == {main}
+    seen.clear()
+    x.compute(executor="threads", workers=2)
+    assert main not in seen and worker_threads() == []
+
+    class Counting(executors.SerialExecutor):
+        name = "counting"
+
+        def __init__(self) -> None:
+            self.submitted = 0
+
+        def submit(self, fn: Any, done: Any) -> None:
+            self.submitted += 1
+            super().submit(fn, done)
+
+    custom = Counting()
+    x.compute(executor=custom)
+    assert custom.submitted == 11  # 10 blocks and the commit
+    with tw.use_executor(custom):
+        x.compute()
+    assert custom.submitted == 22
+    with pytest.raises(ValueError, match="unknown executor 'dask-ish'"):
+        x.compute(executor="dask-ish")
+    with pytest.raises(TypeError, match="is not an executor"):
+        x.compute(executor=object())  # type: ignore[arg-type]
+
+
+def test_callbacks_see_start_every_task_and_finish() -> None:
+    rec = Recorder()
+    x = tw.from_array(np.ones((1000, 2)), rows=100)
+    tw.compute(x.sum(), x.max(axis=0), callbacks=[rec], executor="serial")
+    start, *done, finish = rec.events
+    assert (
+        isinstance(start, types.ComputeStarted) and start.tasks == 12 and start.executor == "serial"
+    )
+    assert [e.done for e in done] == list(range(1, 13)) and all(e.total == 12 for e in done)
+    assert finish.done == 12 and finish.error is None and finish.seconds > 0
+
+    class Boom(Recorder):
+        def task_done(self, event: types.TaskFinished) -> None:
+            raise RuntimeError("reporting failed")
+
+    with pytest.raises(RuntimeError, match="reporting failed"):
+        x.sum().compute(callbacks=Boom())
+    assert worker_threads() == []
+
+
+def test_progress_bar_after_a_delay_or_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    x = tw.from_array(np.ones((100, 2)), rows=10)
+    x.sum().compute()
+    assert capsys.readouterr().err == ""
+    x.sum().compute(progress=True)
+    assert "11/11" in capsys.readouterr().err
+    x.sum().compute(progress=False)
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,157 @@
+"""Sinks: compute into the tiers, to_npy (streamed, atomic), persist."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow.engine.sinks import npy_header
+from tierflow.errors import BlockError
+from tierflow.storage import placement, spill
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [("<f4", (1000, 8)), ("|b1", (0,)), ("<i8", (3, 2, 5)), ([("a", "<f4"), ("b", "<i2")], (7,))],
+)
+def test_npy_header_is_numpys(dtype: object, shape: tuple[int, ...]) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(shape, dtype))
+    data = buffer.getvalue()
+    header = npy_header(np.dtype(dtype), shape)
+    assert data.startswith(header)
+
+
+def test_a_padded_header_still_reads(tmp_path: Path) -> None:
+    wide = npy_header(np.dtype("<f4"), (10**19 - 1, 8))
+    header = npy_header(np.dtype("<f4"), (3, 8), len(wide))
+    (tmp_path / "p.npy").write_bytes(header + np.ones((3, 8), "<f4").tobytes())
+    np.testing.assert_array_equal(np.load(tmp_path / "p.npy"), np.ones((3, 8)))
+
+
+def test_compute_places_a_result_bigger_than_the_budget_on_the_ssd(tmp_path: Path) -> None:
+    tw.memory.budget("4MB")
+    a = np.random.default_rng(0).normal(size=(200_000, 4)).astype(np.float32)  # 3 MB
+    x = tw.from_array(a, rows=20_000)
+    y = (x * 2).astype(np.float64)  # 6 MB: more than the budget
+    result = y.compute()
+    assert placement.on_disk(result)
+    np.testing.assert_array_equal(result, a.astype(np.float64) * 2)
+    small = (x[:10] + 1).compute()
+    assert not placement.on_disk(small)
+
+
+def test_to_npy_streams_known_and_unknown_row_counts(tmp_path: Path) -> None:
+    a = np.random.default_rng(1).normal(size=(5000, 3))
+    x = tw.from_array(a, rows=701)
+    (x * 2).to_npy(tmp_path / "double.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "double.npy"), a * 2)
+    x[x[:, 1] > 0.5].to_npy(tmp_path / "masked.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "masked.npy"), a[a[:, 1] > 0.5])
+    x[x[:, 1] > 99].to_npy(tmp_path / "empty.npy")
+    assert np.load(tmp_path / "empty.npy").shape == (0, 3)
+    x.sum(axis=0).to_npy(tmp_path / "sum.npy", fsync=True)
+    np.testing.assert_allclose(np.load(tmp_path / "sum.npy"), a.sum(axis=0))
+    assert leftovers(tmp_path) == []
+
+
+def test_to_npy_writes_over_its_own_source_safely(tmp_path: Path) -> None:
+    path = tmp_path / "a.npy"
+    np.save(path, np.arange(1000.0))
+    (tw.from_npy(path, rows=100) + 1).to_npy(path)
+    np.testing.assert_array_equal(np.load(path), np.arange(1000.0) + 1)
+
+
+@pytest.mark.parametrize("unknown_rows", [False, True])
+def test_a_failing_to_npy_leaves_no_file_and_no_temporary(
+    tmp_path: Path, unknown_rows: bool
+) -> None:
+    target = tmp_path / "out.npy"
+    target.write_bytes(b"old contents")
+
+    def fails_late(b: np.ndarray) -> np.ndarray:
+        if b[0, 0] >= 600:
+            raise RuntimeError("disk of doom")
+        return b
+
+    x = tw.from_array(np.arange(2000.0).reshape(1000, 2), rows=100)
+    y = x.map_blocks(fails_late, dtype=np.float64, row_shape=(2,))
+    if unknown_rows:
+        y = y[y[:, 1] > 0]
+    with pytest.raises(BlockError, match="disk of doom"):
+        y.to_npy(target)
+    assert target.read_bytes() == b"old contents"
+    assert leftovers(tmp_path) == []
+
+
+def test_a_full_disk_is_refused_before_any_work_with_the_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    calls = []
+    x = tw.from_array(np.zeros((1000, 4)), rows=100).map_blocks(
+        lambda b: calls.append(1) or b, dtype=np.float64, row_shape=(4,)
+    )
+    with pytest.raises(
+        OSError,
+        match=r"no room to write .*out\.npy: it needs 31\.375 KB \(32128 bytes\) and .* are free there",
+    ):
+        x.to_npy(tmp_path / "out.npy")
+    assert calls == [] and leftovers(tmp_path) == []
+
+
+def test_an_interrupted_to_npy_leaves_nothing(tmp_path: Path) -> None:
+    started = threading.Event()
+
+    def slow(b: np.ndarray) -> np.ndarray:
+        started.set()
+        if b[0, 0] >= 300:
+            raise KeyboardInterrupt
+        return b
+
+    x = tw.from_array(np.arange(1000.0).reshape(500, 2), rows=50)
+    with pytest.raises(KeyboardInterrupt):
+        x.map_blocks(slow, dtype=np.float64, row_shape=(2,)).to_npy(tmp_path / "k.npy")
+    assert started.is_set() and leftovers(tmp_path) == [] and not (tmp_path / "k.npy").exists()
+
+
+def test_persist_keeps_key_and_blocks_and_reads_the_tiers(tmp_path: Path) -> None:
+    a = np.random.default_rng(2).normal(size=(3000, 2))
+    x = tw.from_array(a, rows=1000)
+    y = np.exp(x) - 1
+    p = y.persist()
+    assert p.key == y.key and p.blocks == y.blocks
+    np.testing.assert_array_equal(p.compute(), np.exp(a) - 1)
+    masked = y[y[:, 0] > 0].persist()
+    assert masked.shape == (int((a[:, 0] > 0).sum()), 2)
+    total = y.sum().persist()
+    assert total.key == y.sum().key and float(total) == pytest.approx(float((np.exp(a) - 1).sum()))
+
+
+def test_failed_compute_frees_its_spilled_output() -> None:
+    tw.memory.budget("1MB")
+    before = len(spill.live_files())
+
+    def fail(b: np.ndarray) -> np.ndarray:
+        if b[0, 0] > 100_000:
+            raise ValueError("late failure")
+        return b
+
+    x = tw.from_array(np.arange(400_000.0).reshape(200_000, 2), rows=20_000)
+    with pytest.raises(BlockError, match="late failure"):
+        x.map_blocks(fail, dtype=np.float64, row_shape=(2,)).compute()
+    assert len(spill.live_files()) == before

@@ -1,0 +1,1173 @@
+"""The lazy :class:`Array` and its constructors: ``tw.from_npy``, ``tw.from_raw``,
+``tw.from_array``, ``tw.from_files``.
+
+An Array is a handle on a graph node (:mod:`tierflow.engine.graph`). Building one reads
+no data and runs no operator: NumPy operators, ufuncs, reductions, selections and
+``map_blocks`` add nodes; a sink (``compute``, ``to_npy``, ``persist``) runs them.
+
+Semantics are NumPy's: result dtypes follow NEP 50, operands broadcast against trailing
+axes, shapes that do not broadcast raise NumPy's error naming both shapes, and errors
+NumPy raises while resolving dtypes (an unsigned integer plus ``-1``) are raised when the
+pipeline is built, not halfway through it. Two things differ, both because rows come in
+blocks:
+
+* an operand that does not have the array's rows (a row vector of column means, the
+  result of a reduction) is a *broadcast constant*: it is computed first and held in
+  memory whole;
+* after a boolean mask the number of rows is unknown (``shape[0]`` is None) until
+  computed; such arrays combine only with arrays cut by the same mask.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..config import format_bytes
+from ..errors import SourceError
+from ..operators import reductions as red
+from ..operators import selection
+from ..storage import sources as storage_sources
+from ..storage import stream
+from ..system import devices
+from . import graph, specs
+from .graph import Chunked, ElemOp, Node, Value
+from .sources import ArrayReader, FileReader, FilesReader
+
+__all__ = ["Array", "from_array", "from_files", "from_npy", "from_raw"]
+
+# A lazy operand that is not row-aligned is held whole in memory as a broadcast constant;
+# above this share of the RAM budget that is refused rather than risked.
+CONSTANT_SHARE = 8
+
+
+def _workers() -> int:
+    try:
+        return max(1, devices.cpu_cores())
+    except Exception:
+        return max(1, os.cpu_count() or 1)
+
+
+# Default block size: at most this many bytes, and small enough that every worker gets
+# several blocks (cache-sized sub-blocks do the work inside a block, so a bigger block
+# buys nothing but a longer wait at the start and the end of a pass).
+MAX_DEFAULT_BLOCK = 32 << 20
+MIN_DEFAULT_BLOCK = 1 << 20
+BLOCKS_PER_WORKER = 4
+
+
+def _default_rows(row_nbytes: int, n_rows: int | None = None) -> int:
+    """Rows per block: the budget's share (``memory.chunks`` rules), at most 32 MB, and
+    at most ``1 / (4 x workers)`` of the array (but at least 1 MB of rows)."""
+    workers = _workers()
+    rows = int(stream.default_rows(row_nbytes, share=max(16, 4 * workers)))
+    rows = min(rows, max(1, MAX_DEFAULT_BLOCK // max(1, row_nbytes)))
+    if n_rows:
+        spread = math.ceil(n_rows / (BLOCKS_PER_WORKER * workers))
+        floor = max(1, MIN_DEFAULT_BLOCK // max(1, row_nbytes))
+        rows = min(rows, max(spread, floor))
+    return max(1, rows)
+
+
+def _bounds(n_rows: int, rows: int | None, row_nbytes: int) -> tuple[int, ...]:
+    step = stream.check_rows(rows) or _default_rows(row_nbytes, n_rows)
+    return (0, *(stop for _, stop in selection.block_bounds(n_rows, step)))
+
+
+def _wrap(node: Node) -> Array:
+    return Array(node)
+
+
+# -- constructors -----------------------------------------------------------------------
+
+
+def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
+    """A lazy array over a ``.npy`` file, in blocks of ``rows`` rows.
+
+    Nothing is read but the header. ``rows`` defaults from the RAM budget (a block is
+    ``budget / max(16, 4 x cores)`` bytes, clamped to [1 MB, 256 MB]). Blocks are views
+    of a read-only memory map: reading one faults in exactly its bytes, and finished
+    blocks are dropped from the process.
+
+    Raises :class:`~tierflow.errors.SourceError` for a file that is not a readable
+    C-order ``.npy`` (naming the file and the numbers), ``FileNotFoundError`` if there
+    is none. A file changed after this call makes a later compute raise SourceError.
+    """
+    source = storage_sources.open_npy(path)
+    reader = FileReader(source, "from_npy")
+    return _wrap(graph.Source(reader, _bounds(source.n_rows, rows, reader.row_nbytes)))
+
+
+def from_raw(
+    path: str | os.PathLike[str],
+    dtype: Any,
+    shape: int | tuple[int, ...],
+    offset: int = 0,
+    rows: int | None = None,
+) -> Array:
+    """A lazy array over a raw binary file of C-order ``dtype`` elements at ``offset``.
+
+    ``shape`` is the full shape, or a row shape with the row count taken from the file
+    size (``(-1, 8)``); see :func:`tierflow.storage.sources.open_raw`. Raises
+    :class:`~tierflow.errors.SourceError` when the size is not a whole number of rows.
+    """
+    source = storage_sources.open_raw(path, dtype, shape, offset)
+    if len(source.shape) == 0:
+        raise SourceError(f"{path}: a 0-d raw array has no rows")
+    reader = FileReader(source, "from_raw")
+    return _wrap(graph.Source(reader, _bounds(source.n_rows, rows, reader.row_nbytes)))
+
+
+def from_array(a: Any, rows: int | None = None) -> Array:
+    """A lazy array over an in-memory array, ``np.memmap`` or ``memory.array`` (no copy).
+
+    A 0-d array or scalar becomes a constant. The array must not change while lazy
+    arrays built on it are in use: its key is a digest of its contents, taken once.
+    """
+    if isinstance(a, Array):
+        return a
+    array = a if isinstance(a, np.ndarray) else np.asarray(a)
+    if array.dtype.hasobject:
+        raise TypeError(
+            f"cannot make a lazy array of dtype {array.dtype}: it holds Python objects; "
+            "convert to a numeric dtype first"
+        )
+    if array.ndim == 0:
+        return _wrap(graph.Const(array[()]))
+    reader = ArrayReader(array)
+    return _wrap(graph.Source(reader, _bounds(array.shape[0], rows, reader.row_nbytes)))
+
+
+def from_files(
+    paths: Sequence[str | os.PathLike[str]],
+    load: Callable[[str], Any],
+    rows: int | None = None,
+    *,
+    rows_per_file: int | None = 1,
+    dtype: Any = None,
+    row_shape: tuple[int, ...] | None = None,
+) -> Array:
+    """A lazy array whose rows are loaded from many files by ``load(path)``, in the workers.
+
+    ``rows_per_file=1`` (default): ``load`` returns one row (an array of ``row_shape``,
+    or a scalar); the array has ``len(paths)`` rows. ``rows_per_file=k``: every file
+    gives exactly ``k`` rows. ``rows_per_file=None``: each file gives an array of rows
+    with the same row shape but any number of rows; the row count is unknown until the
+    files are loaded (like after a boolean mask).
+
+    ``dtype`` and ``row_shape`` default to those of ``load(paths[0])``, which is then
+    called once now (the only work done before a compute; give both to skip it).
+    ``rows`` is rows per block (files per block when row counts are unknown); it
+    defaults to the budget's block size, and to at most ``len(paths) / (4 x cores)``
+    files per block, so every core gets files to load.
+    """
+    names = [os.fspath(p) for p in paths]
+    if rows_per_file is not None:
+        rows_per_file = stream.check_rows(rows_per_file)
+    if dtype is None or row_shape is None:
+        if not names:
+            raise ValueError("from_files: no paths, and no dtype= and row_shape= to describe rows")
+        probe = np.asarray(load(names[0]))
+        if rows_per_file == 1:
+            found_shape = tuple(probe.shape)
+        else:
+            if probe.ndim == 0:
+                raise ValueError(
+                    f"from_files: load returned a scalar for {names[0]}, but rows_per_file="
+                    f"{rows_per_file} expects an array of rows; use rows_per_file=1"
+                )
+            found_shape = tuple(probe.shape[1:])
+        dtype = probe.dtype if dtype is None else dtype
+        row_shape = found_shape if row_shape is None else row_shape
+    dt = np.dtype(dtype)
+    shape_t = tuple(int(n) for n in row_shape)
+    row_nbytes = dt.itemsize * math.prod(shape_t)
+    per_file = rows_per_file or 1
+    spread = max(1, math.ceil(len(names) / (4 * _workers())))
+    if rows is None:
+        files = max(1, min(spread, _default_rows(row_nbytes * per_file)))
+    else:
+        files = max(1, (stream.check_rows(rows) or 1) // per_file)
+    reader = FilesReader(names, load, rows_per_file, dt, shape_t, files)
+    if rows_per_file is None:
+        return _wrap(graph.Source(reader, None))
+    n_rows = rows_per_file * len(names)
+    step = files * rows_per_file
+    return _wrap(graph.Source(reader, (0, *(s for _, s in selection.block_bounds(n_rows, step)))))
+
+
+# -- operands ---------------------------------------------------------------------------
+
+
+def _node_of(value: Any) -> Any:
+    """An Array's node; in-memory arrays stay arrays (decided later), scalars stay scalars."""
+    if isinstance(value, Array):
+        return value._node
+    if isinstance(value, (bool, int, float, complex, np.generic)):
+        return value
+    if isinstance(value, Node):
+        return value
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if array.dtype.hasobject:
+        raise TypeError(
+            f"cannot use a {type(value).__name__} as an operand of a lazy array: it is not "
+            "numeric (dtype object)"
+        )
+    return array
+
+
+def _shape_of(value: Any) -> tuple[int | None, ...]:
+    if isinstance(value, Node):
+        return value.shape
+    return tuple(np.shape(value))
+
+
+def _describe_shape(shape: tuple[int | None, ...]) -> str:
+    return (
+        "("
+        + ", ".join("?" if n is None else str(n) for n in shape)
+        + ("," if len(shape) == 1 else "")
+        + ")"
+    )
+
+
+def _result_shape(operands: Sequence[Any]) -> tuple[int | None, ...]:
+    """NumPy's broadcast shape, with None for an unknown row count."""
+    shapes = [_shape_of(o) for o in operands]
+    ndim = max(len(s) for s in shapes)
+    unknown = [
+        o
+        for o, s in zip(operands, shapes, strict=False)
+        if len(s) == ndim and ndim and s[0] is None
+    ]
+    known_rows = {
+        s[0] for s in shapes if len(s) == ndim and ndim and s[0] is not None and s[0] != 1
+    }
+    if unknown and known_rows:
+        raise ValueError(
+            "row counts do not match: "
+            + " and ".join(_describe_shape(s) for s in shapes if len(s) == ndim)
+            + " ('?' is a row count that is unknown until computed, after a boolean mask); "
+            "persist() the masked array first, or mask both arrays with the same mask"
+        )
+    if len(unknown) > 1:
+        first = unknown[0].origin
+        if any(o.origin != first for o in unknown[1:]):
+            raise ValueError(
+                "cannot combine arrays whose row counts are unknown and come from different "
+                "masks or files: their rows need not line up; mask both with the same mask "
+                "array, or persist() them first"
+            )
+    big = 2**31 - 1  # stands in for the unknown row count while NumPy checks the rest
+    subst = [tuple(big if n is None else n for n in s) for s in shapes]
+    try:
+        result = np.broadcast_shapes(*subst)
+    except ValueError:
+        text = ", ".join(f"arg {i} with shape {_describe_shape(s)}" for i, s in enumerate(shapes))
+        raise ValueError(
+            f"shape mismatch: objects cannot be broadcast to a single shape ({text})"
+        ) from None
+    return tuple(None if n == big else n for n in result)
+
+
+def _as_value(node: Any) -> Any:
+    """A chunked node as a value node (held whole), or in-memory data as a constant."""
+    if isinstance(node, Value):
+        return node
+    if isinstance(node, np.ndarray):
+        return graph.Const(node)
+    if isinstance(node, Chunked):
+        if isinstance(node, graph.Source) and isinstance(node.reader, ArrayReader):
+            return graph.Const(node.reader.array)
+        from ..system import budget
+
+        limit = budget.budget_bytes() // CONSTANT_SHARE
+        if node.n_rows is not None:
+            nbytes = node.n_rows * node.dtype.itemsize * math.prod(node.row_shape)  # type: ignore[union-attr]
+            if nbytes > limit:
+                raise ValueError(
+                    f"an operand of shape {_describe_shape(node.shape)} does not have the rows "
+                    f"of the result, so it would be held whole in memory ({format_bytes(nbytes)}), "
+                    f"more than 1/{CONSTANT_SHARE} of the RAM budget ({format_bytes(limit * CONSTANT_SHARE)}); "
+                    "give it the rows of the other operand, or raise the budget"
+                )
+        return graph.Reduce(specs.CollectSpec(), (node,))
+    return node
+
+
+def _align(operands: Sequence[Any], shape: tuple[int | None, ...]) -> list[Any]:
+    """Operands as chunked nodes where they have the result's rows, values elsewhere."""
+    ndim = len(shape)
+    rows = shape[0] if ndim else 1
+
+    def aligned(o: Any) -> bool:
+        s = _shape_of(o)
+        return ndim > 0 and len(s) == ndim and s[0] == rows
+
+    # In-memory arrays ride along in row blocks only beside a lazy chunked operand.
+    chunked = any(isinstance(o, Chunked) and aligned(o) for o in operands)
+    out = []
+    for o in operands:
+        if isinstance(o, Chunked):
+            out.append(o if aligned(o) else _as_value(o))
+        elif isinstance(o, np.ndarray):
+            if chunked and aligned(o) and rows != 1:
+                out.append(from_array(o)._node)
+            else:
+                out.append(graph.Const(o) if o.ndim else o[()])
+        else:
+            out.append(o)
+    return out
+
+
+def _check_meta(node: Any) -> None:
+    if isinstance(node, Value) and not node.meta_known:
+        raise TypeError(
+            f"the result of {node.label()} has no declared dtype and shape, so it cannot be "
+            "used in further operations; give dtype= and shape= to x.reduction(...), or "
+            "compute() it first"
+        )
+
+
+def _elementwise(op: ElemOp, *operands: Any) -> Array:
+    nodes = [_node_of(o) for o in operands]
+    for n in nodes:
+        _check_meta(n)
+    shape = _result_shape(nodes)
+    aligned = _align(nodes, shape)
+    if any(isinstance(a, Chunked) for a in aligned):
+        return _wrap(graph.Elementwise(op, tuple(aligned)))
+    return _wrap(graph.Apply(op.apply, tuple(aligned), name=op.label()))
+
+
+def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
+    return _elementwise(ElemOp("ufunc", ufunc, kwargs), *operands)
+
+
+def _value_apply(
+    fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any
+) -> Array:
+    """``fn`` applied to in-memory values: chunked operands are collected first."""
+    args2, kwargs2 = graph.substitute(
+        (args, kwargs), lambda n: n if isinstance(n, Value) else _as_value(n)
+    )
+    return _wrap(graph.Apply(fn, tuple(args2), dict(kwargs2), name=name))
+
+
+def _reduce_value(kind: str) -> Callable[..., Any]:
+    if kind == "count_nonzero":
+        return np.count_nonzero
+    return getattr(np, kind)
+
+
+# -- the Array --------------------------------------------------------------------------
+
+
+class Array:
+    """A lazy array, chunked in row blocks along axis 0 (see the module docstring).
+
+    Attributes: ``shape`` (None for an unknown row count), ``dtype``, ``ndim``,
+    ``size``, ``nbytes``, ``blocks`` (``(start, stop)`` rows of each block), ``nblocks``
+    and ``key`` (a stable digest of what it computes).
+    """
+
+    # Above NumPy arrays, so ``ndarray + Array`` dispatches here.
+    __array_priority__ = 20
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    # -- metadata ---------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int | None, ...]:
+        """The shape; the row count is None until computed after a boolean mask."""
+        return self._node.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype (NumPy's result dtype of the operations)."""
+        return self._node.dtype  # type: ignore[return-value]
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return self._node.ndim
+
+    @property
+    def size(self) -> int | None:
+        """Number of elements (None while the row count is unknown)."""
+        if any(n is None for n in self.shape):
+            return None
+        return math.prod(self.shape)  # type: ignore[arg-type]
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of the computed array (None while the row count is unknown)."""
+        size = self.size
+        return None if size is None or self.dtype is None else size * self.dtype.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return int(self.dtype.itemsize)
+
+    @property
+    def blocks(self) -> tuple[tuple[int, int], ...] | None:
+        """``(start, stop)`` rows of every block; None while row counts are unknown
+        (and for in-memory results such as reductions, which have no blocks)."""
+        node = self._node
+        if isinstance(node, Chunked) and node.bounds is not None:
+            return tuple(node.block_pairs())
+        return None
+
+    @property
+    def nblocks(self) -> int:
+        """Number of row blocks (1 for in-memory results)."""
+        node = self._node
+        return node.nblocks if isinstance(node, Chunked) else 1
+
+    @property
+    def key(self) -> str:
+        """A 32-digit hex digest of what this array computes: equal keys, equal results.
+
+        It covers the operations, their parameters (functions by their pickled code and
+        closure) and the sources (path, size, modification time, inode, dtype, shape)."""
+        return self._node.key
+
+    def __len__(self) -> int:
+        n = self.shape[0] if self.shape else None
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        if n is None:
+            raise TypeError(
+                "len() of an array whose row count is unknown until computed (after a "
+                "boolean mask); compute() or persist() it first"
+            )
+        return n
+
+    def __iter__(self) -> Any:
+        raise TypeError(
+            "a lazy array cannot be iterated row by row; compute() it, or use map_blocks "
+            "to run a function on each block"
+        )
+
+    __hash__ = object.__hash__
+
+    # -- sinks ------------------------------------------------------------------------
+
+    def compute(self, **options: Any) -> Any:
+        """The result as a NumPy array (or NumPy scalar), computed now.
+
+        A chunked result is allocated with ``memory.array``: in RAM while it fits the
+        budget, else in a spill file on the SSD (an ``np.memmap``). Options are those of
+        :func:`tierflow.compute` (``progress``, ``executor``, ``workers``, ``callbacks``).
+        """
+        from .compute import compute
+
+        return compute(self, **options)[0]
+
+    def persist(self, **options: Any) -> Array:
+        """Compute now and return an Array over the result (RAM or SSD), with the same
+        key and blocks, so later pipelines start from it instead of recomputing it."""
+        from .compute import persist
+
+        return persist(self, **options)
+
+    def to_npy(self, path: str | os.PathLike[str], **options: Any) -> None:
+        """Write the result to a ``.npy`` file, streaming, however big it is.
+
+        Written under a temporary name in the same folder and renamed to ``path`` at the
+        end: an error or an interrupt leaves neither a half-written ``path`` nor the
+        temporary file. Space for the whole file is reserved before anything is
+        computed (a full disk fails at once, with the numbers). Options as
+        :meth:`compute`, plus ``fsync=True`` to make the file durable before the rename.
+        """
+        from .compute import to_npy
+
+        to_npy(self, path, **options)
+
+    def visualize(self, filename: str | os.PathLike[str] | None = None) -> Any:
+        """The graph of this array: a graphviz ``Digraph`` when graphviz is installed,
+        else a text drawing; written to ``filename`` when given."""
+        from .visualize import visualize
+
+        return visualize(self._node, filename)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        result = np.asarray(self.compute())
+        return result if dtype is None else result.astype(dtype, copy=False)
+
+    def _scalar(self) -> Any:
+        if self.size != 1:
+            raise TypeError(
+                f"only arrays with one element convert to a Python scalar; this one has "
+                f"shape {_describe_shape(self.shape)}"
+            )
+        return np.asarray(self.compute()).reshape(())[()]
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ValueError(
+                "The truth value of an array with more than one element is ambiguous. Use "
+                "a.any() or a.all()"
+            )
+        return bool(self._scalar())
+
+    def __float__(self) -> float:
+        return float(self._scalar())
+
+    def __int__(self) -> int:
+        return int(self._scalar())
+
+    def __complex__(self) -> complex:
+        return complex(self._scalar())
+
+    # -- elementwise ------------------------------------------------------------------
+
+    def __add__(self, other: Any) -> Array:
+        return _ufunc(np.add, self, other)
+
+    def __radd__(self, other: Any) -> Array:
+        return _ufunc(np.add, other, self)
+
+    def __sub__(self, other: Any) -> Array:
+        return _ufunc(np.subtract, self, other)
+
+    def __rsub__(self, other: Any) -> Array:
+        return _ufunc(np.subtract, other, self)
+
+    def __mul__(self, other: Any) -> Array:
+        return _ufunc(np.multiply, self, other)
+
+    def __rmul__(self, other: Any) -> Array:
+        return _ufunc(np.multiply, other, self)
+
+    def __truediv__(self, other: Any) -> Array:
+        return _ufunc(np.true_divide, self, other)
+
+    def __rtruediv__(self, other: Any) -> Array:
+        return _ufunc(np.true_divide, other, self)
+
+    def __floordiv__(self, other: Any) -> Array:
+        return _ufunc(np.floor_divide, self, other)
+
+    def __rfloordiv__(self, other: Any) -> Array:
+        return _ufunc(np.floor_divide, other, self)
+
+    def __mod__(self, other: Any) -> Array:
+        return _ufunc(np.remainder, self, other)
+
+    def __rmod__(self, other: Any) -> Array:
+        return _ufunc(np.remainder, other, self)
+
+    def __pow__(self, other: Any) -> Array:
+        if type(other) is int and other == 2 and self.dtype == np.bool_:
+            # ndarray.__pow__ squares for an exponent of 2, and np.square of booleans
+            # gives int8 where np.power gives int64; x ** 2 keeps NumPy's answer.
+            return _ufunc(np.square, self)
+        return _ufunc(np.power, self, other)
+
+    def __rpow__(self, other: Any) -> Array:
+        return _ufunc(np.power, other, self)
+
+    def __and__(self, other: Any) -> Array:
+        return _ufunc(np.bitwise_and, self, other)
+
+    def __rand__(self, other: Any) -> Array:
+        return _ufunc(np.bitwise_and, other, self)
+
+    def __or__(self, other: Any) -> Array:
+        return _ufunc(np.bitwise_or, self, other)
+
+    def __ror__(self, other: Any) -> Array:
+        return _ufunc(np.bitwise_or, other, self)
+
+    def __xor__(self, other: Any) -> Array:
+        return _ufunc(np.bitwise_xor, self, other)
+
+    def __rxor__(self, other: Any) -> Array:
+        return _ufunc(np.bitwise_xor, other, self)
+
+    def __lshift__(self, other: Any) -> Array:
+        return _ufunc(np.left_shift, self, other)
+
+    def __rlshift__(self, other: Any) -> Array:
+        return _ufunc(np.left_shift, other, self)
+
+    def __rshift__(self, other: Any) -> Array:
+        return _ufunc(np.right_shift, self, other)
+
+    def __rrshift__(self, other: Any) -> Array:
+        return _ufunc(np.right_shift, other, self)
+
+    def __lt__(self, other: Any) -> Array:
+        return _ufunc(np.less, self, other)
+
+    def __le__(self, other: Any) -> Array:
+        return _ufunc(np.less_equal, self, other)
+
+    def __gt__(self, other: Any) -> Array:
+        return _ufunc(np.greater, self, other)
+
+    def __ge__(self, other: Any) -> Array:
+        return _ufunc(np.greater_equal, self, other)
+
+    def __eq__(self, other: Any) -> Array:  # type: ignore[override]
+        return _ufunc(np.equal, self, other)
+
+    def __ne__(self, other: Any) -> Array:  # type: ignore[override]
+        return _ufunc(np.not_equal, self, other)
+
+    def __neg__(self) -> Array:
+        return _ufunc(np.negative, self)
+
+    def __pos__(self) -> Array:
+        return _ufunc(np.positive, self)
+
+    def __abs__(self) -> Array:
+        return _ufunc(np.absolute, self)
+
+    def __invert__(self) -> Array:
+        return _ufunc(np.invert, self)
+
+    def __round__(self, ndigits: int | None = None) -> Array:
+        return self.round(ndigits or 0)
+
+    def __matmul__(self, other: Any) -> Array:
+        return functions.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> Array:
+        return functions.matmul(other, self)
+
+    def astype(self, dtype: Any) -> Array:
+        """Cast to ``dtype`` (``casting="unsafe"``, as ``ndarray.astype``)."""
+        dt = np.dtype(dtype)
+        if dt == self.dtype:
+            return self
+        return _elementwise(ElemOp("astype", dtype=dt), self)
+
+    def round(self, decimals: int = 0) -> Array:
+        """``np.round(x, decimals)``."""
+        return _elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
+
+    def clip(self, min: Any = None, max: Any = None) -> Array:
+        """``np.clip(x, min, max)``; one bound may be None."""
+        if min is None and max is None:
+            raise ValueError("One of max or min must be given")
+        bounds = [b for b in (min, max) if b is not None]
+        op = ElemOp("clip", has_lo=min is not None, has_hi=max is not None)
+        return _elementwise(op, self, *bounds)
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if kwargs.get("out") is not None:
+            raise TypeError(
+                f"np.{ufunc.__name__}(..., out=...) is not supported on lazy arrays: results "
+                "are placed by tierflow; assign the returned array instead"
+            )
+        kwargs.pop("out", None)
+        if method == "__call__":
+            if ufunc is np.matmul:
+                return functions.matmul(*inputs)
+            if ufunc.nout == 1:
+                return _ufunc(ufunc, *inputs, **kwargs)
+            return functions.multi_output(ufunc, inputs, kwargs)
+        if method == "reduce" and ufunc in functions.REDUCE_UFUNCS and len(inputs) == 1:
+            kind = functions.REDUCE_UFUNCS[ufunc]
+            axis = kwargs.pop("axis", 0)
+            unknown = set(kwargs) - {"dtype", "keepdims"}
+            if unknown:
+                raise TypeError(
+                    f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}"
+                )
+            return from_array(inputs[0])._reduce(kind, axis=axis, **kwargs)
+        raise TypeError(
+            f"np.{ufunc.__name__}.{method} is not supported on lazy arrays; use map_blocks, "
+            "or compute() first"
+        )
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        handler = functions.FUNCTIONS.get(func)
+        if handler is None:
+            raise TypeError(
+                f"np.{getattr(func, '__name__', func)} is not supported on lazy arrays; "
+                "use map_blocks for a row-wise function, x.reduction(...) for a reduction "
+                "over rows, or compute() first"
+            )
+        return handler(*args, **kwargs)
+
+    # -- reductions -------------------------------------------------------------------
+
+    def _reduce(
+        self,
+        kind: str,
+        axis: Any = None,
+        keepdims: bool = False,
+        dtype: Any = None,
+        ddof: float = 0,
+    ) -> Array:
+        node = self._node
+        _check_meta(node)
+        if isinstance(node, Value):
+            kwargs: dict[str, Any] = {"axis": axis, "keepdims": keepdims}
+            if dtype is not None:
+                kwargs["dtype"] = dtype
+            if ddof:
+                kwargs["ddof"] = ddof
+            return _value_apply(_reduce_value(kind), node, name=kind, **kwargs)
+        assert isinstance(node, Chunked)
+        op = red.reduction(
+            kind, node.dtype, node.row_shape, axis=axis, keepdims=keepdims, dtype=dtype, ddof=ddof
+        )
+        if isinstance(op, red.RowwiseReduction):
+            return _wrap(
+                graph.BlockMap(specs.RowwiseSpec(kind, axis, keepdims, dtype, ddof), (node,))
+            )
+        spec = specs.KindSpec(kind, axis, keepdims, dtype, ddof)
+        if spec.needs_offset and node.n_rows is None:
+            raise ValueError(
+                f"{kind} over the rows of an array whose row count is unknown (after a "
+                "boolean mask) needs each block's first row; persist() the array first"
+            )
+        return _wrap(graph.Reduce(spec, (node,)))
+
+    def sum(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
+        """Sum over ``axis`` (None: all). Float data accumulates in float64."""
+        return self._reduce("sum", axis, keepdims, dtype)
+
+    def prod(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
+        """Product over ``axis``."""
+        return self._reduce("prod", axis, keepdims, dtype)
+
+    def mean(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
+        """Mean over ``axis``."""
+        return self._reduce("mean", axis, keepdims, dtype)
+
+    def var(
+        self, axis: Any = None, dtype: Any = None, ddof: float = 0, keepdims: bool = False
+    ) -> Array:
+        """Variance over ``axis`` (one pass, Chan's merge of per-block moments)."""
+        return self._reduce("var", axis, keepdims, dtype, ddof)
+
+    def std(
+        self, axis: Any = None, dtype: Any = None, ddof: float = 0, keepdims: bool = False
+    ) -> Array:
+        """Standard deviation over ``axis``."""
+        return self._reduce("std", axis, keepdims, dtype, ddof)
+
+    def min(self, axis: Any = None, keepdims: bool = False) -> Array:
+        """Minimum over ``axis``."""
+        return self._reduce("min", axis, keepdims)
+
+    def max(self, axis: Any = None, keepdims: bool = False) -> Array:
+        """Maximum over ``axis``."""
+        return self._reduce("max", axis, keepdims)
+
+    def any(self, axis: Any = None, keepdims: bool = False) -> Array:
+        """Whether any element is true, over ``axis``."""
+        return self._reduce("any", axis, keepdims)
+
+    def all(self, axis: Any = None, keepdims: bool = False) -> Array:
+        """Whether every element is true, over ``axis``."""
+        return self._reduce("all", axis, keepdims)
+
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Array:
+        """Index of the minimum (first one; NaN first), over ``axis`` or flattened."""
+        return self._reduce("argmin", axis, keepdims)
+
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Array:
+        """Index of the maximum (first one; NaN first), over ``axis`` or flattened."""
+        return self._reduce("argmax", axis, keepdims)
+
+    def count_nonzero(self, axis: Any = None, keepdims: bool = False) -> Array:
+        """Number of non-zero elements over ``axis``."""
+        return self._reduce("count_nonzero", axis, keepdims)
+
+    def histogram(
+        self,
+        bins: Any = 10,
+        range: tuple[float, float] | None = None,
+        density: bool = False,
+    ) -> tuple[Array, np.ndarray]:
+        """``np.histogram`` of all values: ``(lazy counts, bin edges)``.
+
+        With a number of ``bins``, ``range=(lo, hi)`` is required (the data's range is
+        unknown until every block is read); or give the bin edges.
+        """
+        node = self._node
+        if isinstance(node, Value):
+            edges = np.histogram_bin_edges(np.empty(0, node.dtype), bins=bins, range=range)
+            counts = _value_apply(
+                lambda v: np.histogram(v, bins=bins, range=range, density=density)[0],
+                node,
+                name="histogram",
+            )
+            return counts, edges
+        spec = specs.HistogramSpec(bins, range, density)
+        result = graph.Reduce(spec, (node,))  # type: ignore[arg-type]
+        edges = red.Histogram(node.dtype, bins, range, density=density).edges.copy()
+        return _wrap(result), edges
+
+    def reduction(
+        self,
+        chunk: Callable[..., Any],
+        combine: Callable[[Any, Any], Any],
+        aggregate: Callable[[Any], Any] | None = None,
+        *,
+        dtype: Any = None,
+        shape: tuple[int, ...] | None = None,
+        with_offset: bool = False,
+        commutative: bool = True,
+        partial_bytes: int = 1024,
+        name: str | None = None,
+    ) -> Array:
+        """A user reduction over the rows: ``chunk(block)`` gives a partial,
+        ``combine(a, b)`` merges two (associative; must not modify them),
+        ``aggregate(p)`` finishes (the partial itself when omitted).
+
+        ``with_offset=True`` passes each block's first row as ``chunk(block, offset)``;
+        ``commutative=False`` merges only neighbouring blocks, left before right.
+        ``dtype`` and ``shape`` describe the result so it can be used in further
+        operations; ``partial_bytes`` is the size of one partial, for the memory plan.
+        """
+        node = self._node
+        if not isinstance(node, Chunked):
+            raise TypeError("x.reduction() reduces the rows of a chunked array")
+        if with_offset and node.n_rows is None:
+            raise ValueError(
+                "a reduction with_offset=True needs each block's first row, unknown after "
+                "a boolean mask; persist() the array first"
+            )
+        op = red.Reduction(
+            chunk, combine, aggregate, with_offset=with_offset, commutative=commutative,
+            out_dtype=dtype, out_shape=None if shape is None else tuple(shape),
+            partial_bytes=partial_bytes, name=name,
+        )  # fmt: skip
+        return _wrap(graph.Reduce(specs.UserSpec(op, (chunk, combine, aggregate)), (node,)))
+
+    # -- blockwise --------------------------------------------------------------------
+
+    def map_blocks(
+        self,
+        fn: Callable[..., Any],
+        *others: Any,
+        dtype: Any = None,
+        row_shape: tuple[int, ...] | None = None,
+        device: str = "cpu",
+        **kwargs: Any,
+    ) -> Array:
+        """``fn(block, *other_blocks, **kwargs)`` on every row block.
+
+        ``fn`` must treat rows independently and return one row per input row: blocks
+        may be split (in halves, after an out-of-memory error) or merged differently
+        from run to run. ``others`` are arrays with the same rows, passed as blocks too.
+        ``device="cpu"`` gives ``fn`` NumPy blocks; ``"cuda"``/``"cuda:N"`` gives torch
+        tensors on that GPU; ``"auto"`` torch tensors on the GPU with the most free
+        memory, or on the CPU without one. ``dtype`` and ``row_shape`` of the result
+        default to those of ``fn`` on a probe block of two zero rows (called now; give
+        both to skip it). A result with the wrong number of rows, row shape or a dtype
+        that does not cast raises :class:`~tierflow.errors.BlockError` naming the block.
+        """
+        if not callable(fn):
+            raise TypeError(f"map_blocks needs a function, got {type(fn).__name__}")
+        node = self._node
+        arrays = [self, *(from_array(o) for o in others)]
+        nodes = [a._node for a in arrays]
+        for extra in nodes[1:]:
+            if not isinstance(extra, Chunked) or not isinstance(node, Chunked):
+                raise TypeError(
+                    "map_blocks: extra arrays must be chunked arrays with the same rows"
+                )
+            if extra.n_rows != node.n_rows or (node.n_rows is None and extra.origin != node.origin):
+                raise ValueError(
+                    f"map_blocks: the arrays have different rows: {_describe_shape(node.shape)} "
+                    f"and {_describe_shape(extra.shape)}"
+                )
+        resolved = _device(device)
+        if isinstance(node, Value):
+            if others:
+                raise TypeError("map_blocks on an in-memory result takes no extra arrays")
+            return _value_apply(fn, node, name=getattr(fn, "__name__", "map_blocks"), **kwargs)
+        if dtype is None or row_shape is None:
+            probe_dtype, probe_shape = _probe(fn, nodes, resolved, kwargs)
+            dtype = probe_dtype if dtype is None else dtype
+            row_shape = probe_shape if row_shape is None else row_shape
+        spec = specs.MapSpec(fn, np.dtype(dtype), tuple(row_shape), resolved, kwargs)
+        return _wrap(graph.BlockMap(spec, tuple(nodes)))  # type: ignore[arg-type]
+
+    def filter(self, fn: Callable[[np.ndarray], Any]) -> Array:
+        """The rows for which ``fn(block)`` (one boolean per row) is True.
+
+        The row count is unknown until computed."""
+        node = self._node
+        if not isinstance(node, Chunked):
+            raise TypeError("filter selects rows of a chunked array")
+        return _wrap(graph.Filter(node, None, fn))
+
+    def head(self, n: int = 5) -> Array:
+        """The first ``n`` rows (lazy). Only the blocks that hold them are computed."""
+        n = operator.index(n)
+        if n < 0:
+            raise ValueError(f"head needs n >= 0, got {n}")
+        node = self._node
+        if isinstance(node, Chunked) and node.n_rows is None:
+            return _wrap(graph.Reduce(specs.HeadSpec(n), (node,)))
+        return self[:n]
+
+    def reshape(self, *shape: Any) -> Array:
+        """A new shape that keeps the rows: ``x.reshape(n, 2, 4)`` or ``x.reshape(-1, 8)``
+        for an array of ``n`` rows of 8."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        dims = [operator.index(d) for d in shape]
+        node = self._node
+        if isinstance(node, Value):
+            return _value_apply(np.reshape, node, dims, name="reshape")
+        assert isinstance(node, Chunked)
+        if not dims:
+            raise ValueError("reshape must keep the row axis")
+        row_size = math.prod(node.row_shape)
+        trailing = dims[1:]
+        if -1 in trailing:
+            known = math.prod(d for d in trailing if d != -1)
+            if trailing.count(-1) > 1 or known == 0 or row_size % known:
+                raise ValueError(
+                    f"cannot reshape rows of shape {node.row_shape} into {tuple(trailing)}"
+                )
+            trailing = [row_size // known if d == -1 else d for d in trailing]
+        if dims[0] not in (-1, node.n_rows) or math.prod(trailing) != row_size:
+            raise ValueError(
+                f"cannot reshape an array of shape {_describe_shape(node.shape)} into "
+                f"{tuple(dims)}: a lazy array keeps its rows, so the first axis must be "
+                f"{node.n_rows} (or -1) and the rest must hold {row_size} elements"
+            )
+        if tuple(trailing) == node.row_shape:
+            return self
+        return _wrap(graph.BlockMap(specs.ReshapeSpec(tuple(trailing)), (node,)))
+
+    # -- selection --------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Array:
+        node = self._node
+        if isinstance(node, Value):
+            return _value_apply(operator.getitem, node, key, name="getitem")
+        assert isinstance(node, Chunked)
+        items = key if isinstance(key, tuple) else (key,)
+        if items and isinstance(items[0], Array):
+            return self._mask(items[0], items[1:])
+        if any(isinstance(k, Array) for k in items):
+            raise IndexError(
+                "a lazy array can only index the rows (the first axis), as a boolean mask"
+            )
+        rows, trailing = selection.split_index(key, self.ndim)
+        if isinstance(rows, (np.ndarray, list)) and np.asarray(rows).dtype == bool:
+            mask = np.asarray(rows)
+            return self._mask(from_array(mask), trailing)
+        if isinstance(rows, (np.ndarray, list, tuple)):
+            raise IndexError(
+                "integer arrays on the rows are not supported by lazy arrays; use a boolean "
+                "mask, slices, or compute() first"
+            )
+        if isinstance(rows, slice):
+            out = self._rows(rows)
+        else:
+            index = operator.index(rows)
+            if node.n_rows is None:
+                raise IndexError(
+                    f"x[{index}] needs the row count, unknown after a boolean mask; use head(), "
+                    "or persist() first"
+                )
+            selection.locate_row(index, node.block_pairs())
+            if index < 0:
+                index += node.n_rows
+            row = graph.Reduce(
+                specs.CollectSpec(), (graph.RowSlice(node, slice(index, index + 1)),)
+            )
+            value = _value_apply(operator.getitem, row, 0, name=f"row {index}")
+            return value[trailing] if trailing else value
+        return out._trailing(trailing) if trailing else out
+
+    def _trailing(self, trailing: tuple[Any, ...]) -> Array:
+        node = self._node
+        assert isinstance(node, Chunked)
+        return _wrap(graph.BlockMap(specs.IndexSpec(trailing), (node,)))
+
+    def _rows(self, key: slice) -> Array:
+        node = self._node
+        assert isinstance(node, Chunked)
+        if key == slice(None):
+            return self
+        if node.n_rows is None:
+            raise IndexError(
+                "slicing rows needs the row count, which is unknown after a boolean mask; use "
+                "head(n) for the first rows, or persist() the array first"
+            )
+        if key.step is not None and operator.index(key.step) == 0:
+            raise ValueError("slice step cannot be zero")
+        if key.indices(node.n_rows) == (0, node.n_rows, 1):
+            return self
+        return _wrap(graph.RowSlice(node, key))
+
+    def _mask(self, mask: Array, trailing: tuple[Any, ...]) -> Array:
+        node = self._node
+        mnode = mask._node
+        assert isinstance(node, Chunked)
+        if mask.dtype != bool:
+            raise IndexError("arrays used as indices must be of integer (or boolean) type")
+        if not isinstance(mnode, Chunked):
+            raise IndexError(
+                f"the mask is an in-memory result of shape {_describe_shape(mnode.shape)} "
+                "(a reduction's), not an array with these rows; compute() it first"
+            )
+        if mnode.ndim > node.ndim or tuple(node.shape[1 : mnode.ndim]) != mnode.row_shape:
+            raise IndexError(
+                f"boolean index of shape {_describe_shape(mnode.shape)} does not match the "
+                f"array of shape {_describe_shape(node.shape)}: it must have the array's "
+                "leading shape"
+            )
+        if (mnode.n_rows is None) != (node.n_rows is None) or (
+            node.n_rows is not None and mnode.n_rows != node.n_rows
+        ):
+            raise IndexError(
+                f"boolean index did not match indexed array along axis 0; size of axis is "
+                f"{node.n_rows if node.n_rows is not None else '?'} but size of corresponding "
+                f"boolean axis is {mnode.n_rows if mnode.n_rows is not None else '?'}"
+            )
+        if node.n_rows is None and mnode.origin != node.origin:
+            raise IndexError(
+                "the mask's rows are unknown and come from a different mask than the array's; "
+                "persist() one of them first"
+            )
+        if trailing and mnode.ndim > 1:
+            raise IndexError("a boolean mask over several axes cannot be followed by more indices")
+        out = _wrap(graph.Filter(node, mnode))
+        return out._trailing(trailing) if trailing else out
+
+    # -- display ----------------------------------------------------------------------
+
+    def _pending(self) -> list[str]:
+        return [n.label() for n in graph.walk([self._node]) if n.inputs]
+
+    def _sources(self) -> list[str]:
+        return [n.label() for n in graph.walk([self._node]) if isinstance(n, graph.Source)]
+
+    def _summary(self) -> list[tuple[str, str]]:
+        node = self._node
+        rows: list[tuple[str, str]] = []
+        rows.append(("shape", _describe_shape(self.shape)))
+        rows.append(("dtype", str(self.dtype) if self.dtype is not None else "unknown"))
+        nbytes = self.nbytes
+        rows.append(
+            ("size", format_bytes(nbytes, 2) if nbytes is not None else "unknown until computed")
+        )
+        if isinstance(node, Chunked):
+            if node.bounds is not None:
+                pairs = node.block_pairs()
+                sizes = sorted({b - a for a, b in pairs}, reverse=True)
+                text = f"{len(pairs)} of {sizes[0]} rows" if pairs else "none"
+                if len(sizes) > 1:
+                    text += (
+                        f" (last {pairs[-1][1] - pairs[-1][0]})"
+                        if len(sizes) == 2
+                        else " (varying)"
+                    )
+                rows.append(("blocks", text))
+            else:
+                rows.append(("blocks", f"{node.nblocks}, rows known once computed"))
+        else:
+            rows.append(("blocks", "in memory once computed"))
+        sources = self._sources()
+        rows.append(
+            (
+                "sources",
+                ", ".join(sources[:4])
+                + (f" and {len(sources) - 4} more" if len(sources) > 4 else "")
+                or "none",
+            )
+        )
+        pending = self._pending()
+        shown = " -> ".join(pending[-8:])
+        if len(pending) > 8:
+            shown = f"({len(pending) - 8} more) -> " + shown
+        rows.append(("pending", f"{len(pending)}: {shown}" if pending else "none"))
+        return rows
+
+    def __repr__(self) -> str:
+        lines = [f"tierflow.Array key={self.key[:12]}"]
+        lines += [f"  {name:<8} {text}" for name, text in self._summary()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(name)}</th><td style='text-align:left'>{html.escape(text)}</td></tr>"
+            for name, text in self._summary()
+        )
+        return (
+            f"<table><caption>tierflow.Array <code>{self.key[:12]}</code></caption>"
+            f"<tbody>{body}</tbody></table>"
+        )
+
+
+def _device(device: str) -> str | None:
+    text = str(device)
+    if text == "cpu":
+        return None
+    if text == "auto":
+        return "auto"
+    if text == "cuda" or text.startswith("cuda:"):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            from ..errors import missing_dependency
+
+            raise missing_dependency("torch", "torch", "map_blocks on a GPU") from None
+        found = devices.gpus()
+        index = 0 if text == "cuda" else int(text.split(":", 1)[1])
+        if not any(d.index == index for d in found):
+            have = ", ".join(d.id for d in found) or "none"
+            raise ValueError(
+                f"map_blocks(device={device!r}): no such GPU (GPUs here: {have}); use "
+                "device='auto' to run on the CPU when there is no GPU"
+            )
+        return f"cuda:{index}"
+    raise ValueError(f"device={device!r}: use 'cpu', 'auto', 'cuda' or 'cuda:N'")
+
+
+def _probe(
+    fn: Callable[..., Any], nodes: Sequence[Node], device: str | None, kwargs: dict[str, Any]
+) -> tuple[np.dtype, tuple[int, ...]]:
+    from .ops import numpy_dtype, to_device, to_host
+
+    blocks: list[Any] = [np.zeros((2, *(int(d or 0) for d in n.shape[1:])), n.dtype) for n in nodes]
+    if device is not None:
+        where = "cpu" if device == "auto" else device
+        blocks = [to_device(b, where) for b in blocks]
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    try:
+        result = fn(*blocks, **kwargs)
+    except Exception as exc:
+        raise type(exc)(
+            f"map_blocks({name}) failed on its probe block of two zero rows (called to "
+            f"learn the result's dtype and row shape; give dtype= and row_shape= to skip "
+            f"it): {exc}"
+        ) from exc
+    dtype = numpy_dtype(result)
+    shape = tuple(np.shape(to_host(result)))
+    if not shape or shape[0] != 2:
+        got = "a scalar" if not shape else f"shape {shape}"
+        raise ValueError(
+            f"map_blocks({name}) returned {got} for a probe block of shape "
+            f"{tuple(np.shape(to_host(blocks[0])))}; it must return one row per input row"
+        )
+    return dtype, shape[1:]
+
+
+# The NumPy-function and module-level operations need Array, so they import it; Array's
+# methods reach them through this module attribute, bound once both modules exist.
+from . import functions  # noqa: E402

@@ -1,0 +1,144 @@
+"""Sinks of the public API: ``tw.compute``, ``Array.compute``, ``to_npy``, ``persist``.
+
+Each builds a plan (:mod:`tierflow.engine.plan`), runs it on an executor
+(:mod:`tierflow.engine.executors`) through the scheduler
+(:mod:`tierflow.engine.scheduler`), and on any error or interrupt aborts its sinks:
+outputs freed, temporary files removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from ..system import budget as budget_module
+from . import graph, scheduler
+from .executors import make_executor
+from .graph import Chunked
+from .plan import Request, build_plan, describe
+from .progress import progress_callbacks
+from .sinks import ArraySink, NpySink
+from .sources import ArrayReader
+from .types import Executor, callback_list
+
+__all__ = ["compute", "persist", "to_npy"]
+
+log = logging.getLogger("tierflow.engine")
+
+
+def _run(
+    requests: list[Request],
+    *,
+    progress: bool | None = None,
+    executor: str | Executor | None = None,
+    workers: int | None = None,
+    callbacks: Any = None,
+) -> tuple[list[Any], scheduler.Stats]:
+    chosen, owned = make_executor(executor, workers)
+    hooks = [*progress_callbacks(progress), *callback_list(callbacks)]
+    try:
+        plan = build_plan(requests, workers=chosen.workers, budget=budget_module.budget_bytes())
+        log.debug("plan of %s: %s", plan.what, describe(plan))
+        try:
+            results, stats = scheduler.run(
+                plan.tasks, chosen, keep=plan.kept(), callbacks=hooks, what=plan.what
+            )
+        except BaseException:
+            for sink in plan.sinks:
+                sink.abort()
+            raise
+    finally:
+        if owned:
+            chosen.shutdown()
+    outputs = [results[v] if kind == "task" else v for kind, v in plan.outputs]
+    return outputs, stats
+
+
+def compute(
+    *arrays: Any,
+    progress: bool | None = None,
+    executor: str | Executor | None = None,
+    workers: int | None = None,
+    callbacks: Any = None,
+) -> tuple[Any, ...]:
+    """Compute several results in one run; inputs they share are read once per stage.
+
+    ``tw.compute(x.mean(axis=0), x.std(axis=0))`` reads ``x`` once. Returns a tuple of
+    NumPy arrays (chunked results, allocated with ``memory.array``: RAM or a spill
+    file) and NumPy scalars or small arrays (reductions), in the order given.
+
+    ``progress``: None shows a tqdm bar for computes longer than about a second, True
+    from the start, False never. ``executor``: ``"threads"`` (default), ``"serial"``,
+    ``"raise"`` or an executor object; ``workers``: threads (default: usable cores).
+    ``callbacks``: objects with ``start`` / ``task_done`` / ``finish`` methods
+    (:class:`~tierflow.engine.types.Callback`).
+
+    Raises what a task raised (the first error; operators' errors as NumPy raises them,
+    user functions' as :class:`~tierflow.errors.BlockError` naming the block),
+    :class:`~tierflow.errors.SourceError` for a source file changed since the array was
+    built, :class:`~tierflow.errors.OutOfMemoryError` when an operator does not fit even
+    on one row. On any error or KeyboardInterrupt the workers are stopped and nothing
+    is left behind (outputs freed, spill files deleted).
+    """
+    from .array import Array, from_array
+
+    items = [a if isinstance(a, Array) else from_array(a) for a in arrays]
+    requests = [
+        Request(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None)
+        for a in items
+    ]
+    outputs, _ = _run(
+        requests, progress=progress, executor=executor, workers=workers, callbacks=callbacks
+    )
+    return tuple(outputs)
+
+
+def persist(array: Any, **options: Any) -> Any:
+    """Compute ``array`` now and return an Array over the result (in RAM or on the SSD)
+    with the same key; options as :func:`compute`."""
+    from .array import Array, _bounds
+
+    node = array._node
+    (result,) = compute(array, **options)
+    if isinstance(node, Chunked):
+        reader = ArrayReader(result)
+        if node.bounds is not None:
+            bounds = node.bounds
+        else:
+            bounds = _bounds(result.shape[0], None, reader.row_nbytes)
+        return Array(graph.Source(reader, bounds, key=node.key))
+    const = graph.Const(result)
+    const._key = node.key
+    return Array(const)
+
+
+def to_npy(
+    array: Any, path: str | os.PathLike[str], *, fsync: bool = False, **options: Any
+) -> None:
+    """Write ``array`` to the ``.npy`` file ``path``, streaming (see ``Array.to_npy``)."""
+    node = array._node
+    if not isinstance(node, Chunked):
+        (value,) = compute(array, **options)
+        _save_atomic(np.asarray(value), os.fspath(path), fsync)
+        return
+    _run([Request(node, NpySink(node, path, fsync=fsync))], **options)
+
+
+def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, value, allow_pickle=False)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

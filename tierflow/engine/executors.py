@@ -1,0 +1,202 @@
+"""Executors: threads (the default), serial (for debugging), and one that refuses to run.
+
+All three follow :class:`~tierflow.engine.types.Executor`. NumPy and torch release the
+GIL inside their loops, so threads compute in parallel without copying blocks between
+processes. An executor is made per compute by name (``executor="threads"``) and shut
+down at its end, so no worker thread outlives the compute that started it; an
+executor object passed in is used as it is and left running.
+
+:func:`use_executor` sets the default for a block of code (a context manager) or for
+the rest of the process; laziness tests wrap the building of a pipeline in
+``use_executor("raise")``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import TierflowError
+from ..system import devices
+from .types import Done, Executor
+
+__all__ = [
+    "ComputeForbidden",
+    "RaisingExecutor",
+    "SerialExecutor",
+    "ThreadExecutor",
+    "make_executor",
+    "use_executor",
+]
+
+
+class ComputeForbidden(TierflowError, RuntimeError):
+    """Raised by the ``"raise"`` executor: something tried to compute."""
+
+
+def default_workers() -> int:
+    """Cores this process may use (affinity and cgroup CPU quota)."""
+    try:
+        return max(1, devices.cpu_cores())
+    except Exception:
+        import os
+
+        return max(1, os.cpu_count() or 1)
+
+
+class ThreadExecutor:
+    """``workers`` threads (default: the usable cores) pulling tasks from one queue.
+
+    Threads start with the first task. ``shutdown(cancel=True)`` drops queued tasks
+    without running them and joins the threads once their current task returns.
+    """
+
+    name = "threads"
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = int(workers) if workers is not None else default_workers()
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Done] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._cancelled = False
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        for k in range(self.workers):
+            thread = threading.Thread(target=self._work, name=f"tierflow-worker-{k}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def submit(self, fn: Callable[[], Any], done: Done) -> None:
+        with self._lock:
+            if not self._threads:
+                self._cancelled = False
+                self._start()
+        self._queue.put((fn, done))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._cancelled:
+                continue
+            fn, done = item
+            try:
+                result = fn()
+            except BaseException as exc:  # KeyboardInterrupt too: the scheduler re-raises it
+                done(None, exc)
+                continue
+            done(result, None)
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, []
+            if cancel:
+                self._cancelled = True
+            for _ in threads:
+                self._queue.put(None)
+        for thread in threads:
+            thread.join()
+
+    def __repr__(self) -> str:
+        return f"ThreadExecutor(workers={self.workers})"
+
+
+class SerialExecutor:
+    """Runs each task at once, in the calling thread (tracebacks and debuggers work)."""
+
+    name = "serial"
+    workers = 1
+
+    def submit(self, fn: Callable[[], Any], done: Done) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            done(None, exc)
+            return
+        done(result, None)
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        return None
+
+
+class RaisingExecutor:
+    """Refuses every task with :class:`ComputeForbidden`: proves that nothing computes."""
+
+    name = "raise"
+    workers = 1
+
+    def submit(self, fn: Callable[[], Any], done: Done) -> None:
+        raise ComputeForbidden(
+            "a compute started while computing is forbidden (executor 'raise', set by "
+            "use_executor('raise')): building a pipeline must not run it"
+        )
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        return None
+
+
+_NAMES: dict[str, Callable[[int | None], Executor]] = {
+    "threads": lambda workers: ThreadExecutor(workers),
+    "serial": lambda workers: SerialExecutor(),
+    "sync": lambda workers: SerialExecutor(),
+    "raise": lambda workers: RaisingExecutor(),
+}
+
+_default: contextvars.ContextVar[str | Executor] = contextvars.ContextVar(
+    "tierflow_executor", default="threads"
+)
+
+
+def make_executor(
+    executor: str | Executor | None, workers: int | None = None
+) -> tuple[Executor, bool]:
+    """The executor to use and whether this compute owns it (and must shut it down).
+
+    ``executor`` is None (the default set by :func:`use_executor`, else threads), a
+    name (``"threads"``, ``"serial"``, ``"raise"``) or an object following the protocol.
+    """
+    chosen = _default.get() if executor is None else executor
+    if isinstance(chosen, str):
+        make = _NAMES.get(chosen)
+        if make is None:
+            raise ValueError(
+                f"unknown executor {chosen!r}; use one of {', '.join(sorted(_NAMES))} or an "
+                "object with submit(fn, done), shutdown(cancel=...), workers and name"
+            )
+        return make(workers), True
+    if not isinstance(chosen, Executor):
+        raise TypeError(
+            f"{type(chosen).__name__} is not an executor: it needs submit(fn, done), "
+            "shutdown(cancel=...), workers and name"
+        )
+    return chosen, False
+
+
+class _Setting:
+    """What :func:`use_executor` returns: the setting, undone on leaving a ``with``."""
+
+    def __init__(self, token: contextvars.Token[str | Executor]) -> None:
+        self._token = token
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        _default.reset(self._token)
+
+
+def use_executor(executor: str | Executor) -> _Setting:
+    """Make ``executor`` the default of computes in this context (a thread or task).
+
+    >>> from tierflow.engine.executors import use_executor
+    >>> with use_executor("serial"):
+    ...     pass
+    """
+    make_executor(executor)  # validate now, not at the first compute
+    return _Setting(_default.set(executor))

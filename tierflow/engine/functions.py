@@ -1,0 +1,346 @@
+"""Operations on lazy arrays that are not methods: ``tw.where``, ``tw.concatenate``,
+``tw.stack``, matrix products, multi-output ufuncs, and the NumPy functions a lazy
+array answers through ``__array_function__`` (``np.sum(x)``, ``np.histogram(x, ...)``,
+``np.concatenate([x, y])``...).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import graph, specs
+from .array import (
+    Array,
+    _align,
+    _as_value,
+    _describe_shape,
+    _elementwise,
+    _node_of,
+    _result_shape,
+    _value_apply,
+    _wrap,
+    from_array,
+)
+from .graph import Chunked, ElemOp, Value
+
+__all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
+
+
+def matmul(a: Any, b: Any) -> Array:
+    left, right = _node_of(a), _node_of(b)
+    if isinstance(left, Chunked) and isinstance(right, Chunked):
+        right = _as_value(right)
+    if isinstance(left, Chunked):
+        w = right
+        values: tuple[Value, ...] = ()
+        w_array = None
+        if isinstance(w, Value):
+            values = (w,)
+        else:
+            w_array = np.asarray(w)
+        if left.ndim >= 2:
+            return _wrap(graph.BlockMap(specs.MatmulSpec(w_array), (left,), values))
+        return _wrap(graph.Reduce(specs.ContractSpec(w_array, "right"), (left,), values))
+    if isinstance(right, Chunked):
+        values = (left,) if isinstance(left, Value) else ()
+        w_array = None if values else np.asarray(left)
+        if right.ndim > 2:
+            raise ValueError(
+                f"w @ x with x of shape {_describe_shape(right.shape)} multiplies stacked "
+                "matrices, not the row axis; x must be 1-D or 2-D"
+            )
+        return _wrap(graph.Reduce(specs.ContractSpec(w_array, "left"), (right,), values))
+    return _value_apply(np.matmul, left, right, name="matmul")
+
+
+def multi_output(
+    ufunc: np.ufunc, inputs: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Array, ...]:
+    nodes = [_node_of(i) for i in inputs]
+    shape = _result_shape(nodes)
+    aligned = _align(nodes, shape)
+    chunked = [a for a in aligned if isinstance(a, Chunked)]
+    if not chunked:
+        return tuple(
+            _value_apply(
+                lambda *v, k=k: ufunc(*v, **kwargs)[k], *aligned, name=f"{ufunc.__name__}[{k}]"
+            )
+            for k in range(ufunc.nout)
+        )
+    blocks = tuple(chunked)
+    template = tuple(
+        None if isinstance(a, Chunked) else specs.VALUE if isinstance(a, Value) else a
+        for a in aligned
+    )
+    values = tuple(a for a in aligned if isinstance(a, Value))
+    return tuple(
+        _wrap(graph.BlockMap(specs.UfuncOutSpec(ufunc, k, kwargs, template), blocks, values))
+        for k in range(ufunc.nout)
+    )
+
+
+REDUCE_UFUNCS = {
+    np.add: "sum",
+    np.multiply: "prod",
+    np.minimum: "min",
+    np.maximum: "max",
+    np.logical_or: "any",
+    np.logical_and: "all",
+}
+
+
+# -- module functions -------------------------------------------------------------------
+
+
+def where(condition: Any, x: Any = None, y: Any = None) -> Array:
+    """``np.where(condition, x, y)`` elementwise. The one-argument form is not lazy."""
+    if x is None or y is None:
+        raise TypeError(
+            "tw.where(condition) without x and y (the indices of true elements) is not "
+            "supported; use x[condition] to select, or compute() first"
+        )
+    return _elementwise(ElemOp("where"), condition, x, y)
+
+
+def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
+    """``np.concatenate(arrays, axis)``: along the rows, the blocks of each array one
+    after the other (nothing is copied until computed); along a trailing axis, a block
+    operation on arrays with the same rows."""
+    items = [from_array(a) for a in arrays]
+    if not items:
+        raise ValueError("need at least one array to concatenate")
+    nodes = [a._node for a in items]
+    if any(isinstance(n, Value) for n in nodes):
+        # An in-memory piece among chunked ones: the whole result is held in memory
+        # (the chunked pieces must then be small enough to be constants).
+        nodes = [n if isinstance(n, Value) else _as_value(n) for n in nodes]
+    if all(isinstance(n, Value) for n in nodes):
+        return _value_apply(np.concatenate, list(nodes), axis=axis, name="concatenate")
+    ndim = nodes[0].ndim
+    if any(n.ndim != ndim for n in nodes):
+        raise ValueError(
+            "all the input arrays must have same number of dimensions, but the array at "
+            f"index 0 has {ndim} dimension(s) and another has a different number: "
+            + ", ".join(_describe_shape(n.shape) for n in nodes)
+        )
+    axis = operator.index(axis)
+    if axis < 0:
+        axis += ndim
+    if not 0 <= axis < ndim:
+        raise np.exceptions.AxisError(axis, ndim)
+    chunked = tuple(n for n in nodes if isinstance(n, Chunked))
+    if axis == 0:
+        if len(chunked) == 1:
+            return items[0]
+        return _wrap(graph.Concat(chunked))
+    rows = {n.n_rows for n in chunked}
+    if len(rows) > 1:
+        raise ValueError(
+            f"all the input array dimensions except for the concatenation axis must match "
+            f"exactly: the arrays have rows {', '.join(_describe_shape(n.shape) for n in chunked)}"
+        )
+    return _wrap(graph.BlockMap(specs.StackSpec(np.concatenate, axis), chunked))
+
+
+def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
+    """``np.stack(arrays, axis)`` along a new trailing axis (``axis >= 1``) of arrays with
+    the same rows."""
+    items = [from_array(a) for a in arrays]
+    nodes = [a._node for a in items]
+    if not items:
+        raise ValueError("need at least one array to stack")
+    if all(isinstance(n, Value) for n in nodes):
+        return _value_apply(np.stack, list(nodes), axis=axis, name="stack")
+    axis = operator.index(axis)
+    if axis < 0:
+        axis += nodes[0].ndim + 1
+    if axis == 0:
+        raise ValueError(
+            "stacking along axis 0 would make the arrays the rows; stack along a trailing "
+            "axis, or concatenate along the rows"
+        )
+    chunked = tuple(n for n in nodes if isinstance(n, Chunked))
+    shapes = {n.shape for n in chunked}
+    if len(chunked) != len(nodes) or len(shapes) > 1:
+        raise ValueError(
+            "all input arrays must have the same shape: "
+            + ", ".join(_describe_shape(n.shape) for n in nodes)
+        )
+    return _wrap(graph.BlockMap(specs.StackSpec(np.stack, axis), chunked))
+
+
+def _reduction_function(kind: str) -> Callable[..., Any]:
+    def handler(
+        a: Any,
+        axis: Any = None,
+        dtype: Any = None,
+        out: Any = None,
+        keepdims: Any = False,
+        **kw: Any,
+    ) -> Any:
+        if out is not None:
+            raise TypeError(f"np.{kind}(..., out=...) is not supported on lazy arrays")
+        keep = bool(keepdims) if keepdims is not np._NoValue else False
+        kw.pop("where", None) if kw.get("where", True) is True else _no_where(kind)
+        kw.pop("initial", None) if kw.get("initial", np._NoValue) is np._NoValue else _no_initial(
+            kind
+        )
+        ddof = kw.pop("ddof", 0)
+        kw.pop("mean", None)
+        kw.pop("correction", None)
+        if kw:
+            raise TypeError(f"np.{kind}: unsupported keywords {sorted(kw)} on lazy arrays")
+        array = from_array(a)
+        if kind in ("min", "max", "any", "all", "argmin", "argmax", "count_nonzero"):
+            if dtype is not None:
+                raise TypeError(f"{kind} takes no dtype argument")
+            return array._reduce(kind, axis, keep)
+        return array._reduce(kind, axis, keep, dtype, ddof)
+
+    return handler
+
+
+def _no_where(kind: str) -> None:
+    raise TypeError(
+        f"np.{kind}(..., where=...) is not supported on lazy arrays; use tw.where first"
+    )
+
+
+def _no_initial(kind: str) -> None:
+    raise TypeError(f"np.{kind}(..., initial=...) is not supported on lazy arrays")
+
+
+def _arg_function(kind: str) -> Callable[..., Any]:
+    def handler(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = False) -> Any:
+        if out is not None:
+            raise TypeError(f"np.{kind}(..., out=...) is not supported on lazy arrays")
+        keep = bool(keepdims) if keepdims is not np._NoValue else False
+        return from_array(a)._reduce(kind, axis, keep)
+
+    return handler
+
+
+def _count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> Any:
+    return from_array(a).count_nonzero(axis=axis, keepdims=keepdims)
+
+
+def _histogram(
+    a: Any, bins: Any = 10, range: Any = None, density: Any = None, weights: Any = None
+) -> Any:
+    if weights is not None:
+        raise TypeError("np.histogram(..., weights=...) is not supported on lazy arrays")
+    return from_array(a).histogram(bins=bins, range=range, density=bool(density))
+
+
+def _concatenate(
+    arrays: Sequence[Any],
+    axis: int | None = 0,
+    out: Any = None,
+    dtype: Any = None,
+    casting: str = "same_kind",
+) -> Any:
+    if out is not None or axis is None:
+        raise TypeError("np.concatenate on lazy arrays takes neither out= nor axis=None")
+    result = concatenate(arrays, axis=axis)
+    return result.astype(dtype) if dtype is not None else result
+
+
+def _clip(
+    a: Any,
+    a_min: Any = np._NoValue,
+    a_max: Any = np._NoValue,
+    out: Any = None,
+    *,
+    min: Any = np._NoValue,
+    max: Any = np._NoValue,
+    **kw: Any,
+) -> Any:
+    if out is not None or kw:
+        raise TypeError("np.clip on lazy arrays takes neither out= nor ufunc keywords")
+    lo = min if a_min is np._NoValue else a_min
+    hi = max if a_max is np._NoValue else a_max
+    lo = None if lo is np._NoValue else lo
+    hi = None if hi is np._NoValue else hi
+    return from_array(a).clip(lo, hi)
+
+
+def _round(a: Any, decimals: int = 0, out: Any = None) -> Any:
+    if out is not None:
+        raise TypeError("np.round(..., out=...) is not supported on lazy arrays")
+    return from_array(a).round(decimals)
+
+
+def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
+    return where(condition, x, y)
+
+
+def _dot(a: Any, b: Any, out: Any = None) -> Any:
+    if out is not None:
+        raise TypeError("np.dot(..., out=...) is not supported on lazy arrays")
+    return matmul(a, b)
+
+
+def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:
+    if out is not None:
+        raise TypeError("np.stack(..., out=...) is not supported on lazy arrays")
+    return stack(arrays, axis=axis)
+
+
+def _reshape(a: Any, *args: Any, **kwargs: Any) -> Any:
+    shape = kwargs.get("shape", kwargs.get("newshape", args[0] if args else None))
+    if kwargs.get("order", "C") != "C":
+        raise TypeError("lazy arrays reshape in C order only")
+    return from_array(a).reshape(shape)
+
+
+def _astype(x: Any, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Any:
+    return from_array(x).astype(dtype)
+
+
+def _nansum(
+    a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: Any = False, **kw: Any
+) -> Any:
+    if out is not None or kw:
+        raise TypeError("np.nansum on lazy arrays takes neither out= nor initial=/where=")
+    array = from_array(a)
+    keep = bool(keepdims) if keepdims is not np._NoValue else False
+    if array.dtype.kind not in "fc":
+        return array.sum(axis=axis, dtype=dtype, keepdims=keep)
+    return where(np.isnan(array), 0, array).sum(axis=axis, dtype=dtype, keepdims=keep)
+
+
+FUNCTIONS: dict[Any, Callable[..., Any]] = {
+    np.sum: _reduction_function("sum"),
+    np.prod: _reduction_function("prod"),
+    np.mean: _reduction_function("mean"),
+    np.std: _reduction_function("std"),
+    np.var: _reduction_function("var"),
+    np.min: _reduction_function("min"),
+    np.max: _reduction_function("max"),
+    np.amin: _reduction_function("min"),
+    np.amax: _reduction_function("max"),
+    np.any: _reduction_function("any"),
+    np.all: _reduction_function("all"),
+    np.argmin: _arg_function("argmin"),
+    np.argmax: _arg_function("argmax"),
+    np.count_nonzero: _count_nonzero,
+    np.histogram: _histogram,
+    np.concatenate: _concatenate,
+    np.clip: _clip,
+    np.round: _round,
+    np.around: _round,
+    np.where: _where,
+    np.dot: _dot,
+    np.stack: _stack,
+    np.reshape: _reshape,
+    np.nansum: _nansum,
+    np.shape: lambda a: from_array(a).shape,
+    np.ndim: lambda a: from_array(a).ndim,
+    np.size: lambda a, axis=None: from_array(a).size if axis is None else from_array(a).shape[axis],
+}
+if hasattr(np, "astype"):
+    FUNCTIONS[np.astype] = _astype

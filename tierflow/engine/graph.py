@@ -1,0 +1,634 @@
+"""The lazy graph: nodes, their metadata, how their rows map, and their content keys.
+
+Two kinds of node:
+
+* **chunked** nodes are arrays in row blocks along axis 0 (sources, elementwise
+  expressions, block maps, row slices, filters, concatenations). Their ``bounds`` are
+  the block boundaries ``(0, r1, r2, ..., n)``. When every row count is known the node
+  is *flexible*: any row range ``[a, b)`` can be computed by itself, since every
+  operator between it and its sources maps rows to rows. After a boolean mask (or
+  ``from_files`` with a varying number of rows per file) the row counts are unknown
+  until computed; such a node has ``bounds`` None, ``nblocks`` blocks and an
+  ``origin``: nodes that share an origin have equal block sizes, so they can be combined
+  row by row.
+* **value** nodes are small results held whole in memory once computed: reductions,
+  constants, and NumPy functions applied to other values. A value used by a chunked
+  expression is a broadcast constant there, computed before the expression runs.
+
+Every node has a deterministic :attr:`Node.key` (see :mod:`tierflow.engine.keys`): a
+digest of its type, its parameters and its inputs' keys, and for sources of the file's
+identity. Keys are computed on first use and remembered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..operators import elementwise as ew
+from ..operators import selection
+from . import keys
+
+__all__ = [
+    "Apply",
+    "BlockMap",
+    "Chunked",
+    "Concat",
+    "Const",
+    "ElemOp",
+    "Elementwise",
+    "Filter",
+    "Node",
+    "Reduce",
+    "RowSlice",
+    "Source",
+    "Value",
+    "placeholder",
+    "walk",
+]
+
+
+class Node:
+    """Base of graph nodes: ``inputs``, ``dtype``, ``shape`` (None for an unknown row
+    count), and a lazily computed ``key``."""
+
+    kind: ClassVar[str] = "node"
+
+    def __init__(self, inputs: Iterable[Node], dtype: Any, shape: tuple[int | None, ...]) -> None:
+        self.inputs: tuple[Node, ...] = tuple(inputs)
+        self.dtype = np.dtype(dtype) if dtype is not None else None
+        self.shape = tuple(shape)
+        self._key: str | None = None
+        self._ident: str | None = None
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def key(self) -> str:
+        """A 32-digit hex digest of what this node computes (stable across runs)."""
+        if self._key is None:
+            parts = [type(self).__name__, self.params(), *(i.key for i in self.inputs)]
+            self._key = keys.digest("|".join(parts))
+        return self._key
+
+    @property
+    def ident(self) -> str:
+        """What a compute tells nodes apart by: the key, unless computing it would mean
+        hashing a big in-memory array (then this object's identity; see :attr:`key`)."""
+        found = self._ident
+        if found is None:
+            costly = self._costly() or any(i.ident.startswith("id:") for i in self.inputs)
+            found = self._ident = f"id:{id(self)}" if costly else self.key
+        return found
+
+    def _costly(self) -> bool:
+        """Whether this node's own parameters are expensive to key."""
+        return False
+
+    def params(self) -> str:
+        """The canonical text of this node's parameters (inputs excluded)."""
+        return ""
+
+    def label(self) -> str:
+        """A short name of the operation, for ``repr`` and ``visualize``."""
+        return type(self).__name__.lower()
+
+    def __repr__(self) -> str:
+        return f"<{self.label()} {self.shape} {self.dtype}>"
+
+
+class Chunked(Node):
+    """A node computed in row blocks (see the module docstring)."""
+
+    kind = "chunked"
+
+    def __init__(
+        self,
+        inputs: Iterable[Node],
+        dtype: Any,
+        shape: tuple[int | None, ...],
+        *,
+        bounds: tuple[int, ...] | None,
+        nblocks: int | None = None,
+        origin: Any = None,
+    ) -> None:
+        super().__init__(inputs, dtype, shape)
+        self.bounds = bounds
+        self.nblocks = len(bounds) - 1 if bounds is not None else int(nblocks or 0)
+        self.origin = origin
+
+    @property
+    def n_rows(self) -> int | None:
+        """Rows of the array, None while unknown."""
+        return self.shape[0]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one row."""
+        return tuple(self.shape[1:])  # type: ignore[arg-type]
+
+    @property
+    def flexible(self) -> bool:
+        """Whether any row range can be computed by itself (all row counts known)."""
+        return self.bounds is not None
+
+    def partition(self) -> tuple[Any, ...]:
+        """What decides the blocks: equal partitions compute in the same tasks."""
+        if self.bounds is not None:
+            return ("rows", self.bounds)
+        return ("blocks", self.origin, self.nblocks)
+
+    def block_pairs(self) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` of the blocks (known row counts only)."""
+        assert self.bounds is not None
+        return list(zip(self.bounds[:-1], self.bounds[1:], strict=False))
+
+
+class Value(Node):
+    """A node whose whole value is held in memory once computed."""
+
+    kind = "value"
+    meta_known = True
+
+
+def placeholder(node: Node) -> Any:
+    """A zero value with ``node``'s dtype and shape (unknown rows count as 1), standing
+    in for the value while dtypes and shapes are worked out."""
+    shape = tuple(1 if n is None else n for n in node.shape)
+    if not shape:
+        return node.dtype.type(0)  # type: ignore[union-attr]
+    return np.zeros(shape, node.dtype)
+
+
+def walk(roots: Iterable[Node]) -> list[Node]:
+    """Every node reachable from ``roots``, inputs before the nodes that use them."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(list(roots))]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for child in reversed(node.inputs):
+            if id(child) not in seen:
+                stack.append((child, False))
+    return order
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Warnings and floating-point errors silenced while zeros stand in for values."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        yield
+
+
+# -- chunked nodes ----------------------------------------------------------------------
+
+
+class Source(Chunked):
+    """Rows of a reader (:mod:`tierflow.engine.sources`)."""
+
+    def __init__(
+        self, reader: Any, bounds: tuple[int, ...] | None, *, key: str | None = None
+    ) -> None:
+        n_rows = reader.n_rows
+        nblocks = getattr(reader, "nblocks", None)
+        super().__init__(
+            (),
+            reader.dtype,
+            (n_rows, *reader.row_shape),
+            bounds=bounds,
+            nblocks=nblocks,
+            origin=None if bounds is not None else ("source", self),
+        )
+        self.reader = reader
+        if key is not None:
+            self._key = key
+
+    def _costly(self) -> bool:
+        return self._key is None and bool(getattr(self.reader, "costly_token", lambda: False)())
+
+    def params(self) -> str:
+        # The blocks are not part of the key: they change how rows are computed, not
+        # which rows (a cache keyed by content must not miss on a different rows=).
+        return str(self.reader.token())
+
+    def label(self) -> str:
+        return str(self.reader.label)
+
+
+class ElemOp:
+    """One elementwise operation: a ufunc call, ``where``, ``clip``, ``astype`` or ``round``."""
+
+    def __init__(
+        self,
+        kind: str,
+        ufunc: np.ufunc | None = None,
+        kwargs: dict[str, Any] | None = None,
+        dtype: Any = None,
+        decimals: int = 0,
+        has_lo: bool = True,
+        has_hi: bool = True,
+    ) -> None:
+        self.kind = kind
+        self.ufunc = ufunc
+        self.kwargs = dict(kwargs or {})
+        self.dtype = None if dtype is None else np.dtype(dtype)
+        self.decimals = int(decimals)
+        self.has_lo = has_lo
+        self.has_hi = has_hi
+
+    def params(self) -> str:
+        return keys.token(
+            (
+                self.kind,
+                self.ufunc,
+                self.kwargs,
+                self.dtype,
+                self.decimals,
+                self.has_lo,
+                self.has_hi,
+            )
+        )
+
+    def label(self) -> str:
+        if self.kind == "ufunc":
+            assert self.ufunc is not None
+            return self.ufunc.__name__
+        if self.kind == "astype":
+            return f"astype({self.dtype})"
+        if self.kind == "round":
+            return f"round({self.decimals})"
+        return self.kind
+
+    def expr(self, args: list[Any]) -> ew.Expr:
+        """The operators layer's expression node over ``args`` (nodes or constants)."""
+        if self.kind == "ufunc":
+            assert self.ufunc is not None
+            return ew.call(self.ufunc, *args, **self.kwargs)
+        if self.kind == "where":
+            return ew.where(*args)
+        if self.kind == "clip":
+            values = iter(args)
+            a = next(values)
+            lo = next(values) if self.has_lo else None
+            hi = next(values) if self.has_hi else None
+            return ew.clip(a, lo, hi)
+        if self.kind == "astype":
+            return ew.astype(args[0], self.dtype)
+        if self.kind == "round":
+            return ew.round_(args[0], self.decimals)
+        raise ValueError(f"unknown elementwise operation {self.kind!r}")
+
+    def apply(self, *values: Any) -> Any:
+        """NumPy's result on in-memory values."""
+        if self.kind == "ufunc":
+            assert self.ufunc is not None
+            return self.ufunc(*values, **self.kwargs)
+        if self.kind == "where":
+            return np.where(*values)
+        if self.kind == "clip":
+            items = iter(values)
+            a = next(items)
+            lo = next(items) if self.has_lo else None
+            hi = next(items) if self.has_hi else None
+            return np.clip(a, lo, hi)
+        if self.kind == "astype":
+            return np.asarray(values[0]).astype(self.dtype)
+        if self.kind == "round":
+            return np.round(values[0], self.decimals)
+        raise ValueError(f"unknown elementwise operation {self.kind!r}")
+
+
+class Elementwise(Chunked):
+    """An elementwise operation on row-aligned chunked operands, values and scalars.
+
+    ``operands`` hold chunked nodes (all with the same rows), value nodes (broadcast
+    constants) and Python or NumPy scalars, in the operation's argument order.
+    """
+
+    def __init__(self, op: ElemOp, operands: tuple[Any, ...]) -> None:
+        chunked = [o for o in operands if isinstance(o, Chunked)]
+        if not chunked:
+            raise ValueError("an elementwise node needs a chunked operand")
+        first = chunked[0]
+        leaves: dict[int, int] = {}
+        args: list[Any] = []
+        for o in operands:
+            if isinstance(o, Chunked):
+                args.append(ew.Input(leaves.setdefault(id(o), len(leaves))))
+            elif isinstance(o, Node):
+                args.append(ew.Const(placeholder(o)))
+            else:
+                args.append(o)
+        unique = list({id(o): o for o in chunked}.values())
+        with _quiet():
+            inferred = ew.infer(
+                op.expr(args), [c.dtype for c in unique], [c.row_shape for c in unique]
+            )
+        inputs = list({id(o): o for o in operands if isinstance(o, Node)}.values())
+        super().__init__(
+            inputs,
+            inferred.dtype,
+            (first.n_rows, *inferred.row_shape),
+            bounds=first.bounds,
+            nblocks=first.nblocks,
+            origin=first.origin,
+        )
+        self.op = op
+        self.operands = operands
+
+    def params(self) -> str:
+        # Operand positions matter (x - y is not y - x): scalars inline, nodes by position.
+        slots = [
+            f"in{next(i for i, n in enumerate(self.inputs) if n is o)}"
+            if isinstance(o, Node)
+            else keys.token(o)
+            for o in self.operands
+        ]
+        return self.op.params() + "|" + ",".join(slots)
+
+    def label(self) -> str:
+        return self.op.label()
+
+
+class BlockMap(Chunked):
+    """A row-independent block operator built by ``spec`` (see :mod:`tierflow.engine.specs`)
+    on row-aligned chunked inputs, with value nodes as parameters."""
+
+    def __init__(
+        self, spec: Any, chunked: tuple[Chunked, ...], values: tuple[Value, ...] = ()
+    ) -> None:
+        first = chunked[0]
+        op = spec.build(
+            [c.dtype for c in chunked],
+            [c.row_shape for c in chunked],
+            [placeholder(v) for v in values],
+        )
+        super().__init__(
+            (*chunked, *values),
+            op.out_dtype,
+            (first.n_rows, *op.out_row_shape),
+            bounds=first.bounds,
+            nblocks=first.nblocks,
+            origin=first.origin,
+        )
+        self.spec = spec
+        self.n_chunked = len(chunked)
+
+    def params(self) -> str:
+        return str(self.spec.params())
+
+    def label(self) -> str:
+        return str(self.spec.label())
+
+
+def _slice_bounds(key: slice, pairs: list[tuple[int, int]]) -> tuple[int, ...]:
+    pieces = selection.plan_slice(key, pairs)
+    bounds = [0]
+    for piece in pieces:
+        bounds.append(piece.out_stop)
+    return tuple(bounds)
+
+
+class RowSlice(Chunked):
+    """``x[start:stop:step]`` on the rows of an array with a known row count.
+
+    Output blocks follow the input's: each comes from one input block.
+    """
+
+    def __init__(self, source: Chunked, key: slice) -> None:
+        assert source.n_rows is not None
+        first, last, step = key.indices(source.n_rows)
+        n = len(range(first, last, step))
+        super().__init__(
+            (source,),
+            source.dtype,
+            (n, *source.row_shape),
+            bounds=_slice_bounds(key, source.block_pairs()),
+        )
+        self.first, self.step = first, step
+
+    def input_rows(self, a: int, b: int) -> tuple[int, int, slice]:
+        """Input rows ``[lo, hi)`` holding output rows ``a:b``, and the slice to take."""
+        if b <= a:
+            return 0, 0, slice(0, 0)
+        first, step = self.first, self.step
+        if step > 0:
+            return first + a * step, first + (b - 1) * step + 1, slice(None, None, step)
+        return first + (b - 1) * step, first + a * step + 1, slice(None, None, step)
+
+    def params(self) -> str:
+        return f"{self.first},{self.step},{self.shape[0]}"
+
+    def label(self) -> str:
+        stop = self.first + self.step * (self.shape[0] or 0)
+        return f"rows[{self.first}:{stop}:{self.step}]"
+
+
+class Filter(Chunked):
+    """Rows (or elements) of ``source`` where ``mask`` is True, or where ``fn(block)`` is.
+
+    A mask over the first ``k`` axes selects elements: the output's rows have shape
+    ``source.shape[k:]``. Row counts are unknown until computed.
+    """
+
+    def __init__(
+        self, source: Chunked, mask: Chunked | None = None, fn: Callable[..., Any] | None = None
+    ) -> None:
+        k = 1 if mask is None else max(1, mask.ndim)
+        inputs = (source,) if mask is None else (source, mask)
+        super().__init__(
+            inputs,
+            source.dtype,
+            (None, *source.shape[k:]),
+            bounds=None,
+            nblocks=source.nblocks,
+            origin=("filter", mask if mask is not None else self, source.partition()),
+        )
+        self.fn = fn
+        self.mask_ndim = k
+
+    def params(self) -> str:
+        return keys.token(self.fn) if self.fn is not None else "mask"
+
+    def label(self) -> str:
+        if self.fn is not None:
+            return f"filter({getattr(self.fn, '__qualname__', 'fn')})"
+        return "mask"
+
+
+class Concat(Chunked):
+    """``np.concatenate(inputs, axis=0)``: the inputs' blocks, one after the other."""
+
+    def __init__(self, inputs: tuple[Chunked, ...]) -> None:
+        dtype, row_shape = selection.concat_result(
+            [i.dtype for i in inputs], [i.row_shape for i in inputs]
+        )
+        known = all(i.bounds is not None for i in inputs)
+        if known:
+            bounds = [0]
+            for i in inputs:
+                assert i.bounds is not None
+                start = bounds[-1]
+                bounds.extend(start + b for b in i.bounds[1:])
+            total: int | None = bounds[-1]
+            super().__init__(inputs, dtype, (total, *row_shape), bounds=tuple(bounds))
+        else:
+            super().__init__(
+                inputs,
+                dtype,
+                (None, *row_shape),
+                bounds=None,
+                nblocks=sum(i.nblocks for i in inputs),
+                origin=("concat", self),
+            )
+        # (input, first block of it in the output)
+        self.block_table: list[tuple[int, int]] = [
+            (k, j) for k, i in enumerate(inputs) for j in range(i.nblocks)
+        ]
+        self.starts: list[int] = []
+        if known:
+            offset = 0
+            for i in inputs:
+                self.starts.append(offset)
+                offset += i.n_rows or 0
+
+    def pieces(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """``(input, lo, hi)``: output rows ``a:b`` as row ranges of the inputs."""
+        out = []
+        for k, (start, node) in enumerate(zip(self.starts, self.inputs, strict=False)):
+            n = node.shape[0] or 0
+            lo, hi = max(a, start), min(b, start + n)
+            if hi > lo:
+                out.append((k, lo - start, hi - start))
+        return out
+
+    def label(self) -> str:
+        return "concatenate"
+
+
+# -- value nodes ------------------------------------------------------------------------
+
+
+class Const(Value):
+    """An in-memory array or NumPy scalar."""
+
+    def __init__(self, value: Any) -> None:
+        array = np.asarray(value)
+        super().__init__((), array.dtype, array.shape)
+        self.value = value
+
+    def params(self) -> str:
+        return keys.token(self.value)
+
+    def label(self) -> str:
+        return f"constant {self.shape} {self.dtype}"
+
+
+class Reduce(Value):
+    """A reduction over the rows of chunked inputs (built by ``spec``), with value
+    nodes as parameters."""
+
+    def __init__(
+        self, spec: Any, chunked: tuple[Chunked, ...], values: tuple[Value, ...] = ()
+    ) -> None:
+        op = spec.build(
+            [c.dtype for c in chunked],
+            [c.row_shape for c in chunked],
+            chunked[0].n_rows,
+            [placeholder(v) for v in values],
+        )
+        dtype, shape = spec.meta(op, chunked[0])
+        super().__init__((*chunked, *values), dtype, shape if shape is not None else ())
+        self.meta_known = dtype is not None and shape is not None
+        self.spec = spec
+        self.n_chunked = len(chunked)
+
+    def params(self) -> str:
+        return str(self.spec.params())
+
+    def label(self) -> str:
+        return str(self.spec.label())
+
+
+def _nodes_in(value: Any) -> Iterator[Node]:
+    if isinstance(value, Node):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _nodes_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _nodes_in(v)
+
+
+def substitute(value: Any, lookup: Callable[[Node], Any]) -> Any:
+    """``value`` with every node in it (also inside tuples, lists, dicts) replaced."""
+    if isinstance(value, Node):
+        return lookup(value)
+    if isinstance(value, tuple):
+        return tuple(substitute(v, lookup) for v in value)
+    if isinstance(value, list):
+        return [substitute(v, lookup) for v in value]
+    if isinstance(value, dict):
+        return {k: substitute(v, lookup) for k, v in value.items()}
+    return value
+
+
+class Apply(Value):
+    """``fn(*args, **kwargs)`` on in-memory values; nodes in ``args`` are replaced by
+    their values. Dtype and shape come from ``fn`` on zero placeholders unless given."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+    ) -> None:
+        kwargs = dict(kwargs or {})
+        inputs = list({id(n): n for n in _nodes_in((args, kwargs))}.values())
+        for node in inputs:
+            if isinstance(node, Chunked):
+                raise TypeError("Apply takes value nodes; collect chunked ones first")
+            if isinstance(node, Value) and not node.meta_known:
+                raise TypeError(
+                    f"the result of {node.label()} has no declared dtype and shape, so it "
+                    "cannot be used in further operations; give dtype= and shape= to "
+                    "x.reduction(...), or compute() it first"
+                )
+        with _quiet():
+            probe = np.asarray(
+                fn(*substitute(args, placeholder), **substitute(kwargs, placeholder))
+            )
+        super().__init__(inputs, probe.dtype, probe.shape)
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.name = name or getattr(fn, "__name__", "apply")
+
+    def evaluate(self, values: Callable[[Node], Any]) -> Any:
+        """The result, given the values of the input nodes."""
+        return self.fn(*substitute(self.args, values), **substitute(self.kwargs, values))
+
+    def params(self) -> str:
+        slots = substitute((self.args, self.kwargs), lambda n: f"in{self.inputs.index(n)}")
+        return keys.token(self.fn) + "|" + keys.token(slots)
+
+    def label(self) -> str:
+        return str(self.name)

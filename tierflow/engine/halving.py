@@ -1,0 +1,246 @@
+"""Out-of-memory halving: retry an operator on the two halves of its block.
+
+The policy (stated with the scheduler's, :mod:`tierflow.engine.scheduler`):
+
+* An operator call that raises an out-of-memory error — ``MemoryError``, torch's or
+  cupy's — (:func:`tierflow.storage.oom.is_oom`) is retried on rows ``[0, n/2)`` and
+  ``[n/2, n)`` of its input blocks, recursively, down to one row. Before a retry the
+  failed attempt's frames are cleared, garbage is collected and the GPU caches are
+  emptied, so the retry can reuse that memory.
+* The pieces are stitched: a block operator writes each half into its half of the
+  output block (no second copy when the output is given), a reduction combines the
+  halves' partials (the right half's first row is the block's first row plus the
+  half's size, so ``argmin`` indices stay global).
+* The size that worked is remembered per operator (by the node's key, for the rest of
+  the process): its next blocks are cut into pieces of that size before they are tried.
+* Only operators that map rows to rows can be split this way (every block operator and
+  reduction chunk). One row that still does not fit raises
+  :class:`~tierflow.errors.OutOfMemoryError` with the sizes tried and a diagnosis
+  (:func:`tierflow.storage.oom.explain_oom`: the RAM or GPU figures and the remedy).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import OutOfMemoryError
+from ..storage import oom
+
+__all__ = ["forget", "remembered", "run_block", "run_chunk"]
+
+log = logging.getLogger("tierflow.engine")
+
+_lock = threading.Lock()
+_sizes: dict[str, int] = {}  # node key -> rows per call that last worked; _lock
+_retries = 0  # halvings since the process started; _lock
+
+
+def remembered(key: str) -> int | None:
+    """Rows per call remembered for the operator with this node key, if any."""
+    return _sizes.get(key)  # one dict read is atomic; writers hold _lock
+
+
+def forget(key: str | None = None) -> None:
+    """Forget the remembered size of one operator (every operator when None)."""
+    with _lock:
+        if key is None:
+            _sizes.clear()
+        else:
+            _sizes.pop(key, None)
+
+
+def retries() -> int:
+    """How many operator calls were split since the process started."""
+    with _lock:
+        return _retries
+
+
+def _remember(key: str, rows: int) -> None:
+    global _retries
+    with _lock:
+        _retries += 1
+        known = _sizes.get(key)
+        if known is None or rows < known:
+            _sizes[key] = rows
+
+
+def _recover(exc: BaseException) -> None:
+    # The traceback's frames hold the failed attempt's arrays and tensors.
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    oom.empty_gpu_caches()
+
+
+def _give_up(label: str, where: Any, tried: list[int], exc: BaseException) -> OutOfMemoryError:
+    where = where() if callable(where) else where
+    sizes = ", ".join(str(n) for n in tried)
+    text = str(exc).split("\n")[0][:300]
+    return OutOfMemoryError(
+        f"{label} ran out of memory on {where} at every size tried, down to one row "
+        f"({sizes} rows): {type(exc).__name__}: {text}. " + oom.explain_oom(exc)
+    )
+
+
+def _pieces(rows: int, limit: int | None) -> list[tuple[int, int]]:
+    if limit is None or rows <= limit:
+        return [(0, rows)]
+    return [(i, min(i + limit, rows)) for i in range(0, rows, limit)]
+
+
+def run_block(
+    key: str,
+    label: str,
+    where: Any,
+    fn: Callable[..., np.ndarray],
+    blocks: Sequence[np.ndarray],
+    out: np.ndarray | None,
+) -> np.ndarray:
+    """``fn(*blocks, out=out)`` with out-of-memory halving (see the module docstring).
+
+    ``label`` names the operator and ``where`` the block in the final error.
+    """
+    rows = blocks[0].shape[0] if blocks else 0
+    if key not in _sizes:
+        # The common case: one call, nothing remembered, nothing to split.
+        try:
+            return fn(*blocks, out=out)
+        except Exception as exc:
+            if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+                raise
+            if rows <= 1:
+                raise _give_up(label, where, [rows], exc) from exc
+            _recover(exc)
+        return _halves(key, label, where, fn, blocks, out, rows, [rows])
+    pieces = _pieces(rows, remembered(key))
+    if len(pieces) == 1:
+        return _block(key, label, where, fn, blocks, out, rows, [])
+    results = []
+    for a, b in pieces:
+        part = out[a:b] if out is not None else None
+        results.append(_block(key, label, where, fn, [x[a:b] for x in blocks], part, b - a, []))
+    return out if out is not None else np.concatenate(results)
+
+
+def _block(
+    key: str,
+    label: str,
+    where: Any,
+    fn: Callable[..., np.ndarray],
+    blocks: Sequence[np.ndarray],
+    out: np.ndarray | None,
+    rows: int,
+    tried: list[int],
+) -> np.ndarray:
+    try:
+        return fn(*blocks, out=out)
+    except Exception as exc:
+        if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+            raise
+        tried = [*tried, rows]
+        if rows <= 1:
+            raise _give_up(label, where, tried, exc) from exc
+        _recover(exc)
+    return _halves(key, label, where, fn, blocks, out, rows, tried)
+
+
+def _halves(
+    key: str,
+    label: str,
+    where: Any,
+    fn: Callable[..., np.ndarray],
+    blocks: Sequence[np.ndarray],
+    out: np.ndarray | None,
+    rows: int,
+    tried: list[int],
+) -> np.ndarray:
+    half = (rows + 1) // 2
+    _remember(key, half)
+    log.info("%s ran out of memory on %d rows; retrying on halves", label, rows)
+    left = _block(
+        key, label, where, fn, [b[:half] for b in blocks],
+        None if out is None else out[:half], half, tried,
+    )  # fmt: skip
+    right = _block(
+        key, label, where, fn, [b[half:] for b in blocks],
+        None if out is None else out[half:], rows - half, tried,
+    )  # fmt: skip
+    if out is not None:
+        return out
+    return np.concatenate([left, right])
+
+
+def run_chunk(
+    key: str,
+    label: str,
+    where: Any,
+    op: Any,
+    blocks: Sequence[np.ndarray],
+    row_offset: int,
+) -> Any:
+    """``op.chunk(*blocks, row_offset=...)`` with out-of-memory halving; halves' partials
+    are combined left before right."""
+    rows = blocks[0].shape[0] if blocks else 0
+    if key not in _sizes:
+        try:
+            return op.chunk(*blocks, row_offset=row_offset)
+        except Exception as exc:
+            if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+                raise
+            if rows <= 1:
+                raise _give_up(label, where, [rows], exc) from exc
+            _recover(exc)
+        return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [rows])
+    partial: Any = None
+    for a, b in _pieces(rows, remembered(key)):
+        piece = _chunk(key, label, where, op, [x[a:b] for x in blocks], row_offset + a, b - a, [])
+        partial = piece if a == 0 else op.combine(partial, piece)
+    return partial
+
+
+def _chunk(
+    key: str,
+    label: str,
+    where: Any,
+    op: Any,
+    blocks: Sequence[np.ndarray],
+    row_offset: int,
+    rows: int,
+    tried: list[int],
+) -> Any:
+    try:
+        return op.chunk(*blocks, row_offset=row_offset)
+    except Exception as exc:
+        if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+            raise
+        tried = [*tried, rows]
+        if rows <= 1:
+            raise _give_up(label, where, tried, exc) from exc
+        _recover(exc)
+    return _chunk_halves(key, label, where, op, blocks, row_offset, rows, tried)
+
+
+def _chunk_halves(
+    key: str,
+    label: str,
+    where: Any,
+    op: Any,
+    blocks: Sequence[np.ndarray],
+    row_offset: int,
+    rows: int,
+    tried: list[int],
+) -> Any:
+    half = (rows + 1) // 2
+    _remember(key, half)
+    log.info("%s ran out of memory on %d rows; retrying on halves", label, rows)
+    left = _chunk(key, label, where, op, [b[:half] for b in blocks], row_offset, half, tried)
+    right = _chunk(
+        key, label, where, op, [b[half:] for b in blocks], row_offset + half, rows - half, tried
+    )
+    return op.combine(left, right)

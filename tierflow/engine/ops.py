@@ -1,0 +1,367 @@
+"""Block operators the engine adds to :mod:`tierflow.operators`: user functions, reshapes,
+trailing-axis stacking, multi-output ufuncs, and the reductions behind ``head`` and
+materialising a small array.
+
+They follow the operators layer's contracts (:mod:`tierflow.operators.types`): a
+``BlockOp`` maps a row block to a row block of the same number of rows, a
+``ReductionOp`` is chunk / combine / aggregate.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..operators.types import Partial, block_bytes
+
+__all__ = [
+    "Collect",
+    "Head",
+    "MapBlocks",
+    "Reshape",
+    "Stack",
+    "UfuncOutput",
+    "numpy_dtype",
+    "to_device",
+    "to_host",
+]
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def to_host(value: Any) -> Any:
+    """A torch tensor as a NumPy array (copied off the GPU if it is there); else ``value``."""
+    if _is_tensor(value):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def to_device(block: Any, device: str) -> Any:
+    """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed)."""
+    import torch
+
+    if _is_tensor(block):
+        return block.to(device)
+    array = np.asarray(block)
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        # torch shares the buffer and warns about read-only memory (a file's pages);
+        # one copy avoids both, and the copy to the GPU costs it anyway.
+        array = np.array(array, order="C")
+    return torch.from_numpy(array).to(device, non_blocking=False)
+
+
+def numpy_dtype(value: Any) -> np.dtype:
+    """The NumPy dtype of an array or a torch tensor."""
+    if _is_tensor(value):
+        import torch
+
+        try:
+            return torch.empty(0, dtype=value.dtype).numpy().dtype
+        except TypeError as exc:
+            raise TypeError(
+                f"a {value.dtype} tensor has no NumPy dtype; convert it (e.g. .float()) "
+                "before returning it"
+            ) from exc
+    return np.asarray(value).dtype
+
+
+def _shape_text(rows: Any, row_shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join([str(rows), *map(str, row_shape)]) + ("," if not row_shape else "") + ")"
+
+
+class MapBlocks:
+    """``fn(*blocks, **kwargs)`` on row blocks: a user function as a BlockOp.
+
+    ``device`` None gives ``fn`` NumPy blocks; ``"cpu"`` or ``"cuda:N"`` gives it torch
+    tensors there. The result must have the blocks' number of rows, ``out_row_shape``
+    and a dtype that casts to ``out_dtype`` (``same_kind``); otherwise ValueError names
+    both shapes or dtypes (the engine adds the block).
+    """
+
+    row_independent = True
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        n_inputs: int,
+        out_dtype: np.dtype,
+        out_row_shape: tuple[int, ...],
+        *,
+        device: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+        name: str = "map_blocks",
+    ) -> None:
+        self.fn = fn
+        self.n_inputs = n_inputs
+        self.out_dtype = np.dtype(out_dtype)
+        self.out_row_shape = tuple(out_row_shape)
+        self.device = device
+        self.kwargs = kwargs or {}
+        self.name = name
+
+    def __repr__(self) -> str:
+        where = f" on {self.device}" if self.device else ""
+        return f"MapBlocks({self.name}{where})"
+
+    def apply(self, *blocks: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """The function's result for these blocks, checked, as a NumPy block."""
+        rows = blocks[0].shape[0]
+        device = self.device
+        if device == "auto":
+            device = self._resolve(blocks)
+        args = [to_device(b, device) for b in blocks] if device else blocks
+        result = self.fn(*args, **self.kwargs)
+        result = to_host(result)
+        if not isinstance(result, np.ndarray):
+            result = np.asarray(result)
+        want = _shape_text(rows, self.out_row_shape)
+        if (
+            result.ndim == 0
+            or result.shape[0] != rows
+            or tuple(result.shape[1:]) != self.out_row_shape
+        ):
+            got = "a scalar" if result.ndim == 0 else f"shape {result.shape}"
+            raise ValueError(
+                f"{self.name} returned {got} for a block of shape "
+                f"{tuple(blocks[0].shape)}; it must return shape {want}: one row per input "
+                "row, with the row shape declared (row_shape=) or found on the probe block"
+            )
+        if result.dtype != self.out_dtype:
+            if not np.can_cast(result.dtype, self.out_dtype, casting="same_kind"):
+                raise ValueError(
+                    f"{self.name} returned {result.dtype}, which does not cast to the "
+                    f"declared {self.out_dtype} (casting='same_kind'); return "
+                    f"{self.out_dtype} or pass dtype={result.dtype}"
+                )
+            if out is not None:
+                np.copyto(out, result, casting="same_kind")
+                return out
+            return result.astype(self.out_dtype)
+        if out is not None:
+            np.copyto(out, result)
+            return out
+        return result
+
+    def _resolve(self, blocks: Sequence[Any]) -> str:
+        """``device="auto"``: the GPU with the most free memory if it has room for the
+        blocks and the result (twice over, for the function's own tensors), else the CPU.
+        Decided on the first block and kept."""
+        from ..system import devices
+
+        need = 2 * sum(int(np.asarray(b).nbytes) for b in blocks) + 2 * block_bytes(
+            blocks[0].shape[0], self.out_row_shape, self.out_dtype
+        )
+        self.device = devices.best_device(need / (1 << 30))
+        return self.device
+
+    def temp_bytes(self, rows: int) -> int:
+        """Unknown for a user function: counted as one output block (its own result)."""
+        return block_bytes(rows, self.out_row_shape, self.out_dtype)
+
+
+class Reshape:
+    """``block.reshape(rows, *row_shape)``: a new shape for the trailing axes."""
+
+    row_independent = True
+    n_inputs = 1
+
+    def __init__(
+        self, in_dtype: Any, in_row_shape: tuple[int, ...], row_shape: tuple[int, ...]
+    ) -> None:
+        self.in_dtype = np.dtype(in_dtype)
+        self.in_row_shape = tuple(in_row_shape)
+        self.out_dtype = self.in_dtype
+        self.out_row_shape = tuple(row_shape)
+
+    def __repr__(self) -> str:
+        return f"Reshape({self.out_row_shape})"
+
+    def apply(self, *blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        result = blocks[0].reshape(blocks[0].shape[0], *self.out_row_shape)
+        if out is not None:
+            np.copyto(out, result)
+            return out
+        return result
+
+    def temp_bytes(self, rows: int) -> int:
+        return 0
+
+
+class Stack:
+    """``np.concatenate`` / ``np.stack`` of row-aligned blocks along a trailing axis."""
+
+    row_independent = True
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        axis: int,
+        dtypes: Sequence[np.dtype],
+        row_shapes: Sequence[tuple[int, ...]],
+    ) -> None:
+        self.function = function
+        self.axis = axis
+        self.n_inputs = len(dtypes)
+        probe = function(
+            [np.zeros((1, *s), d) for d, s in zip(dtypes, row_shapes, strict=False)], axis=axis
+        )
+        self.out_dtype = probe.dtype
+        self.out_row_shape = tuple(probe.shape[1:])
+
+    def __repr__(self) -> str:
+        return f"Stack({self.function.__name__}, axis={self.axis})"
+
+    def apply(self, *blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        result = self.function(list(blocks), axis=self.axis)
+        if out is not None:
+            np.copyto(out, result)
+            return out
+        return result
+
+    def temp_bytes(self, rows: int) -> int:
+        return 0
+
+
+class UfuncOutput:
+    """Output ``index`` of a ufunc with several outputs (``np.divmod``, ``np.modf``).
+
+    ``template`` lists the operands: None for the next block, a marker for the next of
+    ``values``, anything else a constant."""
+
+    row_independent = True
+
+    def __init__(
+        self,
+        ufunc: np.ufunc,
+        index: int,
+        dtypes: Sequence[np.dtype],
+        row_shapes: Sequence[tuple[int, ...]],
+        kwargs: dict[str, Any],
+        template: Sequence[Any] = (),
+        values: Sequence[Any] = (),
+    ) -> None:
+        self.ufunc = ufunc
+        self.index = index
+        self.kwargs = kwargs
+        self.n_inputs = len(dtypes)
+        self.template = list(template) or [None] * len(dtypes)
+        self.values = list(values)
+        probe = self._call([np.zeros((1, *s), d) for d, s in zip(dtypes, row_shapes, strict=False)])
+        self.out_dtype = probe.dtype
+        self.out_row_shape = tuple(probe.shape[1:])
+
+    def _call(self, blocks: Sequence[np.ndarray]) -> np.ndarray:
+        items, values = iter(blocks), iter(self.values)
+        args = [
+            next(items) if t is None else next(values) if repr(t) == "<value>" else t
+            for t in self.template
+        ]
+        return self.ufunc(*args, **self.kwargs)[self.index]
+
+    def __repr__(self) -> str:
+        return f"UfuncOutput({self.ufunc.__name__}[{self.index}])"
+
+    def apply(self, *blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        result = self._call(blocks)
+        if out is not None:
+            np.copyto(out, result)
+            return out
+        return result
+
+    def temp_bytes(self, rows: int) -> int:
+        return block_bytes(rows, self.out_row_shape, self.out_dtype)
+
+
+class Head:
+    """The first ``n`` rows, as a reduction (for arrays whose block sizes are unknown).
+
+    Not commutative: partials of neighbouring blocks merge left before right, and a
+    partial of the first blocks that already holds ``n`` rows is final
+    (:meth:`complete`), so later blocks need not be computed.
+    """
+
+    row_independent = False
+    commutative = False
+    n_inputs = 1
+
+    def __init__(self, n: int, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+        self.n = n
+        self.out_dtype = dtype
+        self.row_shape = row_shape
+        self.out_shape = None  # known once computed: min(n, rows)
+
+    def __repr__(self) -> str:
+        return f"Head({self.n})"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        return np.array(blocks[0][: self.n])
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        if a is None:
+            return b
+        if b is None or len(a) >= self.n:
+            return a
+        return np.concatenate([a, b[: self.n - len(a)]])
+
+    def complete(self, partial: Partial) -> bool:
+        """Whether ``partial`` (of a prefix of the blocks) already has the ``n`` rows."""
+        return partial is not None and len(partial) >= self.n
+
+    def aggregate(self, partial: Partial) -> Any:
+        if partial is None:
+            return np.empty((0, *self.row_shape), self.out_dtype)
+        return partial
+
+    def temp_bytes(self, rows: int) -> int:
+        return self.partial_bytes()
+
+    def partial_bytes(self) -> int:
+        return block_bytes(self.n, self.row_shape, self.out_dtype)
+
+
+class Collect:
+    """Every row, as a reduction: the whole (small) array in memory.
+
+    Used where a lazy array must become an in-memory operand (a broadcast constant).
+    """
+
+    row_independent = False
+    commutative = False
+    n_inputs = 1
+
+    def __init__(self, dtype: np.dtype, row_shape: tuple[int, ...], n_rows: int | None) -> None:
+        self.out_dtype = dtype
+        self.row_shape = row_shape
+        self.out_shape = None if n_rows is None else (n_rows, *row_shape)
+        self.n_rows = n_rows
+
+    def __repr__(self) -> str:
+        return "Collect()"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        return [np.array(blocks[0])]
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return a + b
+
+    def aggregate(self, partial: Partial) -> Any:
+        if not partial:
+            return np.empty((0, *self.row_shape), self.out_dtype)
+        return np.concatenate(partial) if len(partial) > 1 else partial[0]
+
+    def temp_bytes(self, rows: int) -> int:
+        return block_bytes(rows, self.row_shape, self.out_dtype)
+
+    def partial_bytes(self) -> int:
+        rows = self.n_rows if self.n_rows is not None else 1
+        return block_bytes(rows, self.row_shape, self.out_dtype) + 64

@@ -1,0 +1,702 @@
+"""From the lazy graph to what one task runs: fusion into block programs.
+
+A *program* computes, for one block, every result of a group of roots that share the
+same blocks (the sinks and reductions of one pass): block ``j`` is read once and every
+root takes what it needs from it. Inside a program:
+
+* A maximal tree of elementwise nodes becomes one
+  :class:`~tierflow.operators.fused.FusedKernel` over the nodes that feed it (sources,
+  block maps, selections), evaluated in cache-sized sub-blocks with reused buffers.
+  An elementwise node used by several roots is inlined into each (recomputing it from
+  L2-resident sub-blocks is cheaper than writing a block-sized intermediate), unless it
+  is itself a result (then the others read the result's block).
+* A reduction over the rows of an elementwise tree becomes a
+  :class:`~tierflow.operators.fused.FusedReduction`: no block-sized intermediate at all.
+  A trailing-axis reduction, ``@ w`` or a trailing index after an elementwise tree is the
+  kernel's epilogue.
+* Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step;
+  a node used twice in a block is computed once (the per-task memo).
+
+Rows are asked for in two ways: ``("r", a, b)``, rows ``a:b`` of a node whose row
+counts are known (any range can be computed: every step maps rows to rows), and
+``("b", j)``, block ``j`` of a node whose row counts are unknown until computed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import BlockError, OutOfMemoryError
+from ..operators import elementwise as ew
+from ..operators import fused, reductions, selection
+from ..operators.types import block_bytes
+from ..system import pressure
+from ..system.types import Level
+from . import graph, halving
+from .graph import Chunked, Node
+from .sources import FilesReader
+from .types import TaskMemory
+
+__all__ = ["Accumulator", "Context", "Lowering", "Program"]
+
+Request = tuple[Any, ...]
+_HIGH = frozenset({Level.HIGH, Level.CRITICAL})
+
+
+class Context:
+    """One task's state: the memo of evaluated steps and the source rows it read."""
+
+    __slots__ = ("index", "memo", "program", "reads", "req")
+
+    def __init__(self, index: int, req: Request, program: Program) -> None:
+        self.index = index
+        self.req = req
+        self.program = program
+        self.memo: dict[tuple[int, Request], Any] = {}
+        self.reads: list[tuple[Any, int, int]] = []
+
+    def describe(self) -> str:
+        """Which block this task computes, in words (made only for an error message)."""
+        req, program = self.req, self.program
+        rows = f" (rows {req[1]}:{req[2]})" if req[0] == "r" else ""
+        return f"block {self.index} of {program.count}{rows} of {program.name}"
+
+    @property
+    def where(self) -> str:
+        """:meth:`describe`."""
+        return self.describe()
+
+
+def _where_of(ctx: Context, req: Request) -> tuple[int, int, int]:
+    if req[0] == "r":
+        return ctx.index, req[1], req[2]
+    return ctx.index, -1, -1
+
+
+def _user_error(label: str, ctx: Context, req: Request, exc: Exception) -> BlockError:
+    index, start, stop = _where_of(ctx, req)
+    return BlockError(
+        f"{label} failed on {ctx.where}: {type(exc).__name__}: {exc}",
+        index=index,
+        start=max(start, 0),
+        stop=max(stop, 0),
+    )
+
+
+class Step:
+    """A physical step: evaluates its graph node for a request, memoised per task."""
+
+    node: Node
+
+    def eval(self, ctx: Context, req: Request) -> np.ndarray:
+        key = (id(self), req)
+        found = ctx.memo.get(key)
+        if found is None:
+            found = self._eval(ctx, req)
+            ctx.memo[key] = found
+        return found
+
+    def eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
+        """Evaluate into ``out`` (a sink's block); the memo then holds ``out``."""
+        result = self._eval_into(ctx, req, out)
+        ctx.memo[(id(self), req)] = out
+        return result
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        raise NotImplementedError
+
+    def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
+        np.copyto(out, self.eval(ctx, req), casting="unsafe")
+        return out
+
+    def children(self) -> list[tuple[Step, Request]]:
+        """Steps this one reads, for walking (requests are filled in by :meth:`sources`)."""
+        return []
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        """``(reader, a, b)`` this step reads from files for ``req`` (for readahead)."""
+        return iter(())
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        """This step's own projected bytes for a block of ``rows`` rows."""
+        return TaskMemory()
+
+    def label(self) -> str:
+        return self.node.label()
+
+
+class SourceStep(Step):
+    node: graph.Source
+
+    def __init__(self, node: graph.Source) -> None:
+        self.node = node
+        self.reader = node.reader
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        if req[0] == "r":
+            a, b = req[1], req[2]
+            block = self.reader.read(a, b)
+            if self.reader.file_backed:
+                ctx.reads.append((self.reader, a, b))
+            return block
+        return self.reader.read_block(req[1])
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        if req[0] == "r" and self.reader.file_backed:
+            yield self.reader, req[1], req[2]
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        nbytes = rows * self.reader.row_nbytes
+        if self.reader.file_backed:
+            return TaskMemory(inputs=nbytes)  # file pages faulted in, released after
+        if isinstance(self.reader, FilesReader):
+            return TaskMemory(outputs=nbytes)  # rows loaded from the files
+        return TaskMemory()  # views of an array already in memory
+
+
+class KernelStep(Step):
+    """A block operator (a fused kernel, a user function, ...) on input steps."""
+
+    def __init__(
+        self,
+        node: Node,
+        op: Any,
+        inputs: list[Step],
+        *,
+        user: bool = False,
+        label: str | None = None,
+    ) -> None:
+        self.node = node
+        self.op = op
+        self.inputs = inputs
+        self.user = user
+        self._label = label or node.label()
+
+    def label(self) -> str:
+        return self._label
+
+    def _run(self, ctx: Context, req: Request, out: np.ndarray | None) -> np.ndarray:
+        blocks = [s.eval(ctx, req) for s in self.inputs]
+        try:
+            return halving.run_block(
+                self.node.ident, self._label, ctx.describe, self.op.apply, blocks, out
+            )
+        except (BlockError, OutOfMemoryError):
+            raise
+        except Exception as exc:
+            if self.user:
+                raise _user_error(self._label, ctx, req, exc) from exc
+            raise
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        return self._run(ctx, req, None)
+
+    def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
+        return self._run(ctx, req, out)
+
+    def children(self) -> list[tuple[Step, Request]]:
+        return [(s, ()) for s in self.inputs]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        for s in self.inputs:
+            yield from s.sources(req)
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        out = 0 if into_sink else block_bytes(rows, self.op.out_row_shape, self.op.out_dtype)
+        return TaskMemory(outputs=out, temps=int(self.op.temp_bytes(rows)))
+
+
+class SliceStep(Step):
+    node: graph.RowSlice
+
+    def __init__(self, node: graph.RowSlice, source: Step) -> None:
+        self.node = node
+        self.source = source
+
+    def _map(self, req: Request) -> tuple[Request, slice]:
+        lo, hi, take = self.node.input_rows(req[1], req[2])
+        return ("r", lo, hi), take
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        inner, take = self._map(req)
+        return self.source.eval(ctx, inner)[take]
+
+    def children(self) -> list[tuple[Step, Request]]:
+        return [(self.source, ())]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        yield from self.source.sources(self._map(req)[0])
+
+
+def _block_request(node: Chunked, j: int) -> Request:
+    """The request for block ``j`` of ``node`` in its own terms."""
+    if node.bounds is not None:
+        return ("r", node.bounds[j], node.bounds[j + 1])
+    return ("b", j)
+
+
+class FilterStep(Step):
+    node: graph.Filter
+
+    def __init__(self, node: graph.Filter, source: Step, mask: Step | None) -> None:
+        self.node = node
+        self.source = source
+        self.mask = mask
+        source_node = node.inputs[0]
+        assert isinstance(source_node, Chunked)
+        self.source_node: Chunked = source_node
+
+    def _inner(self, req: Request) -> Request:
+        return _block_request(self.source_node, req[1])
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        inner = self._inner(req)
+        block = self.source.eval(ctx, inner)
+        if self.mask is not None:
+            return selection.mask_rows(block, self.mask.eval(ctx, inner))
+        fn = self.node.fn
+        try:
+            assert fn is not None
+            return selection.filter_rows(block, fn)
+        except Exception as exc:
+            raise _user_error(self.node.label(), ctx, inner, exc) from exc
+
+    def children(self) -> list[tuple[Step, Request]]:
+        return [(self.source, ())] + ([(self.mask, ())] if self.mask is not None else [])
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        yield from self.source.sources(self._inner(req))
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
+
+
+class ConcatStep(Step):
+    node: graph.Concat
+
+    def __init__(self, node: graph.Concat, inputs: list[Step]) -> None:
+        self.node = node
+        self.inputs = inputs
+
+    def _parts(self, req: Request) -> list[tuple[Step, Request]]:
+        if req[0] == "r":
+            return [
+                (self.inputs[k], ("r", lo, hi)) for k, lo, hi in self.node.pieces(req[1], req[2])
+            ]
+        k, j = self.node.block_table[req[1]]
+        child = self.node.inputs[k]
+        assert isinstance(child, Chunked)
+        return [(self.inputs[k], _block_request(child, j))]
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        parts = [step.eval(ctx, inner) for step, inner in self._parts(req)]
+        dtype = self.node.dtype
+        if len(parts) == 1:
+            return parts[0] if parts[0].dtype == dtype else parts[0].astype(dtype)
+        if not parts:
+            return np.empty((0, *self.node.row_shape), dtype)
+        return np.concatenate(parts).astype(dtype, copy=False)
+
+    def children(self) -> list[tuple[Step, Request]]:
+        return [(s, ()) for s in self.inputs]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        for step, inner in self._parts(req):
+            yield from step.sources(inner)
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
+
+
+# -- reductions -------------------------------------------------------------------------
+
+
+class Accumulator:
+    """Partials of one reduction, combined as blocks finish (``add`` runs on workers).
+
+    Commutative reductions fold into one running partial; the combine runs outside the
+    lock, so two workers never wait for each other's combine. Others keep segments of
+    neighbouring blocks and merge a segment with its neighbours, left before right.
+    A reduction with ``complete(partial)`` (``head``) marks blocks after a complete
+    first segment as not needed (:meth:`skip`).
+    """
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.commutative = bool(getattr(op, "commutative", True))
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._has_value = False
+        self._by_start: dict[int, tuple[int, Any]] = {}
+        self._by_end: dict[int, int] = {}
+        self.complete_through: int | None = None
+
+    def add(self, index: int, partial: Any) -> None:
+        """Merge the partial of block ``index``; takes the lock only to swap partials."""
+        if self.commutative:
+            if partial is None:
+                return
+            while True:
+                with self._lock:
+                    if not self._has_value:
+                        self._value, self._has_value = partial, True
+                        return
+                    other, self._value, self._has_value = self._value, None, False
+                partial = self.op.combine(other, partial)
+        start, end = index, index + 1
+        while True:
+            with self._lock:
+                left_start = self._by_end.pop(start, None)
+                left = self._by_start.pop(left_start) if left_start is not None else None
+                right = self._by_start.pop(end, None)
+                if right is not None:
+                    del self._by_end[right[0]]
+                if left is None and right is None:
+                    self._by_start[start] = (end, partial)
+                    self._by_end[end] = start
+                    complete = getattr(self.op, "complete", None)
+                    if start == 0 and complete is not None and complete(partial):
+                        self.complete_through = end
+                    return
+            if left is not None:
+                assert left_start is not None
+                partial = self.op.combine(left[1], partial)
+                start = left_start
+            if right is not None:
+                partial = self.op.combine(partial, right[1])
+                end = right[0]
+
+    def skip(self, index: int) -> bool:
+        """Whether block ``index`` is no longer needed (a complete prefix exists)."""
+        through = self.complete_through
+        return through is not None and index >= through
+
+    def result(self) -> Any:
+        """The partial of all blocks added (None if none had rows)."""
+        with self._lock:
+            if self.commutative:
+                return self._value
+            if not self._by_start:
+                return None
+            first = self._by_start.get(0)
+            if self.complete_through is not None and first is not None:
+                return first[1]
+            if len(self._by_start) != 1 or first is None:
+                raise RuntimeError(
+                    f"partials of {len(self._by_start)} separate row ranges are left; a "
+                    "non-commutative reduction lost a block"
+                )
+            return first[1]
+
+
+class ReduceRoot:
+    """A reduction root of a program: chunk each block, add to the accumulator."""
+
+    def __init__(
+        self,
+        node: graph.Reduce,
+        op: Any,
+        inputs: list[Step],
+        acc: Accumulator,
+        user: bool,
+        fused_op: Any = None,
+    ) -> None:
+        self.node = node
+        self.op = op
+        self.inputs = inputs
+        self.acc = acc
+        self.user = user
+        self.chunker = fused_op if fused_op is not None else op
+        self.label = node.label()
+
+    def run(self, ctx: Context, req: Request) -> None:
+        acc = self.acc
+        if acc.complete_through is not None and acc.skip(ctx.index):
+            return
+        blocks = [s.eval(ctx, req) for s in self.inputs]
+        offset = req[1] if req[0] == "r" else 0
+        try:
+            partial = halving.run_chunk(
+                self.node.ident, self.label, ctx.describe, self.chunker, blocks, offset
+            )
+        except (BlockError, OutOfMemoryError):
+            raise
+        except Exception as exc:
+            if self.user:
+                raise _user_error(self.label, ctx, req, exc) from exc
+            raise
+        self.acc.add(ctx.index, partial)
+
+    def memory(self, rows: int) -> TaskMemory:
+        return TaskMemory(temps=int(self.chunker.temp_bytes(rows)) + int(self.op.partial_bytes()))
+
+    def steps(self) -> list[Step]:
+        return self.inputs
+
+
+class SinkRoot:
+    """A chunked result: known rows go into the sink's block, unknown rows are returned
+    (held by the scheduler until written)."""
+
+    def __init__(self, node: Chunked, step: Step, sink: Any) -> None:
+        self.node = node
+        self.step = step
+        self.sink = sink
+
+    def run(self, ctx: Context, req: Request) -> Any:
+        if req[0] == "r" and self.sink.known:
+            a, b = req[1], req[2]
+            dest = self.sink.dest(a, b)
+            self.step.eval_into(ctx, req, dest)
+            self.sink.written(a, b, dest)
+            return None
+        block = self.step.eval(ctx, req)
+        return (
+            np.array(block, order="C")
+            if not block.flags.c_contiguous or not block.flags.owndata
+            else block
+        )
+
+    def memory(self, rows: int) -> TaskMemory:
+        return TaskMemory(outputs=int(self.sink.task_bytes(rows)))
+
+
+class Program:
+    """What a block task of one group runs (see the module docstring)."""
+
+    def __init__(
+        self, sinks: list[SinkRoot], reductions: list[ReduceRoot], name: str = "", count: int = 0
+    ) -> None:
+        self.sinks = sinks
+        self.reductions = reductions
+        self.name = name  # what the pass computes, for error messages
+        self.count = count  # blocks in the pass
+        self._memory: dict[int, TaskMemory] = {}
+
+    def run(self, index: int, req: Request) -> Any:
+        """Compute block ``index`` (request ``req``) for every root; the held blocks of
+        unknown-size sinks come back as a tuple (None when there are none)."""
+        ctx = Context(index, req, self)
+        held: list[Any] | None = None
+        try:
+            if self.sinks:
+                held = [s.run(ctx, req) for s in self.sinks]
+            for r in self.reductions:
+                r.run(ctx, req)
+        finally:
+            if ctx.reads:
+                drop = pressure.level_now() in _HIGH
+                for reader, a, b in ctx.reads:
+                    reader.release(a, b, drop_cache=drop)
+            ctx.memo.clear()
+        if held is None or all(h is None for h in held):
+            return None
+        return tuple(held)
+
+    def reads_files(self) -> bool:
+        """Whether any step reads a file (else there is nothing to read ahead)."""
+        return any(isinstance(s, SourceStep) and s.reader.file_backed for s in self.steps())
+
+    def prefetch(self, req: Request) -> None:
+        """Ask the kernel for the file rows ``req`` will read."""
+        seen = set()
+        for root in self.steps_of_roots():
+            for reader, a, b in root.sources(req):
+                if (id(reader), a, b) not in seen:
+                    seen.add((id(reader), a, b))
+                    reader.readahead(a, b)
+
+    def steps_of_roots(self) -> list[Step]:
+        return [s.step for s in self.sinks] + [i for r in self.reductions for i in r.inputs]
+
+    def steps(self) -> list[Step]:
+        """Every step, each once."""
+        found: dict[int, Step] = {}
+        stack = self.steps_of_roots()
+        while stack:
+            step = stack.pop()
+            if id(step) in found:
+                continue
+            found[id(step)] = step
+            stack.extend(child for child, _ in step.children())
+        return list(found.values())
+
+    def memory(self, rows: int) -> TaskMemory:
+        """Projected bytes of one task on a block of ``rows`` rows (a pure function of
+        the program: inputs read, blocks made, operators' scratch)."""
+        found = self._memory.get(rows)
+        if found is not None:
+            return found
+        into = {id(s.step) for s in self.sinks if s.sink.known}
+        total = TaskMemory()
+        for step in self.steps():
+            total = total + step.memory(rows, id(step) in into)
+        for s in self.sinks:
+            total = total + s.memory(rows)
+        for r in self.reductions:
+            total = total + r.memory(rows)
+        self._memory[rows] = total
+        return total
+
+
+# -- lowering ---------------------------------------------------------------------------
+
+
+class Lowering:
+    """Builds the steps of programs from graph nodes, with value nodes bound.
+
+    ``values`` maps a value node's key to its value (placeholders while planning);
+    ``results`` holds the keys of chunked nodes that are results of the same pass (read
+    from their sink block instead of being fused again).
+    """
+
+    def __init__(self, values: dict[str, Any], results: set[str] | None = None) -> None:
+        self.values = values
+        self.results = results or set()
+        self._steps: dict[str, Step] = {}
+
+    def value(self, node: Node) -> Any:
+        """The bound value of a value node, as a NumPy value of the node's dtype.
+
+        A Python number from a user's ``aggregate`` would be a *weak* scalar under NEP 50
+        and could change the result dtype the plan was built with; the declared dtype
+        keeps the kernels and the plan in agreement."""
+        value = self.values[node.ident]
+        dtype = node.dtype
+        if dtype is not None and (
+            not isinstance(value, (np.ndarray, np.generic)) or value.dtype != dtype
+        ):
+            value = np.asarray(value).astype(dtype)
+            if value.ndim == 0:
+                value = value[()]
+        return value
+
+    def step(self, node: Node) -> Step:
+        found = self._steps.get(node.ident)
+        if found is None:
+            found = self._lower(node)
+            self._steps[node.ident] = found
+        return found
+
+    def _lower(self, node: Node) -> Step:
+        if isinstance(node, graph.Source):
+            return SourceStep(node)
+        if isinstance(node, graph.Elementwise):
+            expr, leaves = self._expression(node)
+            kernel = fused.FusedKernel(
+                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
+            )
+            return KernelStep(
+                node, kernel, [self.step(n) for n in leaves], label=_kernel_label(node)
+            )
+        if isinstance(node, graph.BlockMap):
+            chunked = [n for n in node.inputs[: node.n_chunked] if isinstance(n, Chunked)]
+            values = [self.value(v) for v in node.inputs[node.n_chunked :]]
+            op = node.spec.build([c.dtype for c in chunked], [c.row_shape for c in chunked], values)
+            source = chunked[0]
+            if node.spec.epilogue and self._fusable(source):
+                expr, leaves = self._expression(source)  # type: ignore[arg-type]
+                kernel = fused.FusedKernel(
+                    expr, [n.dtype for n in leaves], [n.row_shape for n in leaves], epilogue=op
+                )
+                label = f"{_kernel_label(source)} -> {node.label()}"
+                return KernelStep(node, kernel, [self.step(n) for n in leaves], label=label)
+            return KernelStep(node, op, [self.step(c) for c in chunked], user=node.spec.user)
+        if isinstance(node, graph.RowSlice):
+            return SliceStep(node, self.step(node.inputs[0]))
+        if isinstance(node, graph.Filter):
+            mask = self.step(node.inputs[1]) if len(node.inputs) > 1 else None
+            return FilterStep(node, self.step(node.inputs[0]), mask)
+        if isinstance(node, graph.Concat):
+            return ConcatStep(node, [self.step(i) for i in node.inputs])
+        raise TypeError(f"cannot lower {node!r}")
+
+    def _fusable(self, node: Node) -> bool:
+        return isinstance(node, graph.Elementwise) and node.ident not in self.results
+
+    def _expression(self, root: graph.Elementwise) -> tuple[ew.Expr, list[Chunked]]:
+        """The elementwise tree under ``root`` as one expression over its leaves."""
+        leaves: dict[str, int] = {}
+        leaf_nodes: list[Chunked] = []
+        exprs: dict[str, ew.Expr] = {}
+
+        def build(node: Chunked) -> ew.Expr:
+            found = exprs.get(node.ident)
+            if found is not None:
+                return found
+            if isinstance(node, graph.Elementwise) and (node is root or self._fusable(node)):
+                args: list[Any] = []
+                for o in node.operands:
+                    if isinstance(o, Chunked):
+                        args.append(build(o))
+                    elif isinstance(o, Node):
+                        args.append(ew.Const(self.value(o)))
+                    else:
+                        args.append(o)
+                expr = node.op.expr(args)
+            else:
+                if node.ident not in leaves:
+                    leaves[node.ident] = len(leaf_nodes)
+                    leaf_nodes.append(node)
+                expr = ew.Input(leaves[node.ident])
+            exprs[node.ident] = expr
+            return expr
+
+        return build(root), leaf_nodes
+
+    def reduce_root(self, node: graph.Reduce, acc_for: Any) -> ReduceRoot:
+        """The root of a reduction, fused with an elementwise tree under it when it is a
+        built-in reduction of one input."""
+        chunked = [n for n in node.inputs[: node.n_chunked] if isinstance(n, Chunked)]
+        values = [self.value(v) for v in node.inputs[node.n_chunked :]]
+        op = node.spec.build(
+            [c.dtype for c in chunked],
+            [c.row_shape for c in chunked],
+            chunked[0].n_rows,
+            values,
+        )
+        acc = acc_for(node, op)
+        source = chunked[0]
+        builtin = isinstance(op, reductions.RowReduction) or type(op).__name__ == "HistogramCounts"
+        if len(chunked) == 1 and builtin and self._fusable(source):
+            expr, leaves = self._expression(source)  # type: ignore[arg-type]
+            kernel = fused.FusedKernel(
+                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
+            )
+            fused_op = fused.FusedReduction(kernel, op)
+            return ReduceRoot(
+                node, op, [self.step(n) for n in leaves], acc, node.spec.user, fused_op
+            )
+        return ReduceRoot(node, op, [self.step(c) for c in chunked], acc, node.spec.user)
+
+
+def _kernel_label(node: Node) -> str:
+    """``sqrt(add(multiply))``-style label of an elementwise tree, shortened."""
+    names = []
+    for n in graph.walk([node]):
+        if isinstance(n, graph.Elementwise):
+            names.append(n.label())
+    text = " ∘ ".join(reversed(names))
+    return f"fused[{text}]" if len(names) > 1 else text
+
+
+def upper_rows(node: Chunked, j: int) -> int:
+    """At most how many rows block ``j`` of ``node`` has (its exact count when known)."""
+    if node.bounds is not None:
+        return node.bounds[j + 1] - node.bounds[j]
+    if isinstance(node, graph.Source):
+        return int(getattr(node.reader, "files_per_block", 1))
+    if isinstance(node, graph.Concat):
+        k, jj = node.block_table[j]
+        return upper_rows(node.inputs[k], jj)  # type: ignore[arg-type]
+    source = node.inputs[0]
+    assert isinstance(source, Chunked)
+    scale = 1
+    if isinstance(node, graph.Filter) and node.mask_ndim > 1:
+        scale = math.prod(source.row_shape[: node.mask_ndim - 1])
+    return upper_rows(source, j) * scale

@@ -1,0 +1,444 @@
+"""Plans: the task graph of a compute, its order, and the memory each task projects.
+
+A compute asks for results: chunked arrays (into an array or a ``.npy`` file) and values
+(reductions and what is computed from them). Planning:
+
+1. **Nodes.** Every node reachable from the results, deduplicated by key (the same
+   computation built twice runs once). File sources are checked: a file changed since
+   its array was built is an error naming it.
+2. **Stages.** A value used inside a chunked computation (``x - x.mean(0)``) must be
+   known before that computation runs, so it runs in a later *stage*. Stage 0 holds
+   every pass that needs no computed value; a reduction in stage ``s`` makes its value
+   usable from stage ``s + 1``. A file is read once per stage that needs it: ``mean``
+   and ``std`` of a file in one pass, then the standardised file in a second.
+3. **Passes.** In a stage, results over the same blocks form one *pass*: one task per
+   block computes all of them from a single read of that block (see
+   :mod:`tierflow.engine.optimize`). Blocks whose projected memory exceeds a worker's
+   share of the budget (``budget / (2 x workers)``) are cut into pieces first.
+4. **Tasks**, in depth-first order (the scheduler runs the lowest ready index first)::
+
+       stage 0:  [block 0] [block 1] ... [block n]   -> [finish mean] [finish std]
+       stage 1:  [prepare: bind mean, std] -> [block 0] ... [block n] -> [commit file]
+
+   a pass over blocks of unknown size writing a ``.npy`` file appends block ``j`` right
+   after it is computed (``[block j] -> [append j]``, each append after the previous
+   one); reductions are folded as blocks finish, so ``finish`` only aggregates.
+5. **Memory.** Each block task carries its projection (:class:`TaskMemory`: file pages
+   it reads, blocks it makes, operators' scratch), computed by the pure function
+   :meth:`tierflow.engine.optimize.Program.memory`. A task whose single row exceeds
+   the whole budget is refused before anything runs, quoting the numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import format_bytes
+from ..errors import OutOfMemoryError
+from ..storage import oom
+from . import graph
+from .graph import Chunked, Node
+from .optimize import Accumulator, Lowering, Program, upper_rows
+from .sinks import ArraySink, NpySink
+from .types import Task, TaskMemory
+
+__all__ = ["Plan", "Request", "build_plan"]
+
+log = logging.getLogger("tierflow.engine")
+
+# A block task may take this share of the budget: two tasks per worker are in flight.
+TASKS_PER_WORKER = 2
+
+
+@dataclass
+class Request:
+    """One result a compute asks for: ``node`` computed into ``sink`` (None for a value)."""
+
+    node: Node
+    sink: ArraySink | NpySink | None = None
+
+
+@dataclass
+class Plan:
+    """The tasks of a compute, in priority order, and how to read the results."""
+
+    tasks: list[Task] = field(default_factory=list)
+    outputs: list[tuple[str, Any]] = field(default_factory=list)  # ("task", i) or ("const", v)
+    sinks: list[Any] = field(default_factory=list)
+    what: str = ""
+    stages: int = 0
+    passes: int = 0
+
+    def add(self, task: Task) -> int:
+        self.tasks.append(task)
+        return len(self.tasks) - 1
+
+    def kept(self) -> set[int]:
+        """Tasks whose results the caller reads."""
+        return {v for kind, v in self.outputs if kind == "task"}
+
+
+def _chunked_part(roots: list[Node]) -> list[Node]:
+    """The chunked nodes a pass evaluates for ``roots`` (not crossing into values)."""
+    found: dict[str, Node] = {}
+    stack = [r.inputs[i] for r in roots if isinstance(r, graph.Reduce) for i in range(r.n_chunked)]
+    stack += [r for r in roots if isinstance(r, Chunked)]
+    while stack:
+        node = stack.pop()
+        if node.ident in found:
+            continue
+        found[node.ident] = node
+        stack.extend(i for i in node.inputs if isinstance(i, Chunked))
+    return list(found.values())
+
+
+def _value_inputs(roots: list[Node]) -> list[Node]:
+    """Value nodes the pass binds (operands of its chunked nodes, reduction parameters)."""
+    found: dict[str, Node] = {}
+    for node in _chunked_part(roots) + [r for r in roots if isinstance(r, graph.Reduce)]:
+        for i in node.inputs:
+            if isinstance(i, graph.Value):
+                found[i.ident] = i
+    return list(found.values())
+
+
+class _Pass:
+    """One pass: roots over the same blocks, and the tasks that compute them."""
+
+    def __init__(self, stage: int, partition: Any) -> None:
+        self.stage = stage
+        self.partition = partition
+        self.reduces: list[graph.Reduce] = []
+        self.sinks: list[tuple[Chunked, Any]] = []  # (node, sink)
+
+    def roots(self) -> list[Node]:
+        return [*self.reduces, *(n for n, _ in self.sinks)]
+
+    def label(self) -> str:
+        names = [n.label() for n in self.roots()]
+        text = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
+        return text
+
+
+def _lower(p: _Pass, values: dict[str, Any]) -> tuple[Program, dict[str, Accumulator]]:
+    results = {n.ident for n, _ in p.sinks}
+    lowering = Lowering(values, results)
+    accs: dict[str, Accumulator] = {}
+
+    def acc_for(node: Node, op: Any) -> Accumulator:
+        acc = Accumulator(op)
+        accs[node.ident] = acc
+        return acc
+
+    from .optimize import SinkRoot
+
+    sinks = [SinkRoot(n, lowering.step(n), sink) for n, sink in p.sinks]
+    reduces = [lowering.reduce_root(r, acc_for) for r in p.reduces]
+    return Program(sinks, reduces), accs
+
+
+def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[tuple[Any, ...], int]]:
+    """``(request, rows)`` of every block task of the pass, big blocks cut in pieces."""
+    kind = p.partition[0]
+    if kind == "rows":
+        bounds = p.partition[1]
+        out: list[tuple[tuple[Any, ...], int]] = []
+        needs: dict[int, int] = {0: 0}
+        for a, b in itertools.pairwise(bounds):
+            rows = b - a
+            need = needs.get(rows)
+            if need is None:
+                need = needs[rows] = program.memory(rows).total
+            pieces = 1
+            if need > task_limit and rows > 1:
+                pieces = min(rows, math.ceil(need / task_limit))
+            step = math.ceil(rows / pieces) if rows else 0
+            if not rows:
+                out.append((("r", a, b), 0))
+                continue
+            for start in range(a, b, step):
+                stop = min(start + step, b)
+                out.append((("r", start, stop), stop - start))
+        return out
+    root = p.roots()[0]
+    node = root.inputs[0] if isinstance(root, graph.Reduce) else root
+    assert isinstance(node, Chunked)
+    return [(("b", j), upper_rows(node, j)) for j in range(p.partition[2])]
+
+
+def _check_fits(p: _Pass, program: Program, budget: int) -> None:
+    if p.partition[0] != "rows" or not p.partition[1][-1]:
+        return
+    one = program.memory(1)
+    if one.total > budget:
+        raise OutOfMemoryError(
+            f"{p.label()} needs {format_bytes(one.total, 3)} for a single row (inputs "
+            f"{format_bytes(one.inputs, 3)}, outputs {format_bytes(one.outputs, 3)}, "
+            f"scratch {format_bytes(one.temps, 3)}), more than the whole RAM budget of "
+            f"{format_bytes(budget, 3)}; raise the budget (memory.budget() or "
+            "TIERFLOW_RAM_BUDGET, setting ram_budget) or make rows smaller"
+        )
+
+
+def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
+    """The plan of a compute of ``requests`` (see the module docstring).
+
+    Opens the sinks (allocates outputs, creates temporary files); the caller aborts
+    them if anything after this fails. Raises :class:`~tierflow.errors.SourceError`
+    for a changed source file and :class:`~tierflow.errors.OutOfMemoryError` for a
+    task that cannot fit the budget even on one row.
+    """
+    nodes: dict[str, Node] = {}
+    for node in graph.walk([r.node for r in requests]):
+        nodes.setdefault(node.ident, node)
+    for node in nodes.values():
+        if isinstance(node, graph.Source):
+            node.reader.check()
+
+    # -- stages --
+    avail: dict[str, int] = {}
+    stage: dict[str, int] = {}
+    for key, node in nodes.items():
+        deps = [stage[i.ident] if isinstance(i, Chunked) else avail[i.ident] for i in node.inputs]
+        level = max(deps, default=0)
+        if isinstance(node, graph.Reduce):
+            stage[key] = level
+            avail[key] = level + 1
+        elif isinstance(node, Chunked):
+            stage[key] = level
+        else:
+            avail[key] = level
+
+    # -- passes --
+    passes: dict[tuple[int, Any], _Pass] = {}
+
+    def pass_for(s: int, partition: Any) -> _Pass:
+        found = passes.get((s, partition))
+        if found is None:
+            found = passes[(s, partition)] = _Pass(s, partition)
+        return found
+
+    for node in nodes.values():
+        if isinstance(node, graph.Reduce):
+            source = node.inputs[0]
+            assert isinstance(source, Chunked)
+            pass_for(stage[node.ident], source.partition()).reduces.append(node)
+    sink_of: dict[str, Any] = {}
+    plan = Plan()
+    for r in requests:
+        node = nodes[r.node.ident]
+        if r.sink is None or node.ident in sink_of:
+            continue
+        assert isinstance(node, Chunked)
+        sink_of[node.ident] = r.sink
+        pass_for(stage[node.ident], node.partition()).sinks.append((node, r.sink))
+        plan.sinks.append(r.sink)
+
+    # -- tasks --
+    value_task: dict[str, int] = {}
+    const: dict[str, Any] = {k: n.value for k, n in nodes.items() if isinstance(n, graph.Const)}
+    task_limit = max(1, budget // (TASKS_PER_WORKER * max(1, workers)))
+    applies = [n for n in nodes.values() if isinstance(n, graph.Apply)]
+    made: set[str] = set()
+    n_stages = max([p.stage for p in passes.values()] + [0]) + 1
+
+    def add_applies(up_to: int) -> None:
+        for node in applies:
+            if node.ident in made or avail[node.ident] > up_to:
+                continue
+            if any(i.ident not in const and i.ident not in value_task for i in node.inputs):
+                continue
+            made.add(node.ident)
+            value_task[node.ident] = plan.add(_apply_task(node, const, value_task))
+
+    try:
+        for sink in plan.sinks:
+            sink.open()
+        for s in range(n_stages):
+            add_applies(s)
+            for p in [p for p in passes.values() if p.stage == s]:
+                _add_pass(plan, p, const, value_task, task_limit, budget)
+            plan.passes += sum(1 for p in passes.values() if p.stage == s)
+        while len(made) < len(applies):  # values computed from values, in dependency order
+            before = len(made)
+            add_applies(n_stages + 1)
+            if len(made) == before:
+                raise RuntimeError("a value depends on itself")
+    except BaseException:
+        for sink in plan.sinks:
+            sink.abort()
+        raise
+    plan.stages = n_stages
+
+    for r in requests:
+        node = nodes[r.node.ident]
+        if isinstance(node, graph.Const):
+            plan.outputs.append(("const", node.value))
+        elif isinstance(node, Chunked):
+            plan.outputs.append(("task", value_task[f"sink:{node.ident}"]))
+        else:
+            plan.outputs.append(("task", value_task[node.ident]))
+    plan.what = ", ".join(nodes[r.node.ident].label() for r in requests[:4]) + (
+        f" and {len(requests) - 4} more" if len(requests) > 4 else ""
+    )
+    return plan
+
+
+def _dep_values(
+    node: Node, const: dict[str, Any], value_task: dict[str, int]
+) -> tuple[list[str], tuple[int, ...]]:
+    keys = [i.ident for i in node.inputs if i.ident not in const]
+    return keys, tuple(value_task[k] for k in keys)
+
+
+def _apply_task(node: graph.Apply, const: dict[str, Any], value_task: dict[str, int]) -> Task:
+    keys, deps = _dep_values(node, const, value_task)
+
+    def run(*results: Any) -> Any:
+        bound = dict(const)
+        bound.update(zip(keys, results, strict=False))
+        try:
+            return node.evaluate(lambda n: bound[n.ident])
+        except Exception as exc:
+            if oom.is_oom(exc):
+                raise OutOfMemoryError(
+                    f"{node.label()} ran out of memory; it works on whole in-memory values, "
+                    "so it cannot be split into row halves. " + oom.explain_oom(exc)
+                ) from exc
+            raise
+
+    return Task(f"{node.label()}", run, deps)
+
+
+def _add_pass(
+    plan: Plan,
+    p: _Pass,
+    const: dict[str, Any],
+    value_task: dict[str, int],
+    task_limit: int,
+    budget: int,
+) -> None:
+    bound = [v for v in _value_inputs(p.roots()) if v.ident not in const]
+    keys = [v.ident for v in bound]
+    values: dict[str, Any] = dict(const)
+    values.update({v.ident: graph.placeholder(v) for v in bound})
+    with graph._quiet():
+        planned, planned_accs = _lower(p, values)
+    _check_fits(p, planned, budget)
+    requests = _requests(p, planned, task_limit)
+    n = len(requests)
+    label = p.label()
+
+    prepare: int | None = None
+    if bound:
+        deps = tuple(value_task[k] for k in keys)
+
+        def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
+            real = dict(const)
+            real.update(zip(keys, results, strict=False))
+            program, accs = _lower(p, real)
+            program.name, program.count = label, n
+            return program, accs
+
+        prepare = plan.add(Task(f"prepare {label}", prepare_fn, deps))
+
+    files = planned.reads_files()
+    planned.name, planned.count = label, n
+    name = f"block {{}} of {label}"
+
+    memories: dict[int, TaskMemory] = {0: TaskMemory()}
+
+    def block_task(j: int, req: tuple[Any, ...], rows: int) -> Task:
+        memory = memories.get(rows)
+        if memory is None:
+            memory = memories[rows] = planned.memory(rows)
+        prefetch = functools.partial(planned.prefetch, req) if files else None
+        if prepare is None:
+            return Task(name.format(j), planned.run, (), memory, prefetch, rows, args=(j, req))
+        return Task(
+            name.format(j), _run_prepared, (prepare,), memory, prefetch, rows, args=(j, req)
+        )
+
+    held = [(pos, node, sink) for pos, (node, sink) in enumerate(p.sinks) if not sink.known]
+    npy_held = [(pos, sink) for pos, _, sink in held if isinstance(sink, NpySink)]
+    blocks: list[int] = []
+    last_append: dict[int, int | None] = {pos: None for pos, _ in npy_held}
+    for j, (req, rows) in enumerate(requests):
+        blocks.append(plan.add(block_task(j, req, rows)))
+        for pos, sink in npy_held:
+            prev = last_append[pos]
+            last_append[pos] = plan.add(_append_task(sink, pos, j, blocks[-1], prev))
+
+    for r in p.reduces:
+        value_task[r.ident] = plan.add(_finish_task(r, planned_accs, tuple(blocks), prepare))
+    for pos, (node, sink) in enumerate(p.sinks):
+        if sink.known:
+            task = Task(f"commit {node.label()}", lambda s=sink: s.commit(), after=tuple(blocks))
+        elif isinstance(sink, NpySink):
+            prev = last_append[pos]
+            task = Task(
+                f"commit {node.label()}",
+                lambda *r, s=sink: s.commit(r[0] if r else 0),
+                () if prev is None else (prev,),
+            )
+        else:
+            task = Task(
+                f"assemble {node.label()}",
+                lambda *results, s=sink, k=pos: s.assemble(
+                    [r[k] for r in results if r is not None]
+                ),
+                tuple(blocks),
+            )
+        value_task[f"sink:{node.ident}"] = plan.add(task)
+
+
+def _run_prepared(j: int, req: tuple[Any, ...], prepared: tuple[Program, Any]) -> Any:
+    return prepared[0].run(j, req)
+
+
+def _append_task(sink: NpySink, pos: int, j: int, block: int, prev: int | None) -> Task:
+    def run(held: Any, row: int = 0) -> int:
+        if held is None:
+            return row
+        return sink.append(row, held[pos])
+
+    return Task(f"append block {j}", run, (block,) if prev is None else (block, prev))
+
+
+def _finish_task(
+    node: graph.Reduce,
+    planned: dict[str, Accumulator],
+    blocks: tuple[int, ...],
+    prepare: int | None,
+) -> Task:
+    def run(*results: Any) -> Any:
+        accs = results[0][1] if prepare is not None else planned
+        acc = accs[node.ident]
+        try:
+            return acc.op.aggregate(acc.result())
+        except Exception as exc:
+            if oom.is_oom(exc):
+                raise OutOfMemoryError(
+                    f"{node.label()} ran out of memory while aggregating its partial results; "
+                    "an aggregate works on the whole partial, so it cannot be split. "
+                    + oom.explain_oom(exc)
+                ) from exc
+            raise
+
+    deps = (prepare,) if prepare is not None else ()
+    return Task(f"finish {node.label()}", run, deps, after=blocks)
+
+
+def describe(plan: Plan) -> str:
+    """A short text of the plan (stages, passes, tasks), for logs and errors."""
+    counts: dict[str, int] = defaultdict(int)
+    for t in plan.tasks:
+        counts[t.name.split(" ", 1)[0]] += 1
+    parts = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    return f"{len(plan.tasks)} tasks in {plan.stages} stage(s), {plan.passes} pass(es): {parts}"

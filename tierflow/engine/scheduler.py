@@ -1,0 +1,404 @@
+"""The scheduler: runs a plan's tasks through an executor, within the RAM budget.
+
+It knows tasks (:class:`~tierflow.engine.types.Task`) and one ``submit`` call of an
+:class:`~tierflow.engine.types.Executor`; it does not know threads. All of its state
+lives on the calling thread; workers only put ``(task, result, error)`` into an inbox.
+The scheduler wakes for every finished task, except while a deep queue of small tasks
+is in flight: then it wakes once half of the queue is done (the workers stay busy, and
+a wake-up costs a thread hand-off); an error wakes it at once.
+
+Order
+-----
+Ready tasks run lowest index first. The plan numbers tasks depth-first
+(:mod:`tierflow.engine.plan`), so a block's follow-up work (an ``append`` of a masked
+block to a file) outranks reading the next block, and a pass finishes before the next
+stage starts::
+
+    block 0 -> append 0           ready: {append 0, block 2}
+    block 1 -> append 1     =>    runs append 0 first: the held block 0 is
+    block 2 -> append 2           released before block 2 is read
+
+Admission (backpressure)
+------------------------
+At most two tasks per worker are in flight: one running and one queued, whose source
+rows are read ahead (``prefetch``) while the other runs (tasks projecting under 1 MB may
+queue 16 deep when no task waits for their result: bounding them bounds nothing, and
+each hand-off between threads costs as much as such a task). A task is admitted only
+when
+
+* its projected bytes (inputs + outputs + scratch, see
+  :meth:`tierflow.engine.optimize.Program.memory`) fit what is left of the budget:
+  ``budget - RAM held by memory.array - projections of running tasks - held results``;
+* and the pressure level (:func:`tierflow.system.pressure.level_now`) is below ``high``.
+
+Readers therefore never run ahead of consumers. When nothing is running the best ready
+task is admitted whatever it projects (one task at a time always makes progress;
+out-of-memory halving covers a projection that was wrong). Tasks that project nothing
+(finishing a reduction, committing a file) are always admitted.
+
+Placement and release
+---------------------
+A result is held only while a task that takes it has not run; the last consumer
+releases it. Results the caller asked for are kept. Source pages a block task read are
+dropped from the process when it finishes (and from the page cache too at ``high``),
+inside the task (:meth:`tierflow.engine.optimize.Program.run`). Held results are
+counted against the budget; when they outgrow half of it, or the level reaches
+``critical``, they are spilled — copied into spill files on the SSD, dropped from RAM —
+largest first. Spill files the scheduler made are deleted when it returns, whatever
+happened::
+
+    held: [block 3: 120 MB RAM] [block 4: 120 MB RAM]     level -> critical
+    held: [block 3: SSD]        [block 4: SSD]            RAM freed, files deleted at end
+
+Out-of-memory halving
+---------------------
+Inside a task, an operator that raises ``MemoryError`` or a torch/cupy out-of-memory
+error is retried on the halves of its block, recursively down to one row, the halves'
+results stitched, and the size that worked remembered for that operator's next blocks
+(:mod:`tierflow.engine.halving`). Operators on whole in-memory values cannot be split;
+their out-of-memory errors are explained (:func:`tierflow.storage.oom.explain_oom`).
+
+Failure and interruption
+------------------------
+The first error stops the compute: nothing more is submitted, tasks not started are
+dropped (``shutdown(cancel=True)``), the scheduler waits for the running ones, deletes
+its spill files and raises the error. ``KeyboardInterrupt`` — in the calling thread
+while it waits, or raised by a task — does the same. The caller then aborts its sinks
+(output freed, temporary ``.npy`` removed): no partial output is left.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..storage import pages, placement, spill
+from ..system import budget as budget_module
+from ..system import pressure
+from ..system.types import Level
+from . import halving
+from .types import ComputeFinished, ComputeStarted, Executor, Task, TaskFinished
+
+__all__ = ["TASKS_PER_WORKER", "Stats", "run"]
+
+log = logging.getLogger("tierflow.engine")
+
+TASKS_PER_WORKER = 2  # one running, one queued with its reads ahead
+# Tasks projecting less than SMALL_TASK bytes whose results nobody waits for (blocks of a
+# reduction or of a sink with known rows) may queue SMALL_TASKS_PER_WORKER deep: they
+# cost no memory worth bounding, and a deeper queue saves a thread hand-off per task.
+SMALL_TASK = 1 << 20
+SMALL_TASKS_PER_WORKER = 16
+HELD_SHARE = 2  # held results above budget / HELD_SHARE are spilled
+_WAIT = 0.05  # seconds between pressure re-readings while admission is refused
+# Level comparisons parse names; set membership is what a per-task check can afford.
+_HIGH = frozenset({Level.HIGH, Level.CRITICAL})
+
+
+class Stats:
+    """What one run did: tasks done, peak projected bytes, bytes spilled, halvings."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.peak_bytes = 0
+        self.spilled_bytes = 0
+        self.oom_retries = 0
+        self.seconds = 0.0
+        self.max_in_flight = 0
+
+
+def _nbytes_in_ram(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        if isinstance(value, np.memmap) or spill.spill_file_of(value) is not None:
+            return 0
+        return int(value.nbytes)
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes_in_ram(v) for v in value)
+    return 0
+
+
+class _Inbox:
+    """Finished tasks, put by workers and taken by the scheduler in batches.
+
+    ``take(n, timeout)`` waits until ``n`` items (or one error) are in, or ``timeout``
+    seconds have passed; the condition's lock guards ``items`` and ``wanted``.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, Any, BaseException | None]] = []
+        self.wanted = 1
+        self.cond = threading.Condition(threading.Lock())
+
+    def put(self, item: tuple[int, Any, BaseException | None]) -> None:
+        with self.cond:
+            self.items.append(item)
+            if len(self.items) >= self.wanted or item[2] is not None:
+                self.cond.notify()
+
+    def take(self, n: int, timeout: float | None) -> list[tuple[int, Any, BaseException | None]]:
+        with self.cond:
+            if len(self.items) < n and not any(e is not None for _, _, e in self.items):
+                self.wanted = n
+                self.cond.wait(timeout)
+                self.wanted = 1
+            items, self.items = self.items, []
+        return items
+
+
+class _Run:
+    """The state of one run; every method runs on the scheduler's thread."""
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        executor: Executor,
+        keep: set[int],
+        callbacks: Sequence[Any],
+        what: str,
+    ) -> None:
+        self.tasks = tasks
+        self.executor = executor
+        self.keep = keep
+        self.callbacks = callbacks
+        self.what = what
+        n = len(tasks)
+        self.waiting = [len(t.deps) + len(t.after) for t in tasks]
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        self.consumers = [0] * n
+        for i, t in enumerate(tasks):
+            for d in t.deps:
+                self.dependents[d].append(i)
+                self.consumers[d] += 1
+            for d in t.after:
+                self.dependents[d].append(i)
+        for i in keep:
+            self.consumers[i] += 1
+        self.ready = [i for i in range(n) if self.waiting[i] == 0]
+        heapq.heapify(self.ready)
+        self.results: dict[int, Any] = {}
+        self.sizes: dict[int, int] = {}
+        self.held = 0
+        self.running = 0
+        self.in_flight = 0
+        self.inbox = _Inbox()
+        self.window = TASKS_PER_WORKER * max(1, executor.workers)
+        self.deep_window = SMALL_TASKS_PER_WORKER * max(1, executor.workers)
+        self.needs = [t.memory.total for t in tasks]
+        self.stats = Stats()
+        self.spilled: list[np.ndarray] = []
+        self.level = Level.OK
+
+    # -- admission --------------------------------------------------------------------
+
+    def _submit(self, i: int, task: Task, need: int) -> None:
+        """Hand task ``i`` to the executor (scheduler thread only)."""
+        args = (*task.args, *[self.results[d] for d in task.deps]) if task.deps else task.args
+        fn = task.fn
+        put = self.inbox.put
+
+        def call() -> tuple[Any, float]:
+            start = time.perf_counter()
+            result = fn(*args)
+            return result, time.perf_counter() - start
+
+        def done(outcome: Any, error: BaseException | None) -> None:
+            put((i, outcome, error))
+
+        self.in_flight += 1
+        self.running += need
+        stats = self.stats
+        if self.in_flight > stats.max_in_flight:
+            stats.max_in_flight = self.in_flight
+        if self.running + self.held > stats.peak_bytes:
+            stats.peak_bytes = self.running + self.held
+        self.executor.submit(call, done)
+        if task.prefetch is not None:
+            # After the submit: a task that waits in the queue has its rows read
+            # meanwhile; one that started at once reads them itself.
+            try:
+                task.prefetch()
+            except Exception:  # a hint; the read itself reports real problems
+                log.debug("readahead for %s failed", task.name, exc_info=True)
+
+    def _admit(self) -> bool:
+        """Submit ready tasks while admission allows; False if the best one waits.
+
+        A task is admitted when nothing runs, when it projects nothing, or when the
+        level is below ``high`` and its projection fits the budget's room (see the
+        module docstring). Small tasks may queue deeper (:data:`SMALL_TASK`)."""
+        ready, tasks, needs = self.ready, self.tasks, self.needs
+        room: int | None = None
+        while ready:
+            i = ready[0]
+            need = needs[i]
+            deep = need < SMALL_TASK and not self.consumers[i]
+            if self.in_flight >= (self.deep_window if deep else self.window):
+                return True
+            if self.in_flight and need:
+                if self.level in _HIGH:
+                    return False
+                if room is None:
+                    room = budget_module.budget_bytes() - placement.ram_held()
+                if need > room - self.running - self.held:
+                    return False
+            heapq.heappop(ready)
+            self._submit(i, tasks[i], need)
+        return True
+
+    # -- results ----------------------------------------------------------------------
+
+    def _finished(self, i: int, outcome: Any) -> None:
+        task = self.tasks[i]
+        self.in_flight -= 1
+        self.running -= self.needs[i]
+        result, seconds = outcome
+        if self.consumers[i] > 0:
+            self.results[i] = result
+            size = _nbytes_in_ram(result)
+            if size:
+                self.sizes[i] = size
+                self.held += size
+                if self.running + self.held > self.stats.peak_bytes:
+                    self.stats.peak_bytes = self.running + self.held
+        for d in task.deps:
+            self.consumers[d] -= 1
+            if self.consumers[d] == 0:
+                self._release(d)
+        waiting = self.waiting
+        for k in self.dependents[i]:
+            waiting[k] -= 1
+            if waiting[k] == 0:
+                heapq.heappush(self.ready, k)
+        self.stats.done += 1
+        if self.callbacks:
+            event = TaskFinished(i, task.name, task.rows, seconds, self.stats.done, len(self.tasks))
+            for cb in self.callbacks:
+                method = getattr(cb, "task_done", None)
+                if method is not None:
+                    method(event)
+
+    def _release(self, i: int) -> None:
+        self.results.pop(i, None)
+        self.held -= self.sizes.pop(i, 0)
+
+    def _spill_held(self, why: str) -> None:
+        """Move held results to spill files, largest first (see the module docstring)."""
+        order = sorted((size, i) for i, size in self.sizes.items() if size and i not in self.keep)
+        limit = budget_module.budget_bytes() // HELD_SHARE
+        for size, i in reversed(order):
+            if why == "held" and self.held <= limit // 2:
+                break
+            self.results[i] = self._to_disk(self.results[i])
+            self.held -= size
+            self.sizes[i] = 0
+            self.stats.spilled_bytes += size
+            log.info("spilled a held result of %d bytes (%s)", size, why)
+
+    def _to_disk(self, value: Any) -> Any:
+        if isinstance(value, tuple):
+            return tuple(self._to_disk(v) for v in value)
+        if isinstance(value, list):
+            return [self._to_disk(v) for v in value]
+        if isinstance(value, np.ndarray) and value.nbytes and _nbytes_in_ram(value):
+            mapped = spill.map_array(value.shape, value.dtype)
+            mapped[...] = value
+            pages.release(mapped, drop_cache=True)
+            self.spilled.append(mapped)
+            return mapped
+        return value
+
+    def _pressure(self) -> None:
+        level = pressure.level_now()
+        if level is not self.level:
+            if level == Level.CRITICAL and self.held:
+                self._spill_held("critical pressure")
+            self.level = level
+        if self.held and self.held > budget_module.budget_bytes() // HELD_SHARE:
+            self._spill_held("held")
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def loop(self) -> None:
+        n = len(self.tasks)
+        while self.stats.done < n:
+            self._pressure()
+            all_admitted = self._admit()
+            if self.in_flight == 0:
+                raise RuntimeError(
+                    f"the scheduler is stuck: {n - self.stats.done} task(s) wait for tasks "
+                    "that cannot run (a dependency cycle in the plan)"
+                )
+            # With a deep queue of small tasks, wake up once half of it is done rather
+            # than for every task: the workers keep busy, and each wake-up costs a
+            # thread hand-off. Otherwise wake up for every finished task.
+            queued = self.in_flight - self.executor.workers
+            wake = queued // 2 if queued > 2 * self.executor.workers else 1
+            for i, outcome, error in self.inbox.take(wake, None if all_admitted else _WAIT):
+                if error is not None:
+                    self.in_flight -= 1
+                    raise error
+                self._finished(i, outcome)
+
+    def cleanup(self) -> None:
+        for mapped in self.spilled:
+            record = spill.spill_file_of(mapped)
+            if record is not None:
+                spill.discard(record)
+        self.spilled.clear()
+
+
+def run(
+    tasks: Sequence[Task],
+    executor: Executor,
+    *,
+    keep: set[int] | None = None,
+    callbacks: Sequence[Any] = (),
+    what: str = "",
+) -> tuple[dict[int, Any], Stats]:
+    """Run ``tasks`` on ``executor``; the results of the tasks in ``keep`` and the stats.
+
+    Calls ``executor.shutdown(cancel=True)`` on any error or interrupt before raising it
+    (see the module docstring); the executor is left running otherwise.
+    """
+    state = _Run(tasks, executor, set(keep or ()), callbacks, what)
+    retries_before = halving.retries()
+    started = time.perf_counter()
+    error: BaseException | None = None
+    for cb in callbacks:
+        method = getattr(cb, "start", None)
+        if method is not None:
+            method(
+                ComputeStarted(
+                    len(tasks), executor.workers, executor.name, budget_module.budget_bytes(), what
+                )
+            )
+    try:
+        state.loop()
+        return {i: state.results[i] for i in state.keep if i in state.results}, state.stats
+    except BaseException as exc:
+        error = exc
+        executor.shutdown(cancel=True)
+        raise
+    finally:
+        state.cleanup()
+        state.stats.seconds = time.perf_counter() - started
+        state.stats.oom_retries = halving.retries() - retries_before
+        finished = ComputeFinished(
+            len(tasks), state.stats.done, state.stats.seconds, state.stats.peak_bytes,
+            state.stats.spilled_bytes, state.stats.oom_retries, error,
+        )  # fmt: skip
+        for cb in callbacks:
+            method = getattr(cb, "finish", None)
+            if method is not None:
+                try:
+                    method(finished)
+                except Exception:
+                    if error is None:
+                        raise
+                    log.exception("callback %r raised in finish()", cb)

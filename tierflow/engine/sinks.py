@@ -1,0 +1,321 @@
+"""Where results go: an array in the tiers (``compute``, ``persist``) or a ``.npy`` file.
+
+Known row counts: every block task writes its rows straight into the destination —
+the output array's rows (a fused kernel writes there with ``out=``, no copy), or a
+reused per-thread buffer that is then written to the file at the block's offset.
+Unknown row counts (after a mask): blocks come back to the scheduler, which holds them
+until they can be placed (a ``.npy`` file is appended to in row order; an array is
+assembled once every block's size is known).
+
+Outputs of ``compute`` are allocated with ``memory.array``: RAM while they fit the
+budget, else a spill file; a spilled output's finished blocks are written back and
+dropped from RAM as they are done. ``to_npy`` writes under a temporary name in the
+target's folder (``.name.XXXX.tmp``), reserves the whole file first when its size is
+known (a full disk fails before any work, with the numbers), starts the write-back of
+blocks once ``budget / 8`` bytes are dirty, or at once under memory pressure
+(``sync_file_range``), so dirty pages stay bounded without making a machine with room
+wait for the disk, and renames the file into place at the end. :meth:`abort` removes the temporary
+file; nothing is ever written under the final name but by the rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import math
+import os
+import struct
+import tempfile
+import threading
+from typing import Any
+
+import numpy as np
+from numpy.lib.format import dtype_to_descr
+
+from ..config import format_bytes
+from ..storage import pages, placement
+from ..system import budget as budget_module
+from ..system import pressure
+from ..system.types import Level
+from .graph import Chunked
+
+__all__ = ["ArraySink", "NpySink", "npy_header"]
+
+_MAGIC = b"\x93NUMPY"
+_ALIGN = 64
+_MAX_ROWS = 10**19 - 1  # the widest row count a header may need to hold (19 digits)
+_WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
+KICK_SHARE = 8  # start write-back once budget / 8 bytes are dirty ...
+KICK_MIN = 64 << 20  # ... but not in pieces smaller than 64 MB
+_TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...], length: int | None = None) -> bytes:
+    """The ``.npy`` header NumPy writes for ``dtype`` and ``shape`` (C order), padded with
+    spaces to ``length`` bytes when given (a multiple of 64, as NumPy aligns it).
+
+    >>> len(npy_header(np.dtype("<f4"), (1000, 8)))
+    128
+    """
+    fields = {
+        "descr": dtype_to_descr(dtype),
+        "fortran_order": False,
+        "shape": tuple(int(n) for n in shape),
+    }
+    text = "{" + "".join(f"'{k}': {v!r}, " for k, v in sorted(fields.items())) + "}"
+    body = text.encode("latin1")
+    for version, fmt in (((1, 0), "<H"), ((2, 0), "<I")):
+        prefix = len(_MAGIC) + 2 + struct.calcsize(fmt)
+        natural = prefix + len(body) + 1
+        total = natural + (-natural % _ALIGN) if length is None else length
+        if total - prefix - 1 > (0xFFFF if fmt == "<H" else 0xFFFFFFFF) - 1:
+            continue
+        if total < natural:
+            raise ValueError(f"a header of {natural} bytes does not fit the {length} reserved")
+        pad = total - natural
+        return (
+            _MAGIC + bytes(version) + struct.pack(fmt, total - prefix) + body + b" " * pad + b"\n"
+        )
+    raise ValueError("the .npy header is too long")
+
+
+def _sync_file_range() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_start_writeback = _sync_file_range()
+
+
+class _Scratch:
+    """Reused per-thread output buffers (a fresh block-sized array costs page faults
+    and zeroing on every block; a reused one does not)."""
+
+    def __init__(self, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+        self.dtype = dtype
+        self.row_shape = row_shape
+        self._lock = threading.Lock()
+        self._buffers: dict[int, np.ndarray] = {}
+
+    def get(self, rows: int) -> np.ndarray:
+        ident = threading.get_ident()
+        with self._lock:
+            buffer = self._buffers.get(ident)
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = np.empty((rows, *self.row_shape), self.dtype)
+            with self._lock:
+                self._buffers[ident] = buffer
+        return buffer[:rows]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+class ArraySink:
+    """The result of ``compute`` / ``persist``: an array made by ``memory.array``."""
+
+    def __init__(self, node: Chunked) -> None:
+        self.node = node
+        self.known = node.n_rows is not None
+        self.out: np.ndarray | None = None
+        self.spilled = False
+
+    def open(self) -> None:
+        """Allocate the output (known row counts; unknown ones allocate in assemble)."""
+        if self.known:
+            self.out = placement.array(self.node.shape, self.node.dtype)  # type: ignore[arg-type]
+            self.spilled = placement.on_disk(self.out)
+
+    def task_bytes(self, rows: int) -> int:
+        """Bytes a block task needs for this sink: none when it writes into the output
+        (placement counts that), the block itself when it is held."""
+        if self.known:
+            return 0
+        return rows * self.node.dtype.itemsize * math.prod(self.node.row_shape)  # type: ignore[union-attr]
+
+    def dest(self, a: int, b: int) -> np.ndarray:
+        assert self.out is not None
+        return self.out[a:b]
+
+    def written(self, a: int, b: int, block: np.ndarray) -> None:
+        if self.spilled and b > a:
+            # Written back and dropped, so a result bigger than RAM never sits in it.
+            pages.release(block, drop_cache=True)
+
+    def assemble(self, blocks: list[np.ndarray]) -> np.ndarray:
+        """The output from blocks of sizes known only now."""
+        total = sum(len(b) for b in blocks)
+        out = placement.array((total, *self.node.row_shape), self.node.dtype)
+        self.out = out
+        self.spilled = placement.on_disk(out)
+        start = 0
+        for block in blocks:
+            stop = start + len(block)
+            if stop > start:
+                out[start:stop] = block
+                self.written(start, stop, out[start:stop])
+            start = stop
+        return out
+
+    def commit(self) -> np.ndarray:
+        assert self.out is not None
+        out, self.out = self.out, None
+        return out
+
+    def abort(self) -> None:
+        """Free the output (its spill file is deleted now)."""
+        if self.out is not None:
+            placement.free(self.out)
+            self.out = None
+
+
+class NpySink:
+    """The result of ``to_npy``: a ``.npy`` file, renamed into place at the end."""
+
+    def __init__(self, node: Chunked, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        self.node = node
+        self.path = os.path.abspath(os.fspath(path))
+        self.known = node.n_rows is not None
+        self.fsync = fsync
+        self.dtype: np.dtype = node.dtype  # type: ignore[assignment]
+        self.row_shape = node.row_shape
+        self.row_nbytes = self.dtype.itemsize * math.prod(self.row_shape)
+        self.fd: int | None = None
+        self.tmp: str | None = None
+        self.header_len = 0
+        self._scratch = _Scratch(self.dtype, self.row_shape)
+        self._lock = threading.Lock()
+        # Written ranges whose write-back has not been started, and their bytes; past
+        # _kick_bytes (or under pressure) write-back starts, so dirty pages stay bounded
+        # while a machine with room lets the page cache absorb the file.
+        self._dirty: list[tuple[int, int]] = []
+        self._dirty_bytes = 0
+        self._kicked: list[tuple[int, int]] = []
+        self._kick_bytes = max(KICK_MIN, budget_module.budget_bytes() // KICK_SHARE)
+
+    def open(self) -> None:
+        """Create the temporary file, reserve it (known size) and write the header."""
+        folder = os.path.dirname(self.path)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(errno.ENOENT, f"cannot write {self.path}: no folder {folder}")
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(errno.EISDIR, f"cannot write {self.path}: it is a folder")
+        if self.dtype.hasobject:
+            raise TypeError(f"cannot write {self.dtype} values to a .npy file without pickling")
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=folder
+        )
+        self.fd, self.tmp = fd, tmp
+        try:
+            if self.known:
+                header = npy_header(self.dtype, self.node.shape)  # type: ignore[arg-type]
+                total = len(header) + (self.node.n_rows or 0) * self.row_nbytes
+                self._reserve(total)
+            else:
+                header = npy_header(self.dtype, (_MAX_ROWS, *self.row_shape))
+            self.header_len = len(header)
+            self._pwrite(header, 0)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _reserve(self, total: int) -> None:
+        assert self.fd is not None
+        try:
+            os.posix_fallocate(self.fd, 0, total)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                st = os.statvfs(os.path.dirname(self.path))
+                free = st.f_bavail * st.f_frsize
+                raise OSError(
+                    exc.errno,
+                    f"no room to write {self.path}: it needs {format_bytes(total, 3)} "
+                    f"({total} bytes) and {format_bytes(free, 3)} ({free} bytes) are free "
+                    "there; free space or write elsewhere",
+                ) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self.fd, total)  # pwrite needs no reservation against SIGBUS
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        assert self.fd is not None
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            view = view[written:]
+            offset += written
+
+    def task_bytes(self, rows: int) -> int:
+        """The block buffer a task writes from."""
+        return rows * self.row_nbytes
+
+    def dest(self, a: int, b: int) -> np.ndarray:
+        return self._scratch.get(b - a)
+
+    def written(self, a: int, b: int, block: np.ndarray) -> None:
+        self._write(a, np.ascontiguousarray(block))
+
+    def _write(self, row: int, block: np.ndarray) -> None:
+        if block.size == 0:
+            return
+        offset = self.header_len + row * self.row_nbytes
+        self._pwrite(block, offset)
+        tight = pressure.level_now() in _TIGHT
+        with self._lock:
+            self._dirty.append((offset, block.nbytes))
+            self._dirty_bytes += block.nbytes
+            if self._dirty_bytes < self._kick_bytes and not tight:
+                return
+            kick, self._dirty, self._dirty_bytes = self._dirty, [], 0
+            drop, self._kicked = self._kicked, kick
+        assert self.fd is not None
+        if _start_writeback is not None:
+            for start, length in kick:
+                _start_writeback(self.fd, start, length, _WRITE)
+        if tight:
+            # Ranges kicked earlier are (mostly) written by now; dropping their clean
+            # pages keeps the memory cgroup's page cache charge flat.
+            for start, length in drop:
+                os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_DONTNEED)
+
+    def append(self, row: int, block: np.ndarray) -> int:
+        """Write ``block`` at row ``row`` (unknown row counts, in order); the next row."""
+        self._write(row, np.ascontiguousarray(block, dtype=self.dtype))
+        return row + len(block)
+
+    def commit(self, n_rows: int | None = None) -> None:
+        """Finish the file and rename it to its final name."""
+        assert self.fd is not None and self.tmp is not None
+        self._scratch.clear()
+        if not self.known:
+            assert n_rows is not None
+            header = npy_header(self.dtype, (n_rows, *self.row_shape), self.header_len)
+            self._pwrite(header, 0)
+            os.ftruncate(self.fd, self.header_len + n_rows * self.row_nbytes)
+        if self.fsync:
+            os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+
+    def abort(self) -> None:
+        """Remove the temporary file; the final name is left as it was."""
+        self._scratch.clear()
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            finally:
+                self.fd = None
+        if self.tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+            self.tmp = None

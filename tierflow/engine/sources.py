@@ -1,0 +1,301 @@
+"""Readers: how the engine gets rows out of files, arrays and directories of files.
+
+A reader gives rows ``[a, b)`` of its data (:meth:`read`) or, when row counts are not
+known before loading (``from_files`` with a varying number of rows per file), its
+``j``-th block (:meth:`read_block`). ``.npy`` and raw files and arrays reuse the storage
+layer's sources (:mod:`tierflow.storage.sources`): a block is a view of the memory
+map, never a copy; ``readahead`` asks the kernel for the next block and ``release``
+drops a finished block's pages (:mod:`tierflow.storage.pages`).
+
+A file's identity (size, modification time, inode) is read when the array is built;
+:meth:`FileReader.check` runs before every compute and refuses a file that changed
+since, naming it: the array's shape and key describe the file as it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import BlockError, SourceError
+from ..storage.sources import ArraySource, FileSource
+from . import keys
+
+__all__ = ["COSTLY_BYTES", "ArrayReader", "FileReader", "FilesReader", "Reader"]
+
+# In-memory arrays above this size are told apart by identity within a compute, and
+# hashed only when their key is asked for (hashing runs at about 1 GB/s).
+COSTLY_BYTES = 16 << 20
+
+
+class Reader:
+    """Base of the readers; see the module docstring for the contract.
+
+    ``n_rows`` is None when the row count is known only after loading; then
+    ``block_files`` gives how many blocks :meth:`read_block` serves.
+    """
+
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+    n_rows: int | None
+    label: str = "source"
+    file_backed = False
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row."""
+        return self.dtype.itemsize * math.prod(self.row_shape)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` (a view where the data allows)."""
+        raise NotImplementedError
+
+    def read_block(self, j: int) -> np.ndarray:
+        """Block ``j`` (for readers whose row count is unknown)."""
+        raise NotImplementedError
+
+    def readahead(self, a: int, b: int) -> None:
+        """Ask for rows ``a:b`` ahead of use (a hint)."""
+
+    def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
+        """Drop the pages of rows ``a:b`` from this process (a hint)."""
+
+    def check(self) -> None:
+        """Raise :class:`~tierflow.errors.SourceError` if the data changed since build."""
+
+    def token(self) -> str:
+        """The canonical text this source's key is hashed from."""
+        raise NotImplementedError
+
+    def files(self) -> list[str]:
+        """The files this reader reads (for ``repr``)."""
+        return []
+
+
+def _when(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
+
+
+class FileReader(Reader):
+    """A ``.npy`` or raw file through :class:`~tierflow.storage.sources.FileSource`."""
+
+    file_backed = True
+
+    def __init__(self, source: FileSource, what: str) -> None:
+        self.source = source
+        self.dtype = source.dtype
+        self.row_shape = tuple(source.row_shape)
+        self.n_rows = source.n_rows
+        self.path = os.path.abspath(source.path)
+        st = os.stat(self.path)
+        self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        self.label = f"{what}({os.path.basename(self.path)!r})"
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        return self.source.block(a, b)
+
+    def readahead(self, a: int, b: int) -> None:
+        self.source.readahead(a, b)
+
+    def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
+        self.source.release(a, b, drop_cache=drop_cache)
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise SourceError(
+                f"{self.path} was deleted or moved after the array was built from it; "
+                "build the array again once the file is back"
+            ) from None
+        size, mtime, inode, device = self.stat
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) == self.stat:
+            return
+        changes = []
+        if st.st_size != size:
+            changes.append(f"size {size} -> {st.st_size} bytes")
+        if st.st_mtime_ns != mtime:
+            changes.append(f"modified {_when(mtime)} -> {_when(st.st_mtime_ns)}")
+        if (st.st_ino, st.st_dev) != (inode, device):
+            changes.append("replaced by another file (new inode)")
+        raise SourceError(
+            f"{self.path} changed after the array was built from it ({'; '.join(changes)}); "
+            "its shape and key describe the old contents, so tierflow will not read it. "
+            "Build the array again (tw.from_npy / tw.from_raw) to use the new file"
+        )
+
+    def token(self) -> str:
+        size, mtime, inode, device = self.stat
+        src = self.source
+        return (
+            f"file({self.path!r},{size},{mtime},{inode},{device},{src.kind},"
+            f"{src.dtype.str},{src.shape},{src.offset})"
+        )
+
+    def files(self) -> list[str]:
+        return [self.path]
+
+
+class ArrayReader(Reader):
+    """An in-memory or memory-mapped array; blocks are slices (views)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.source = ArraySource(array)
+        self.array = array
+        self.dtype = array.dtype
+        self.row_shape = tuple(array.shape[1:])
+        self.n_rows = int(array.shape[0])
+        self.file_backed = self.source.file_backed
+        self.label = "from_array"
+        self._token: str | None = None
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        return self.array[a:b]
+
+    def readahead(self, a: int, b: int) -> None:
+        if self.file_backed:
+            self.source.readahead(a, b)
+
+    def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
+        if self.file_backed:
+            self.source.release(a, b, drop_cache=drop_cache)
+
+    def costly_token(self) -> bool:
+        """Whether :meth:`token` would hash a big in-memory array (not done yet)."""
+        return self._token is None and not self.file_backed and self.array.nbytes > COSTLY_BYTES
+
+    def token(self) -> str:
+        # Hashing reads the whole array once; it happens the first time the key is
+        # needed and is remembered (the array must not change while it is in use).
+        if self._token is None:
+            self._token = f"array({keys.array_digest(self.array)})"
+        return self._token
+
+
+class FilesReader(Reader):
+    """Rows loaded from many files by ``load(path)``, in the worker threads.
+
+    ``rows_per_file`` is 1 (``load`` returns one row of ``row_shape``), a fixed number
+    ``k`` (``load`` returns ``k`` rows) or None (each file gives some number of rows,
+    known once loaded). ``files_per_block`` files make one block when the row count is
+    unknown.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        load: Callable[[str], Any],
+        rows_per_file: int | None,
+        dtype: np.dtype,
+        row_shape: tuple[int, ...],
+        files_per_block: int,
+    ) -> None:
+        self.paths = [os.fspath(p) for p in paths]
+        self.load = load
+        self.rows_per_file = rows_per_file
+        self.dtype = dtype
+        self.row_shape = row_shape
+        self.files_per_block = files_per_block
+        self.n_rows = None if rows_per_file is None else rows_per_file * len(self.paths)
+        self.nblocks = math.ceil(len(self.paths) / files_per_block) if self.paths else 0
+        name = getattr(load, "__qualname__", type(load).__name__)
+        self.label = f"from_files({len(self.paths)} files, {name})"
+        self._token: str | None = None
+
+    def _load(self, i: int) -> np.ndarray:
+        path = self.paths[i]
+        where = f"file {i} of {len(self.paths)} ({path})"
+        try:
+            value = np.asarray(self.load(path))
+        except Exception as exc:
+            name = getattr(self.load, "__qualname__", type(self.load).__name__)
+            raise BlockError(
+                f"from_files: {name} failed on {where}: {type(exc).__name__}: {exc}",
+                index=i,
+                start=i,
+                stop=i + 1,
+            ) from exc
+        k = self.rows_per_file
+        if k == 1:
+            if value.shape != self.row_shape:
+                raise BlockError(
+                    f"from_files: load returned shape {value.shape} for {where}; every file "
+                    f"must give one row of shape {self.row_shape} (from the first file or "
+                    "row_shape=); pass rows_per_file=None if files hold several rows",
+                    index=i,
+                    start=i,
+                    stop=i + 1,
+                )
+            value = value[np.newaxis]
+        elif (
+            value.ndim == 0
+            or value.shape[1:] != self.row_shape
+            or (k is not None and value.shape[0] != k)
+        ):
+            want = (
+                f"({k}, {', '.join(map(str, self.row_shape))})"
+                if k
+                else (f"(rows, {', '.join(map(str, self.row_shape))})")
+            )
+            raise BlockError(
+                f"from_files: load returned shape {value.shape} for {where}; every file must "
+                f"give rows of shape {want}",
+                index=i,
+                start=i,
+                stop=i + 1,
+            )
+        if value.dtype != self.dtype:
+            if not np.can_cast(value.dtype, self.dtype, casting="same_kind"):
+                raise BlockError(
+                    f"from_files: load returned {value.dtype} for {where}, which does not "
+                    f"cast to the array's {self.dtype}; return that dtype or pass dtype=",
+                    index=i,
+                    start=i,
+                    stop=i + 1,
+                )
+            value = value.astype(self.dtype, casting="same_kind")
+        return value
+
+    def _stack(self, first: int, last: int) -> np.ndarray:
+        parts = [self._load(i) for i in range(first, last)]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return np.empty((0, *self.row_shape), self.dtype)
+        return np.concatenate(parts)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        k = self.rows_per_file
+        assert k is not None
+        if b <= a:
+            return np.empty((0, *self.row_shape), self.dtype)
+        first, last = a // k, -(-b // k)
+        block = self._stack(first, last)
+        return block[a - first * k : b - first * k]
+
+    def read_block(self, j: int) -> np.ndarray:
+        first = j * self.files_per_block
+        return self._stack(first, min(first + self.files_per_block, len(self.paths)))
+
+    def token(self) -> str:
+        if self._token is None:
+            stats = []
+            for p in self.paths:
+                try:
+                    st = os.stat(p)
+                    stats.append(f"{p!r}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+                except OSError:
+                    stats.append(f"{p!r}:missing")
+            self._token = (
+                f"files({keys.digest(','.join(stats))},{keys.function_token(self.load)},"
+                f"{self.rows_per_file},{self.dtype.str},{self.row_shape})"
+            )
+        return self._token
+
+    def files(self) -> list[str]:
+        return self.paths
