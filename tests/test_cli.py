@@ -159,3 +159,17 @@ def test_status_inside_a_512_mb_cgroup_reports_at_most_512_mb() -> None:
     assert data["devices"][0]["total"] <= limit
     assert data["status"]["text"].startswith("RAM ")
     assert "/0.5 GB free" in data["status"]["text"]
+
+
+def test_a_reader_that_goes_away_is_not_an_error() -> None:
+    # `tierflow status | head -c 1`: the pipe closes before the output is written.
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tierflow", "status"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 0
+    assert "Traceback" not in err

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -86,6 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TierflowError as exc:
         print(f"tierflow: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`tierflow status | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not complain again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code
 
 

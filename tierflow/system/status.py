@@ -69,7 +69,7 @@ class Status:
         gpus = ", ".join(f"{d.id} {d.free / GB:.1f}/{d.total / GB:.1f} GB free" for d in self.gpus)
         return [
             f"RAM {self.ram_free / GB:.1f}/{self.ram_usable / GB:.1f} GB free "
-            f"(this program {self.rss / GB:.2f} GB, budget {self.budget / GB:.1f} GB)",
+            f"(this program {self.rss / GB:.2f} GB, budget {_budget_text(self.budget)})",
             f"swap {self.swap_used / GB:.1f} GB",
             f"SSD {_ssd_gb(self.ssd_free)} GB free at {_home_short(self.spill_dir)}",
             f"{cores}, load {load}",
@@ -106,7 +106,7 @@ class Status:
         rows = [
             ("RAM free", f"{self.ram_free / GB:.1f} of {self.ram_usable / GB:.1f} GB", where),
             ("this program", f"{self.rss / GB:.2f} GB", "resident set size"),
-            ("budget", f"{self.budget / GB:.1f} GB", "RAM tierflow's arrays and blocks may use"),
+            ("budget", _budget_text(self.budget), "RAM tierflow's arrays and blocks may use"),
             ("swap used", f"{self.swap_used / GB:.1f} GB", ""),
             ("SSD free", f"{_ssd_gb(self.ssd_free)} GB", _home_short(self.spill_dir)),
             ("CPU", f"{self.cores} cores", f"load {load}"),
@@ -177,3 +177,8 @@ def _ssd_gb(n: int) -> str:
     """Whole GB from 10 GB up (``29``), one decimal below (``3.2``)."""
     gb = n / GB
     return f"{gb:.0f}" if gb >= 10 else f"{gb:.1f}"
+
+
+def _budget_text(n: int) -> str:
+    """GB with one decimal (``5.1 GB``); below 1 GB in MB, so a small budget reads true."""
+    return f"{n / GB:.1f} GB" if n >= GB else config.format_bytes(n)

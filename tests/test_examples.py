@@ -1,0 +1,169 @@
+"""Every script in ``examples/`` runs, with small sizes, and prints what it promises.
+
+Each script runs in its own Python process, as a user would run it, with ``TMPDIR``
+pointed at an empty folder: after it exits, that folder and the spill folder must hold
+no file, since every example says it removes what it made. A new example needs an
+entry in ``CASES``; a test fails until it has one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to run one example small, and lines (regular expressions) its output must hold."""
+
+    args: tuple[str, ...] = ()
+    expect: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()  # optional packages the checked output needs
+    marks: tuple[pytest.MarkDecorator, ...] = field(default=())
+
+
+CASES: dict[str, Case] = {
+    "spill_array.py": Case(
+        expect=(
+            r"^small in RAM: True; big on the SSD: True$",
+            r"^after memory\.free\(big\) the file exists: False$",
+        ),
+    ),
+    "stream_big_file.py": Case(
+        expect=(
+            r"^column means: \[0\.5 1\.5 2\.5 3\.5 4\.5 5\.5 6\.5 7\.5\]$",
+            r"^memory\.map result: \(8388608, 8\) float32, on the SSD: True$",
+        ),
+        # A fixed 256 MB file, written and fsynced: seconds, more on a busy disk.
+        marks=(pytest.mark.slow,),
+    ),
+    "cached_across_runs.py": Case(
+        args=("--seconds", "0.05"),
+        expect=(r"^cache_info: hits=0, misses=3, entries=3$",),
+    ),
+    "big_file_pipeline.py": Case(
+        args=("--size", "16MB", "--budget", "8MB"),
+        expect=(
+            r"^wrote 16\.0 MB \(524,288 rows x 8 float32\) .*RAM budget 8\.0 MB",
+            r"^pass 1, mean and std of every column: [\d.]+ s, [\d.]+ GB/s$",
+            r"^  kept [\d,]+ of 524,288 rows \(9\d\.\d\d%\)",
+            r"^  the first [\d,]+ output rows match NumPy: True$",
+            r"^memory: budget 8\.0 MB; the scheduler planned at most ",
+            r"^  peak RSS .*: [\d.]+ MB, of which",
+        ),
+    ),
+    "feature_extraction.py": Case(
+        args=("--files", "40"),
+        expect=(
+            r"^embedded 40 files in [\d.]+ s \([\d,]+ files/s\) on (cpu|cuda:\d)",
+            r"embeddings\.npy: \(40, 64\) float32$",
+            r"^the first 16 rows match the model run directly: True",
+        ),
+        needs=("torch",),
+        # Importing torch alone takes seconds on a small machine.
+        marks=(pytest.mark.torch, pytest.mark.slow),
+    ),
+    "explore.py": Case(
+        args=("--rows", "200000", "--budget", "8MB"),
+        expect=(
+            r"^  pending  3: \[:, 0\] -> greater -> mask$",
+            r"^[\d,]+ of 200,000 rows have x\[:, 0\] > 0 \(\d\d\.\d%\)$",
+            r"^row ([\d,]+) \(the spike was planted at row \1\): ",
+            r"^n\d+ +mask +\(\?, 8\) float32",
+            r"^total: (RAM|SSD) 3\.0\d\d MB in 1 array$",
+        ),
+    ),
+}
+
+
+def run_example(
+    name: str, args: tuple[str, ...], tmp: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp,
+        env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
+    )
+
+
+def files_under(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
+
+
+def check_output(result: subprocess.CompletedProcess[str], expect: tuple[str, ...]) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    for pattern in expect:
+        assert re.search(pattern, result.stdout, re.MULTILINE), (
+            f"no line matches {pattern!r} in:\n{result.stdout}\n{result.stderr}"
+        )
+
+
+def test_every_example_has_a_case() -> None:
+    scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert scripts, f"no examples found in {EXAMPLES}"
+    assert sorted(CASES) == scripts, "add an entry to CASES for each script in examples/"
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=c.marks, id=n.removesuffix(".py")) for n, c in CASES.items()]
+)
+def test_example_runs_and_cleans_up(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    for module in case.needs:
+        pytest.importorskip(module, reason=f"{name} needs {module} for the output checked here")
+    args = case.args
+    if name == "cached_across_runs.py":
+        args = (*args, "--dir", str(tmp_path / "cache"))
+    result = run_example(name, args, tmp_path)
+    check_output(result, case.expect)
+    assert "Traceback" not in result.stderr, result.stderr
+    left = [p for p in files_under(tmp_path) if not p.is_relative_to(tmp_path / "cache")]
+    assert left == [], f"{name} left files behind: {left}"
+    spill = Path(os.environ["TIERFLOW_SPILL_DIR"])
+    assert files_under(spill) == [], f"{name} left spill files: {files_under(spill)}"
+
+
+def test_cached_example_hits_on_the_second_run(tmp_path: Path) -> None:
+    args = ("--seconds", "0.05", "--dir", str(tmp_path / "cache"))
+    first = run_example("cached_across_runs.py", args, tmp_path)
+    check_output(first, (r"^spectrum\(1\): miss ",))
+    second = run_example("cached_across_runs.py", args, tmp_path)
+    check_output(
+        second,
+        (
+            r"^spectrum\(1\): hit ",
+            r"^spectrum\(3\): hit .*memmap$",
+            r"^cache_info: hits=3, misses=0",
+        ),
+    )
+
+
+def test_feature_extraction_without_torch_says_so_and_exits_0(tmp_path: Path) -> None:
+    # A None entry in sys.modules makes `import torch` raise ImportError, as on a
+    # machine without torch.
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; "
+        f"sys.argv = ['feature_extraction.py', '--files', '5']; "
+        f"runpy.run_path({str(EXAMPLES / 'feature_extraction.py')!r}, run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    check_output(result, (r"^this example needs torch, .*pip install 'tierflow\[torch\]'",))
+    assert files_under(tmp_path) == []
