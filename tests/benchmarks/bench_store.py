@@ -6,7 +6,10 @@
 - ``get`` of a 64 MB array from the SSD tier (memory-mapped: no byte is read);
 - diskcache's ``Cache.set``/``Cache.get`` on the same values. diskcache keeps values
   under 32 KB inside its SQLite file, so its small ``set`` writes no file; it is also
-  measured with ``disk_min_file_size=0``, one file per value as the store does.
+  measured with ``disk_min_file_size=0``, one file per value as the store does;
+- the floor under any ``set`` that writes one file per value: creating, writing,
+  closing and renaming a 4 KB file in the same filesystem, with nothing else. Its
+  cost swings with the filesystem's state and load, so it is measured in the same run.
 
 ``make bench`` runs these with pytest-benchmark. ``python tests/benchmarks/bench_store.py``
 prints the same figures as a table (``--entries`` changes the large store's size).
@@ -62,6 +65,29 @@ def setter(target: Any) -> Callable[[], None]:
     return lambda: target.set(("new", next(counter)), VALUE_4K)
 
 
+def file_writer(store: Store) -> Callable[[], None]:
+    """One bare atomic write of a new 4 KB file per call, in the folders of ``store``:
+    open in ``tmp/``, write, close, rename into one of the 256 folders under ``data/``,
+    as the store's ``set`` does. Where a filesystem places (and how fast it creates) a
+    file depends on its folder, so the floor is measured in the store's own folders.
+    The names are ones a store never reads nor deletes."""
+    tmp_dir, data_dir = store.path / "tmp", store.path / "data"
+    for i in range(256):
+        (data_dir / f"{i:02x}").mkdir(exist_ok=True)
+    counter = itertools.count()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+    def write() -> None:
+        n = next(counter)
+        tmp = f"{tmp_dir}/floor-{n}.tmp"
+        fd = os.open(tmp, flags, 0o600)
+        os.write(fd, VALUE_4K)
+        os.close(fd)
+        os.rename(tmp, f"{data_dir}/{n % 256:02x}/floor-{n}")
+
+    return write
+
+
 # -- pytest-benchmark -------------------------------------------------------------------
 
 
@@ -101,6 +127,10 @@ def test_diskcache_set_4kb(
     benchmark.extra_info["entries"] = size
     benchmark(setter(cache))
     cache.close()
+
+
+def test_filesystem_floor_4kb(benchmark: Any, large_store: Store) -> None:
+    benchmark(file_writer(large_store))
 
 
 def test_store_get_4kb_from_ram(benchmark: Any, small_store: Store) -> None:
@@ -143,6 +173,18 @@ def median_us(fn: Callable[[], Any], rounds: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def medians_us(fns: list[Callable[[], Any]], rounds: int) -> list[float]:
+    """Median microseconds of each of ``fns``, called in turn ``rounds`` times, so that
+    all see the same moments of a busy machine."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) * 1e6 for spent in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="store benchmarks, printed as a table")
     parser.add_argument("--entries", type=int, default=LARGE, help="entries of the large store")
@@ -153,7 +195,9 @@ def main() -> None:
         base = Path(tmp)
         for size in (SMALL, args.entries):
             st = open_store(base / f"s{size}", size)
-            rows.append((f"store set 4 KB, {size} entries", median_us(setter(st), args.rounds)))
+            store_us, floor_us = medians_us([setter(st), file_writer(st)], args.rounds)
+            rows.append((f"store set 4 KB, {size} entries", store_us))
+            rows.append(("  bare file write 4 KB, same folders and moments", floor_us))
             if size == SMALL:
                 st["hot"] = VALUE_4K
                 rows.append(("store get 4 KB from RAM", median_us(partial(st.get, "hot"), 10_000)))

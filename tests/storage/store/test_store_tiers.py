@@ -318,6 +318,39 @@ def test_access_times_reach_the_index_in_batches(
     assert writes == [1]
 
 
+def test_a_set_that_fits_is_one_statement_and_one_that_does_not_one_transaction(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = make_store(disk_gb=40_000 / GB)
+    writes = []
+    original = Index.write
+
+    def counting(self: Index) -> Any:
+        writes.append(1)
+        return original(self)
+
+    monkeypatch.setattr(Index, "write", counting)
+    for i in range(4):
+        st[i] = b"x" * 9_000  # ~9.3 KB each: four fit
+    assert writes == [] and st.usage().ssd_entries == 4
+    st[4] = b"x" * 9_000
+    assert writes == [1]  # the eviction, the access times and the row, committed together
+    assert st.usage().ssd_bytes == disk_bytes(st) <= 0.9 * 40_000
+    assert sorted(st) == [2, 3, 4]
+
+
+def test_a_replacement_that_grows_past_the_limit_evicts_others(make_store: MakeStore) -> None:
+    st = make_store(disk_gb=40_000 / GB)
+    for i in range(4):
+        st[i] = b"x" * 9_000
+    before = st.usage().ssd_bytes
+    st[3] = b"y" * 13_000  # its old 9.3 KB leave with it; 4 KB more would not fit
+    assert before + 4_000 > 40_000
+    assert st[3] == b"y" * 13_000
+    assert st.usage().ssd_bytes == disk_bytes(st) <= 0.9 * 40_000
+    assert 3 in set(st) and 0 not in set(st)
+
+
 def test_a_value_larger_than_the_ssd_tier_is_refused(make_store: MakeStore) -> None:
     st = make_store(disk_gb=50_000 / GB)
     for i in range(4):
@@ -614,11 +647,12 @@ def test_damage_found_in_use_is_rebuilt_at_the_next_open(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise damaged
 
-    monkeypatch.setattr(Index, "put", broken)
+    monkeypatch.setattr(Index, "put_within", broken)
     with pytest.raises(
         StoreError, match=r"index of store .* is damaged .* open it again to rebuild"
     ):
         st["new"] = 1
+    assert list((tmp_path / "s" / "tmp").iterdir()) == []  # the written file is gone too
     assert st["tagged"] == "x"  # reads still work
     st.close()
     monkeypatch.undo()
@@ -637,6 +671,18 @@ def test_rebuild_on_demand_finds_files_the_index_lost(make_store: MakeStore) -> 
     assert len(st) == 0
     assert st.rebuild() == 4
     check_filled(st)
+
+
+def test_a_rebuild_counts_files_over_the_limit_and_the_next_set_evicts(tmp_path: Path) -> None:
+    with Store(tmp_path / "s") as st:
+        for i in range(10):
+            st[i] = b"x" * 9_000
+    with Store(tmp_path / "s", disk_gb=50_000 / GB) as st:  # opened with a smaller limit
+        assert st.rebuild() == 10
+        assert st.usage().ssd_bytes == disk_bytes(st) > 50_000
+        st["new"] = 1
+        assert st.usage().ssd_bytes == disk_bytes(st) <= 0.9 * 50_000
+        assert st["new"] == 1
 
 
 # -- atomicity ------------------------------------------------------------------------------

@@ -70,6 +70,10 @@ class CachedFunction(Generic[R]):
     use); :meth:`cache_info` and :meth:`cache_clear` work like ``functools.lru_cache``'s.
     """
 
+    # Copied from the function by functools.update_wrapper; declared for type checkers.
+    __name__: str
+    __wrapped__: Callable[..., R]
+
     def __init__(
         self,
         fn: Callable[..., R],

@@ -3,12 +3,12 @@
 Why SQLite (the standard library's ``sqlite3``) in WAL mode:
 
 - the size of the SSD tier is a running total kept by triggers in the same database
-  as the rows, so it can never drift from them, and ``set`` reads one row instead of
+  as the rows, so it can never drift from them, and ``set`` checks one row instead of
   listing folders: its cost does not grow with the number of entries (B-tree lookups
   are logarithmic; a level more at 100,000 entries is not measurable);
-- ``BEGIN IMMEDIATE`` gives one writer at a time across processes, which is what
-  keeps "total + new entry - evicted entries <= limit" true when two processes fill
-  one store; readers never wait for the writer in WAL mode;
+- one writer at a time across processes, and the total checked in the statement that
+  adds a row (:meth:`Index.put_within`), keep "total <= limit" true when two processes
+  fill one store; readers never wait for the writer in WAL mode;
 - least-recently-used order is an index on the access time, so eviction reads the
   oldest rows without sorting anything, and the order survives a restart;
 - with ``synchronous=NORMAL`` a commit is an append to the WAL file without an fsync:
@@ -20,7 +20,8 @@ signed trailer, so a lost or corrupted index is rebuilt from the files
 (:meth:`tierflow.storage.store.tiers.Store.rebuild`).
 
 Locking: an :class:`Index` is one connection; callers serialise its use (the store's
-lock) and wrap writes in :meth:`Index.write`.
+lock). A single statement is its own transaction; several that must commit together
+go inside :meth:`Index.write`.
 """
 
 from __future__ import annotations
@@ -65,8 +66,29 @@ CREATE TRIGGER entries_resize AFTER UPDATE OF size ON entries BEGIN
 END;
 """
 
+_CACHE_KB = 16 * 1024  # SQLite page cache per connection, KiB
+_WAL_LIMIT = 64 << 20  # bytes the WAL file is truncated to after a checkpoint
+
 # SQLite's primary result codes for a damaged database and for a file that is not one.
 _CORRUPT_CODES = (11, 26)
+
+_UPSERT = (
+    "INSERT INTO entries (name, key, tag, kind, size, atime) VALUES (?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET key = excluded.key, tag = excluded.tag, "
+    "kind = excluded.kind, size = excluded.size, atime = excluded.atime"
+)
+
+# The limit guard: a TEMP trigger, so it belongs to this connection only (each process
+# enforces the limit it opened the store with) and never reaches the file. It runs
+# before the row is written, when the totals are still those before the statement;
+# under UPSERT a BEFORE INSERT trigger fires for replacements too, hence the old size.
+_OVER_LIMIT = "tierflow: entry over the size limit"
+_GUARD = """
+CREATE TEMP TRIGGER entries_within_limit BEFORE INSERT ON main.entries
+WHEN (SELECT size FROM main.totals WHERE id = 0) + new.size
+     - coalesce((SELECT size FROM main.entries WHERE name = new.name), 0) > {limit}
+BEGIN SELECT RAISE(ABORT, '{message}'); END
+"""
 
 
 class IndexDamaged(Exception):
@@ -113,6 +135,13 @@ class Index:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         db.execute("PRAGMA temp_store=MEMORY")
+        # A set changes a leaf page picked by a hash: with SQLite's default 2 MB page cache,
+        # most of them are read again from the file once a store has tens of thousands of
+        # entries. 16 MB keeps the pages of ~100,000 entries (memory is used as pages are).
+        db.execute(f"PRAGMA cache_size=-{_CACHE_KB}")
+        # The WAL is reused after each checkpoint but never shrinks on its own; a reader
+        # holding an old snapshot can make it grow. Truncate it back past this size.
+        db.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT}")
         with self.write():
             version = db.execute("PRAGMA user_version").fetchone()[0]
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
@@ -140,25 +169,43 @@ class Index:
             raise
         self._db.execute("COMMIT")
 
+    def limit(self, size: int | None) -> None:
+        """Refuse, from now on, any insert or replacement through this connection that
+        would take the total over ``size`` bytes (``None``: no limit). See
+        :meth:`put_within`; :meth:`put` and :meth:`put_many` then raise
+        ``sqlite3.IntegrityError`` for such rows."""
+        self._db.execute("DROP TRIGGER IF EXISTS temp.entries_within_limit")
+        if size is not None:
+            self._db.execute(_GUARD.format(limit=int(size), message=_OVER_LIMIT))
+
     def put(
         self, name: str, key: bytes, tag: str | None, kind: str, size: int, atime: float
     ) -> None:
         """Insert or replace the row of ``name``; the triggers update the totals."""
-        self._db.execute(
-            "INSERT INTO entries (name, key, tag, kind, size, atime) VALUES (?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (name) DO UPDATE SET key = excluded.key, tag = excluded.tag, "
-            "kind = excluded.kind, size = excluded.size, atime = excluded.atime",
-            (name, key, tag, kind, size, atime),
-        )
+        self._db.execute(_UPSERT, (name, key, tag, kind, size, atime))
+
+    def put_within(
+        self, name: str, key: bytes, tag: str | None, kind: str, size: int, atime: float
+    ) -> bool:
+        """Like :meth:`put`, unless the total would exceed the :meth:`limit`: then
+        nothing is written and the answer is False. One statement: outside
+        :meth:`write` it is a transaction of its own, checked and committed at once."""
+        try:
+            self._db.execute(_UPSERT, (name, key, tag, kind, size, atime))
+        except sqlite3.IntegrityError as exc:
+            if str(exc) == _OVER_LIMIT:
+                return False
+            raise
+        return True
 
     def put_many(self, rows: Iterable[tuple[str, bytes, str | None, str, int, float]]) -> None:
         """Insert rows (name, key, tag, kind, size, atime), replacing existing ones."""
-        self._db.executemany(
-            "INSERT INTO entries (name, key, tag, kind, size, atime) VALUES (?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (name) DO UPDATE SET key = excluded.key, tag = excluded.tag, "
-            "kind = excluded.kind, size = excluded.size, atime = excluded.atime",
-            rows,
-        )
+        self._db.executemany(_UPSERT, rows)
+
+    def size_of(self, name: str) -> int | None:
+        """The recorded file size of ``name``, None if it has no row."""
+        row = self._db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
+        return None if row is None else int(row[0])
 
     def has(self, name: str) -> bool:
         return (

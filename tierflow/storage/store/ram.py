@@ -58,12 +58,16 @@ class RamTier:
         """Hold ``value`` as the most recently used; drop least recently used values until
         it fits. A value larger than the capacity is not held (any older value of
         ``name`` is dropped). Returns the bytes dropped."""
-        dropped = self.discard(name)
+        old = self._items.pop(name, None)
+        dropped = 0 if old is None else old.nbytes
+        self.nbytes -= dropped
         if nbytes > self._capacity:
             return dropped
         self._items[name] = Held(value, nbytes, ident)
         self.nbytes += nbytes
-        return dropped + self._trim(self._capacity)
+        if self.nbytes > self._capacity:
+            dropped += self._trim(self._capacity)
+        return dropped
 
     def discard(self, name: str) -> int:
         """Drop ``name`` if held; the bytes dropped."""

@@ -42,7 +42,7 @@ import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, NamedTuple
 
 import numpy as np
 
@@ -107,15 +107,9 @@ class Meta:
     torch: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
-        # Formatted by hand: json.dumps of the whole dict costs a tenth of a small set.
-        # Every field is a number, hex, a kind name, or passes through json.dumps.
-        tag = "null" if self.tag is None else json.dumps(self.tag)
-        torch = "null" if self.torch is None else json.dumps(self.torch, sort_keys=True)
-        return (
-            f'{{"v":1,"key":"{self.key.hex()}","kind":"{self.kind}","tag":{tag},'
-            f'"body":{int(self.body)},"digest":"{self.digest}","header":{int(self.header)},'
-            f'"torch":{torch}}}'
-        ).encode()
+        return _meta_json(
+            self.key, self.kind, self.tag, self.body, self.digest, self.header, self.torch
+        )
 
     @classmethod
     def from_json(cls, data: bytes) -> Meta:
@@ -138,8 +132,28 @@ class Meta:
         return meta
 
 
-@dataclass(frozen=True)
-class Written:
+def _meta_json(
+    key: bytes,
+    kind: str,
+    tag: str | None,
+    body: int,
+    digest: str,
+    header: int = 0,
+    torch: dict[str, Any] | None = None,
+) -> bytes:
+    """The JSON of a :class:`Meta`, formatted by hand: ``json.dumps`` of the whole dict
+    costs a tenth of a small set. Every field is a number, hex, a kind name, or passes
+    through ``json.dumps``."""
+    tag_json = "null" if tag is None else json.dumps(tag)
+    torch_json = "null" if torch is None else json.dumps(torch, sort_keys=True)
+    return (
+        f'{{"v":1,"key":"{key.hex()}","kind":"{kind}","tag":{tag_json},'
+        f'"body":{int(body)},"digest":"{digest}","header":{int(header)},'
+        f'"torch":{torch_json}}}'
+    ).encode()
+
+
+class Written(NamedTuple):
     """What :func:`write_entry` wrote: the kind and file size (bytes), and how to make
     the copy the RAM tier may keep (``holder()``, ``held_nbytes`` bytes; ``holder`` is
     None for values the RAM tier does not keep)."""
@@ -171,44 +185,49 @@ def file_ident(st: os.stat_result) -> tuple[int, int, int, int]:
 # -- writing ----------------------------------------------------------------------------
 
 
-def write_entry(f: BinaryIO, value: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
-    """Write ``value`` as a complete entry for the encoded ``key`` to the empty file ``f``.
+def write_entry(fd: int, value: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
+    """Write ``value`` as a complete entry for the encoded ``key`` to the empty file
+    open for writing at descriptor ``fd``.
 
-    ``f`` is an unbuffered binary file (the caller owns it, and its atomic rename).
-    Raises what pickling raises for an unpicklable value (``TypeError``,
-    ``pickle.PicklingError``, ``AttributeError``) and ``OSError`` for write errors.
+    The caller owns the descriptor (and the file's atomic rename). Raises what pickling
+    raises for an unpicklable value (``TypeError``, ``pickle.PicklingError``,
+    ``AttributeError``) and ``OSError`` for write errors.
     """
     tensor = _as_plain_tensor(value)
     if tensor is not None:
-        return _write_tensor(f, tensor, key, tag, signer)
+        return _write_tensor(fd, tensor, key, tag, signer)
     if type(value) in (np.ndarray, np.memmap) and not value.dtype.hasobject:
-        return _write_npy(f, value, key, tag, signer)
-    return _write_pickle(f, value, key, tag, signer)
+        return _write_npy(fd, value, key, tag, signer)
+    return _write_pickle(fd, value, key, tag, signer)
 
 
-def _trailer(meta: Meta, signer: Signer) -> bytes:
-    data = meta.to_json()
+def _trailer(data: bytes, signer: Signer) -> bytes:
+    """The trailer for the meta JSON ``data``: the meta, its signature and the footer."""
     return data + _FOOTER.pack(signer.sign(data), len(data), _MAGIC)
 
 
-def _write_all(f: BinaryIO, data: Any) -> None:
+def _write_all(fd: int, data: Any) -> None:
+    """Write all of ``data`` (any buffer) to ``fd``; ``OSError`` if the file stops
+    taking bytes."""
     view = memoryview(data).cast("B")
-    while view:
-        written = f.write(view)
-        if written is None or written <= 0:
-            raise OSError(f"short write to {getattr(f, 'name', f)}")
-        view = view[written:]
+    total = view.nbytes
+    done = os.write(fd, view)
+    while done < total:
+        written = os.write(fd, view[done:])
+        if written <= 0:
+            raise OSError(f"short write: {done} of {total} bytes written")
+        done += written
 
 
-def _write_pickle(f: BinaryIO, value: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
+def _write_pickle(fd: int, value: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
     payload = pickle.dumps(value, protocol=5)
     digest = hashlib.blake2b(payload, digest_size=32).hexdigest()
-    trailer = _trailer(Meta(key, "pickle", tag, len(payload), digest), signer)
+    trailer = _trailer(_meta_json(key, "pickle", tag, len(payload), digest), signer)
     if len(payload) < _ONE_WRITE:
-        _write_all(f, payload + trailer)
+        _write_all(fd, payload + trailer)
     else:
-        _write_all(f, payload)
-        _write_all(f, trailer)
+        _write_all(fd, payload)
+        _write_all(fd, trailer)
     if _immutable(value):
         holder: Callable[[], Any] = lambda: value  # noqa: E731
     else:
@@ -229,56 +248,73 @@ def _immutable(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _npy_header(arr: np.ndarray) -> bytes:
-    fields = np.lib.format.header_data_from_array_1_0(arr)
+def _npy_header(arr: np.ndarray) -> tuple[bytes, str]:
+    """The ``.npy`` header of ``arr`` and its digest (hex)."""
+    # The order np.save writes: C for C-contiguous arrays (1-d ones are both), Fortran
+    # for Fortran-contiguous ones, C (after a copy) for the rest.
+    fortran = not arr.flags.c_contiguous and arr.flags.f_contiguous
+    return _npy_header_for(arr.dtype, arr.shape, fortran)
+
+
+@functools.lru_cache(maxsize=512)
+def _npy_header_for(
+    dtype: np.dtype[Any], shape: tuple[int, ...], fortran: bool
+) -> tuple[bytes, str]:
+    """Cached: formatting a header costs tens of microseconds, and the arrays of a
+    store often share a dtype and shape. Equal dtypes have the same ``descr``."""
+    fields = {
+        "descr": np.lib.format.dtype_to_descr(dtype),
+        "fortran_order": fortran,
+        "shape": shape,
+    }
     buf = io.BytesIO()
     try:
         np.lib.format.write_array_header_1_0(buf, fields)
     except ValueError:  # header over 64 KiB (a huge structured dtype): format 2.0
         buf = io.BytesIO()
         np.lib.format.write_array_header_2_0(buf, fields)
-    return buf.getvalue()
+    header = buf.getvalue()
+    return header, hashlib.blake2b(header, digest_size=32).hexdigest()
 
 
-def _write_array_body(f: BinaryIO, arr: np.ndarray, header: bytes, trailer: bytes) -> None:
+def _write_array_body(fd: int, arr: np.ndarray, header: bytes, trailer: bytes) -> None:
     """``header``, the data in the order the header says, then ``trailer``."""
     if arr.flags.c_contiguous or arr.flags.f_contiguous:
         flat = (arr if arr.flags.c_contiguous else arr.T).reshape(-1).view(np.uint8)
         if flat.nbytes < _ONE_WRITE:
-            _write_all(f, header + flat.tobytes() + trailer)
+            _write_all(fd, header + flat.tobytes() + trailer)
             return
-        _write_all(f, header)
-        _write_all(f, flat)
+        _write_all(fd, header)
+        _write_all(fd, flat)
     else:
-        _write_all(f, header)
+        _write_all(fd, header)
         rows = max(1, _PIECE // max(1, arr[:1].nbytes))
         for start in range(0, arr.shape[0], rows):
             piece = np.ascontiguousarray(arr[start : start + rows])
-            _write_all(f, piece.reshape(-1).view(np.uint8))
-    _write_all(f, trailer)
+            _write_all(fd, piece.reshape(-1).view(np.uint8))
+    _write_all(fd, trailer)
 
 
 def _npy_meta(
     arr: np.ndarray, key: bytes, tag: str | None, kind: str, torch: dict[str, Any] | None
-) -> tuple[bytes, Meta]:
-    header = _npy_header(arr)
-    digest = hashlib.blake2b(header, digest_size=32).hexdigest()
-    return header, Meta(key, kind, tag, len(header) + arr.nbytes, digest, len(header), torch)
+) -> tuple[bytes, bytes, int]:
+    """The ``.npy`` header of ``arr``, the meta JSON of its entry, and the body length."""
+    header, digest = _npy_header(arr)
+    body = len(header) + arr.nbytes
+    return header, _meta_json(key, kind, tag, body, digest, len(header), torch), body
 
 
-def _write_npy(
-    f: BinaryIO, arr: np.ndarray, key: bytes, tag: str | None, signer: Signer
-) -> Written:
-    header, meta = _npy_meta(arr, key, tag, "npy", None)
+def _write_npy(fd: int, arr: np.ndarray, key: bytes, tag: str | None, signer: Signer) -> Written:
+    header, meta, body = _npy_meta(arr, key, tag, "npy", None)
     trailer = _trailer(meta, signer)
-    _write_array_body(f, arr, header, trailer)
+    _write_array_body(fd, arr, header, trailer)
 
     def holder() -> np.ndarray:
         copy = np.array(arr, copy=True, subok=False)
         copy.flags.writeable = False
         return copy
 
-    return Written("npy", meta.body + len(trailer), holder, arr.nbytes)
+    return Written("npy", body + len(trailer), holder, arr.nbytes)
 
 
 def _as_plain_tensor(value: Any) -> Any:
@@ -298,7 +334,7 @@ def _as_plain_tensor(value: Any) -> Any:
 _SAME_SIZE_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-def _write_tensor(f: BinaryIO, tensor: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
+def _write_tensor(fd: int, tensor: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
     import torch
 
     cpu = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous()
@@ -315,12 +351,12 @@ def _write_tensor(f: BinaryIO, tensor: Any, key: bytes, tag: str | None, signer:
         "grad": bool(tensor.requires_grad),
         "view": view,
     }
-    header, meta = _npy_meta(arr, key, tag, "torch", info)
+    header, meta, body = _npy_meta(arr, key, tag, "torch", info)
     trailer = _trailer(meta, signer)
-    _write_array_body(f, arr, header, trailer)
+    _write_array_body(fd, arr, header, trailer)
     # Tensors are not kept in the RAM tier: a GPU tensor would pin device memory, and
     # reading one back is a cheap copy-on-write mapping.
-    return Written("torch", meta.body + len(trailer), None, 0)
+    return Written("torch", body + len(trailer), None, 0)
 
 
 # -- reading ----------------------------------------------------------------------------

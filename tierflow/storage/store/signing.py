@@ -42,17 +42,26 @@ class Signer:
     every entry being treated as forged.
     """
 
-    __slots__ = ("_key", "key_id")
+    __slots__ = ("_inner", "_outer", "key_id")
 
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a store key is {KEY_BYTES} bytes, got {len(key)}")
-        self._key = key
+        # HMAC (RFC 2104) with its two keyed SHA-256 states computed once: a signature
+        # then hashes only the data, which halves its cost for a small trailer. The
+        # domain prefix is part of the signed message, so it goes into the inner state.
+        block = key.ljust(hashlib.sha256().block_size, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block) + _DOMAIN)
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
         self.key_id = hashlib.blake2b(key, digest_size=8, person=b"tierflow-keyid").hexdigest()
 
     def sign(self, data: bytes) -> bytes:
-        """The 32-byte HMAC-SHA256 of ``data``."""
-        return hmac.new(self._key, _DOMAIN + data, hashlib.sha256).digest()
+        """The 32-byte HMAC-SHA256 of the domain prefix followed by ``data``."""
+        inner = self._inner.copy()
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
 
     def verify(self, data: bytes, mac: bytes) -> bool:
         """Whether ``mac`` is the signature of ``data`` (constant-time comparison)."""
