@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import config, errors, memory
 from .engine.array import Array, from_array, from_files, from_npy, from_raw
+from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
 from .engine.executors import use_executor
 from .engine.functions import concatenate, stack, where
@@ -22,6 +23,8 @@ __all__ = [
     "Callback",
     "TierflowError",
     "__version__",
+    "cache_clear",
+    "cache_info",
     "compute",
     "concatenate",
     "config",

@@ -47,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "budget_fraction": 0.7,  # share of free usable RAM the default budget takes
     "spill_dir": "~/.tierflow/spill",  # folder of memory-mapped spill files
     "store_dir": "~/.tierflow/store",  # folder under which named stores live
-    "cache": None,  # name of the store the engine caches blocks in; None = no cache
+    "cache": None,  # store (name or path) every compute caches in; None = none; "1" = "cache"
     "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
 }
 

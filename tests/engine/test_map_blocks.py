@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -108,3 +110,10 @@ def test_cuda_map_blocks_runs_on_the_gpu(a: np.ndarray) -> None:
         lambda t: (t @ t.T).diagonal()[:, None], device="cuda"
     )
     np.testing.assert_allclose(y.compute()[:, 0], (a * a).sum(axis=1), rtol=1e-4)
+
+
+def test_device_auto_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    x = tw.from_array(np.ones((10, 3), np.float32))
+    with pytest.raises(ImportError, match=r"pip install 'tierflow\[torch\]'"):
+        x.map_blocks(lambda b: b * 2, device="auto")

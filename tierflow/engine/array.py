@@ -467,7 +467,10 @@ class Array:
 
         A chunked result is allocated with ``memory.array``: in RAM while it fits the
         budget, else in a spill file on the SSD (an ``np.memmap``). Options are those of
-        :func:`tierflow.compute` (``progress``, ``executor``, ``workers``, ``callbacks``).
+        :func:`tierflow.compute` (``progress``, ``executor``, ``workers``, ``callbacks``,
+        ``cache``: ``True`` or a store name keeps the result's blocks in that store and
+        reads back those already there, so a re-run or a resumed run computes only
+        what is missing).
         """
         from .compute import compute
 
@@ -475,7 +478,9 @@ class Array:
 
     def persist(self, **options: Any) -> Array:
         """Compute now and return an Array over the result (RAM or SSD), with the same
-        key and blocks, so later pipelines start from it instead of recomputing it."""
+        key and blocks, so later pipelines start from it instead of recomputing it.
+        Options as :meth:`compute` (``cache=`` also keeps the blocks in a store, for
+        later runs)."""
         from .compute import persist
 
         return persist(self, **options)
@@ -488,10 +493,36 @@ class Array:
         temporary file. Space for the whole file is reserved before anything is
         computed (a full disk fails at once, with the numbers). Options as
         :meth:`compute`, plus ``fsync=True`` to make the file durable before the rename.
+        With ``cache=`` every block is also kept in the cache as it is written: a run
+        that was killed, run again, computes only the blocks it had not finished and
+        writes the same bytes; the killed run's temporary file is removed.
         """
         from .compute import to_npy
 
         to_npy(self, path, **options)
+
+    def cache(self, store: Any = True) -> Array:
+        """Mark this array's node for caching: every compute that needs it keeps its
+        blocks (or its value, for a reduction) in a two-tier store and reads them from
+        there in later runs, without caching the rest of the pipeline. Typically on an
+        expensive ``map_blocks``::
+
+            emb = x.map_blocks(embed).cache()     # kept; what follows is not
+            emb.mean(axis=0).compute()            # computes emb, keeps its blocks
+            emb.max(axis=0).compute()             # reads emb from the cache
+
+        ``store``: True (the compute's cache store if it has one, else the ``cache``
+        setting's, else the store named ``"cache"``), a store name or path, a store from
+        ``memory.store``, or False to remove the mark. ``compute(cache=False)`` ignores
+        marks. Marks the node in place (every array over the same node shares it) and
+        returns ``self``; computes nothing.
+        """
+        if store is not True and store is not False:
+            from .cache import resolve_spec
+
+            resolve_spec(store)  # a wrong type fails here, not at the compute
+        self._node.cache_mark = None if store is False else store
+        return self
 
     def visualize(self, filename: str | os.PathLike[str] | None = None) -> Any:
         """The graph of this array: a graphviz ``Digraph`` when graphviz is installed,
@@ -1118,15 +1149,17 @@ def _device(device: str) -> str | None:
     text = str(device)
     if text == "cpu":
         return None
-    if text == "auto":
-        return "auto"
-    if text == "cuda" or text.startswith("cuda:"):
+    if text == "auto" or text == "cuda" or text.startswith("cuda:"):
+        # Both hand fn torch tensors ("auto" on the CPU when there is no GPU).
         try:
             import torch  # noqa: F401
         except ImportError:
             from ..errors import missing_dependency
 
-            raise missing_dependency("torch", "torch", "map_blocks on a GPU") from None
+            raise missing_dependency("torch", "torch", f"map_blocks(device={device!r})") from None
+    if text == "auto":
+        return "auto"
+    if text == "cuda" or text.startswith("cuda:"):
         found = devices.gpus()
         index = 0 if text == "cuda" else int(text.split(":", 1)[1])
         if not any(d.index == index for d in found):

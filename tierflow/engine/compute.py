@@ -1,27 +1,29 @@
 """Sinks of the public API: ``tw.compute``, ``Array.compute``, ``to_npy``, ``persist``.
 
-Each builds a plan (:mod:`tierflow.engine.plan`), runs it on an executor
-(:mod:`tierflow.engine.executors`) through the scheduler
-(:mod:`tierflow.engine.scheduler`), and on any error or interrupt aborts its sinks:
-outputs freed, temporary files removed.
+Each opens the compute's cache session (:mod:`tierflow.engine.cache`: which nodes are
+kept in which store, and the cached values that need no computing), builds a plan
+(:mod:`tierflow.engine.plan`), runs it on an executor (:mod:`tierflow.engine.executors`)
+through the scheduler (:mod:`tierflow.engine.scheduler`), and on any error or interrupt
+aborts its sinks: outputs freed, temporary files removed. Blocks already written to the
+cache stay there, which is what lets a compute that was stopped resume.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from ..system import budget as budget_module
+from . import cache as cache_module
 from . import graph, scheduler
 from .executors import make_executor
 from .graph import Chunked
 from .plan import Request, build_plan, describe
 from .progress import progress_callbacks
-from .sinks import ArraySink, NpySink
+from .sinks import ArraySink, NpySink, sweep_temps, temp_file
 from .sources import ArrayReader
 from .types import Executor, callback_list
 
@@ -37,11 +39,17 @@ def _run(
     executor: str | Executor | None = None,
     workers: int | None = None,
     callbacks: Any = None,
+    cache: Any = None,
 ) -> tuple[list[Any], scheduler.Stats]:
+    session = cache_module.session(cache, [r.node for r in requests])
     chosen, owned = make_executor(executor, workers)
     hooks = [*progress_callbacks(progress), *callback_list(callbacks)]
     try:
-        plan = build_plan(requests, workers=chosen.workers, budget=budget_module.budget_bytes())
+        if session is not None:
+            session.resolve([r.node for r in requests])
+        plan = build_plan(
+            requests, workers=chosen.workers, budget=budget_module.budget_bytes(), cache=session
+        )
         log.debug("plan of %s: %s", plan.what, describe(plan))
         try:
             results, stats = scheduler.run(
@@ -54,6 +62,8 @@ def _run(
     finally:
         if owned:
             chosen.shutdown()
+        if session is not None:
+            session.finish()
     outputs = [results[v] if kind == "task" else v for kind, v in plan.outputs]
     return outputs, stats
 
@@ -64,6 +74,7 @@ def compute(
     executor: str | Executor | None = None,
     workers: int | None = None,
     callbacks: Any = None,
+    cache: Any = None,
 ) -> tuple[Any, ...]:
     """Compute several results in one run; inputs they share are read once per stage.
 
@@ -76,6 +87,14 @@ def compute(
     ``"raise"`` or an executor object; ``workers``: threads (default: usable cores).
     ``callbacks``: objects with ``start`` / ``task_done`` / ``finish`` methods
     (:class:`~tierflow.engine.types.Callback`).
+
+    ``cache``: keep the results, and the values they depend on, in a two-tier store,
+    block by block as they are computed, and read from it what is already there:
+    ``True`` (the store of the ``cache`` setting, else the store named ``"cache"``), a
+    store name or path, or a store from ``memory.store``; ``None`` (default) follows the
+    ``cache`` setting (``TIERFLOW_CACHE``); ``False`` caches nothing, not even nodes
+    marked with ``x.cache()``. See :mod:`tierflow.engine.cache`. A cache that cannot be
+    written is a :class:`~tierflow.engine.cache.CacheWarning`, never an error.
 
     Raises what a task raised (the first error; operators' errors as NumPy raises them,
     user functions' as :class:`~tierflow.errors.BlockError` naming the block),
@@ -92,7 +111,12 @@ def compute(
         for a in items
     ]
     outputs, _ = _run(
-        requests, progress=progress, executor=executor, workers=workers, callbacks=callbacks
+        requests,
+        progress=progress,
+        executor=executor,
+        workers=workers,
+        callbacks=callbacks,
+        cache=cache,
     )
     return tuple(outputs)
 
@@ -129,8 +153,9 @@ def to_npy(
 
 
 def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    path = os.path.abspath(path)
+    sweep_temps(os.path.dirname(path))
+    fd, tmp = temp_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, value, allow_pickle=False)

@@ -64,6 +64,9 @@ class Node:
         self.shape = tuple(shape)
         self._key: str | None = None
         self._ident: str | None = None
+        # Set by ``Array.cache()``: True (the compute's cache store) or a store to keep
+        # this node's blocks in (see tierflow.engine.cache); None when not marked.
+        self.cache_mark: Any = None
 
     @property
     def ndim(self) -> int:
@@ -167,8 +170,11 @@ def placeholder(node: Node) -> Any:
     return np.zeros(shape, node.dtype)
 
 
-def walk(roots: Iterable[Node]) -> list[Node]:
-    """Every node reachable from ``roots``, inputs before the nodes that use them."""
+def walk(roots: Iterable[Node], stop: Callable[[Node], bool] | None = None) -> list[Node]:
+    """Every node reachable from ``roots``, inputs before the nodes that use them.
+
+    ``stop(node)`` True keeps ``node`` but not what lies below it (a value already
+    known, such as one read from the cache)."""
     order: list[Node] = []
     seen: set[int] = set()
     stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(list(roots))]
@@ -181,6 +187,8 @@ def walk(roots: Iterable[Node]) -> list[Node]:
             continue
         seen.add(id(node))
         stack.append((node, True))
+        if stop is not None and stop(node):
+            continue
         for child in reversed(node.inputs):
             if id(child) not in seen:
                 stack.append((child, False))

@@ -16,6 +16,10 @@ root takes what it needs from it. Inside a program:
   kernel's epilogue.
 * Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step;
   a node used twice in a block is computed once (the per-task memo).
+* A node the compute caches (:mod:`tierflow.engine.cache`) is never fused into its
+  consumers: its step is wrapped in a :class:`CachedStep`, which maps the block from
+  the cache when it is there and computes and writes it when it is not; a cached
+  reduction looks up each block's partial result before computing it.
 
 Rows are asked for in two ways: ``("r", a, b)``, rows ``a:b`` of a node whose row
 counts are known (any range can be computed: every step maps rows to rows), and
@@ -24,6 +28,7 @@ counts are known (any range can be computed: every step maps rows to rows), and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator
@@ -35,14 +40,16 @@ from ..errors import BlockError, OutOfMemoryError
 from ..operators import elementwise as ew
 from ..operators import fused, reductions, selection
 from ..operators.types import block_bytes
+from ..storage import pages
 from ..system import pressure
 from ..system.types import Level
 from . import graph, halving
+from .cache import MISS
 from .graph import Chunked, Node
 from .sources import FilesReader
 from .types import TaskMemory
 
-__all__ = ["Accumulator", "Context", "Lowering", "Program"]
+__all__ = ["Accumulator", "CachedStep", "Context", "Lowering", "Program"]
 
 Request = tuple[Any, ...]
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
@@ -313,6 +320,64 @@ class ConcatStep(Step):
         return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
 
 
+class _MappedBlock:
+    """A block mapped from the cache, released like a source block when its task ends."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: np.ndarray) -> None:
+        self.block = block
+
+    def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
+        if self.block.nbytes and isinstance(self.block, np.memmap):
+            # A hint: the block stays valid either way.
+            with contextlib.suppress(ValueError, OSError):
+                pages.release(self.block, drop_cache=drop_cache)
+
+
+class CachedStep(Step):
+    """A cached node's step: its block from the cache when the cache has it (a read-only
+    memory map, released when the task ends), else computed by ``inner`` and written
+    to the cache. ``entry`` is the node's :class:`~tierflow.engine.cache.Entry`."""
+
+    def __init__(self, inner: Step, entry: Any) -> None:
+        self.node = inner.node
+        self.inner = inner
+        self.entry = entry
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        found = self.entry.get_block(req)
+        if found is not None:
+            ctx.reads.append((_MappedBlock(found), 0, 0))
+            return found
+        block = self.inner.eval(ctx, req)
+        self.entry.put_block(req, block)
+        return block
+
+    def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
+        found = self.entry.get_block(req)
+        if found is not None:
+            np.copyto(out, found)
+            ctx.reads.append((_MappedBlock(found), 0, 0))
+            return out
+        self.inner.eval_into(ctx, req, out)
+        self.entry.put_block(req, out)
+        return out
+
+    def children(self) -> list[tuple[Step, Request]]:
+        return [(self.inner, ())]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        if not self.entry.has_block(req):  # a block in the cache reads no file
+            yield from self.inner.sources(req)
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        return self.inner.memory(rows, into_sink)
+
+    def label(self) -> str:
+        return self.inner.label()
+
+
 # -- reductions -------------------------------------------------------------------------
 
 
@@ -405,6 +470,7 @@ class ReduceRoot:
         acc: Accumulator,
         user: bool,
         fused_op: Any = None,
+        cache: Any = None,
     ) -> None:
         self.node = node
         self.op = op
@@ -413,11 +479,18 @@ class ReduceRoot:
         self.user = user
         self.chunker = fused_op if fused_op is not None else op
         self.label = node.label()
+        self.cache = cache  # the node's cache Entry: partials per block, or None
 
     def run(self, ctx: Context, req: Request) -> None:
         acc = self.acc
         if acc.complete_through is not None and acc.skip(ctx.index):
             return
+        cache = self.cache
+        if cache is not None:
+            cached = cache.get_partial(req)
+            if cached is not MISS:
+                acc.add(ctx.index, cached)
+                return
         blocks = [s.eval(ctx, req) for s in self.inputs]
         offset = req[1] if req[0] == "r" else 0
         try:
@@ -430,7 +503,13 @@ class ReduceRoot:
             if self.user:
                 raise _user_error(self.label, ctx, req, exc) from exc
             raise
+        if cache is not None:
+            cache.put_partial(req, partial)
         self.acc.add(ctx.index, partial)
+
+    def cached(self, req: Request) -> bool:
+        """Whether this block's partial is in the cache (then it reads no input)."""
+        return self.cache is not None and bool(self.cache.has_partial(req))
 
     def memory(self, rows: int) -> TaskMemory:
         return TaskMemory(temps=int(self.chunker.temp_bytes(rows)) + int(self.op.partial_bytes()))
@@ -503,9 +582,13 @@ class Program:
         return any(isinstance(s, SourceStep) and s.reader.file_backed for s in self.steps())
 
     def prefetch(self, req: Request) -> None:
-        """Ask the kernel for the file rows ``req`` will read."""
+        """Ask the kernel for the file rows ``req`` will read (none for what the cache
+        holds)."""
         seen = set()
-        for root in self.steps_of_roots():
+        roots = [s.step for s in self.sinks] + [
+            i for r in self.reductions if not r.cached(req) for i in r.inputs
+        ]
+        for root in roots:
             for reader, a, b in root.sources(req):
                 if (id(reader), a, b) not in seen:
                     seen.add((id(reader), a, b))
@@ -552,13 +635,21 @@ class Lowering:
 
     ``values`` maps a value node's key to its value (placeholders while planning);
     ``results`` holds the keys of chunked nodes that are results of the same pass (read
-    from their sink block instead of being fused again).
+    from their sink block instead of being fused again). ``cache`` is the compute's
+    :class:`~tierflow.engine.cache.Session` (None without one): its chunked nodes get a
+    :class:`CachedStep` and are not fused, its reductions cache their partials.
     """
 
-    def __init__(self, values: dict[str, Any], results: set[str] | None = None) -> None:
+    def __init__(
+        self, values: dict[str, Any], results: set[str] | None = None, cache: Any = None
+    ) -> None:
         self.values = values
         self.results = results or set()
+        self.cache = cache
         self._steps: dict[str, Step] = {}
+
+    def _entry(self, node: Node) -> Any:
+        return None if self.cache is None else self.cache.entry(node)
 
     def value(self, node: Node) -> Any:
         """The bound value of a value node, as a NumPy value of the node's dtype.
@@ -580,6 +671,9 @@ class Lowering:
         found = self._steps.get(node.ident)
         if found is None:
             found = self._lower(node)
+            entry = self._entry(node)
+            if entry is not None:
+                found = CachedStep(found, entry)
             self._steps[node.ident] = found
         return found
 
@@ -617,7 +711,11 @@ class Lowering:
         raise TypeError(f"cannot lower {node!r}")
 
     def _fusable(self, node: Node) -> bool:
-        return isinstance(node, graph.Elementwise) and node.ident not in self.results
+        return (
+            isinstance(node, graph.Elementwise)
+            and node.ident not in self.results
+            and self._entry(node) is None
+        )
 
     def _expression(self, root: graph.Elementwise) -> tuple[ew.Expr, list[Chunked]]:
         """The elementwise tree under ``root`` as one expression over its leaves."""
@@ -670,9 +768,13 @@ class Lowering:
             )
             fused_op = fused.FusedReduction(kernel, op)
             return ReduceRoot(
-                node, op, [self.step(n) for n in leaves], acc, node.spec.user, fused_op
-            )
-        return ReduceRoot(node, op, [self.step(c) for c in chunked], acc, node.spec.user)
+                node, op, [self.step(n) for n in leaves], acc, node.spec.user, fused_op,
+                cache=self._entry(node),
+            )  # fmt: skip
+        return ReduceRoot(
+            node, op, [self.step(c) for c in chunked], acc, node.spec.user,
+            cache=self._entry(node),
+        )  # fmt: skip
 
 
 def _kernel_label(node: Node) -> str:

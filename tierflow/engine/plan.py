@@ -27,6 +27,10 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    it reads, blocks it makes, operators' scratch), computed by the pure function
    :meth:`tierflow.engine.optimize.Program.memory`. A task whose single row exceeds
    the whole budget is refused before anything runs, quoting the numbers.
+6. **Cache.** With a cache session (:mod:`tierflow.engine.cache`), values it found
+   (``session.resolved``) are constants: nothing below them is planned. Its chunked
+   nodes and reductions are lowered with the session (cached steps, cached partials),
+   and the tasks that finish its values write them to the cache.
 """
 
 from __future__ import annotations
@@ -126,9 +130,11 @@ class _Pass:
         return text
 
 
-def _lower(p: _Pass, values: dict[str, Any]) -> tuple[Program, dict[str, Accumulator]]:
+def _lower(
+    p: _Pass, values: dict[str, Any], cache: Any = None
+) -> tuple[Program, dict[str, Accumulator]]:
     results = {n.ident for n, _ in p.sinks}
-    lowering = Lowering(values, results)
+    lowering = Lowering(values, results, cache)
     accs: dict[str, Accumulator] = {}
 
     def acc_for(node: Node, op: Any) -> Accumulator:
@@ -186,16 +192,18 @@ def _check_fits(p: _Pass, program: Program, budget: int) -> None:
         )
 
 
-def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
+def build_plan(requests: list[Request], *, workers: int, budget: int, cache: Any = None) -> Plan:
     """The plan of a compute of ``requests`` (see the module docstring).
 
-    Opens the sinks (allocates outputs, creates temporary files); the caller aborts
-    them if anything after this fails. Raises :class:`~tierflow.errors.SourceError`
-    for a changed source file and :class:`~tierflow.errors.OutOfMemoryError` for a
-    task that cannot fit the budget even on one row.
+    ``cache`` is the compute's cache session, or None. Opens the sinks (allocates
+    outputs, creates temporary files); the caller aborts them if anything after this
+    fails. Raises :class:`~tierflow.errors.SourceError` for a changed source file and
+    :class:`~tierflow.errors.OutOfMemoryError` for a task that cannot fit the budget
+    even on one row.
     """
+    resolved: dict[str, Any] = cache.resolved if cache is not None else {}
     nodes: dict[str, Node] = {}
-    for node in graph.walk([r.node for r in requests]):
+    for node in graph.walk([r.node for r in requests], stop=lambda n: n.ident in resolved):
         nodes.setdefault(node.ident, node)
     for node in nodes.values():
         if isinstance(node, graph.Source):
@@ -205,6 +213,9 @@ def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
     avail: dict[str, int] = {}
     stage: dict[str, int] = {}
     for key, node in nodes.items():
+        if key in resolved:
+            avail[key] = 0
+            continue
         deps = [stage[i.ident] if isinstance(i, Chunked) else avail[i.ident] for i in node.inputs]
         level = max(deps, default=0)
         if isinstance(node, graph.Reduce):
@@ -225,7 +236,7 @@ def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
         return found
 
     for node in nodes.values():
-        if isinstance(node, graph.Reduce):
+        if isinstance(node, graph.Reduce) and node.ident not in resolved:
             source = node.inputs[0]
             assert isinstance(source, Chunked)
             pass_for(stage[node.ident], source.partition()).reduces.append(node)
@@ -243,8 +254,9 @@ def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
     # -- tasks --
     value_task: dict[str, int] = {}
     const: dict[str, Any] = {k: n.value for k, n in nodes.items() if isinstance(n, graph.Const)}
+    const.update(resolved)
     task_limit = max(1, budget // (TASKS_PER_WORKER * max(1, workers)))
-    applies = [n for n in nodes.values() if isinstance(n, graph.Apply)]
+    applies = [n for n in nodes.values() if isinstance(n, graph.Apply) and n.ident not in resolved]
     made: set[str] = set()
     n_stages = max([p.stage for p in passes.values()] + [0]) + 1
 
@@ -255,7 +267,7 @@ def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
             if any(i.ident not in const and i.ident not in value_task for i in node.inputs):
                 continue
             made.add(node.ident)
-            value_task[node.ident] = plan.add(_apply_task(node, const, value_task))
+            value_task[node.ident] = plan.add(_apply_task(node, const, value_task, cache))
 
     try:
         for sink in plan.sinks:
@@ -263,7 +275,7 @@ def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
         for s in range(n_stages):
             add_applies(s)
             for p in [p for p in passes.values() if p.stage == s]:
-                _add_pass(plan, p, const, value_task, task_limit, budget)
+                _add_pass(plan, p, const, value_task, task_limit, budget, cache)
             plan.passes += sum(1 for p in passes.values() if p.stage == s)
         while len(made) < len(applies):  # values computed from values, in dependency order
             before = len(made)
@@ -278,7 +290,9 @@ def build_plan(requests: list[Request], *, workers: int, budget: int) -> Plan:
 
     for r in requests:
         node = nodes[r.node.ident]
-        if isinstance(node, graph.Const):
+        if node.ident in resolved:
+            plan.outputs.append(("const", resolved[node.ident]))
+        elif isinstance(node, graph.Const):
             plan.outputs.append(("const", node.value))
         elif isinstance(node, Chunked):
             plan.outputs.append(("task", value_task[f"sink:{node.ident}"]))
@@ -297,14 +311,20 @@ def _dep_values(
     return keys, tuple(value_task[k] for k in keys)
 
 
-def _apply_task(node: graph.Apply, const: dict[str, Any], value_task: dict[str, int]) -> Task:
+def _apply_task(
+    node: graph.Apply, const: dict[str, Any], value_task: dict[str, int], cache: Any
+) -> Task:
     keys, deps = _dep_values(node, const, value_task)
+    entry = cache.entry(node) if cache is not None else None
 
     def run(*results: Any) -> Any:
         bound = dict(const)
         bound.update(zip(keys, results, strict=False))
         try:
-            return node.evaluate(lambda n: bound[n.ident])
+            value = node.evaluate(lambda n: bound[n.ident])
+            if entry is not None:
+                entry.put_value(value)
+            return value
         except Exception as exc:
             if oom.is_oom(exc):
                 raise OutOfMemoryError(
@@ -323,13 +343,14 @@ def _add_pass(
     value_task: dict[str, int],
     task_limit: int,
     budget: int,
+    cache: Any = None,
 ) -> None:
     bound = [v for v in _value_inputs(p.roots()) if v.ident not in const]
     keys = [v.ident for v in bound]
     values: dict[str, Any] = dict(const)
     values.update({v.ident: graph.placeholder(v) for v in bound})
     with graph._quiet():
-        planned, planned_accs = _lower(p, values)
+        planned, planned_accs = _lower(p, values, cache)
     _check_fits(p, planned, budget)
     requests = _requests(p, planned, task_limit)
     n = len(requests)
@@ -342,7 +363,7 @@ def _add_pass(
         def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
             real = dict(const)
             real.update(zip(keys, results, strict=False))
-            program, accs = _lower(p, real)
+            program, accs = _lower(p, real, cache)
             program.name, program.count = label, n
             return program, accs
 
@@ -376,7 +397,8 @@ def _add_pass(
             last_append[pos] = plan.add(_append_task(sink, pos, j, blocks[-1], prev))
 
     for r in p.reduces:
-        value_task[r.ident] = plan.add(_finish_task(r, planned_accs, tuple(blocks), prepare))
+        entry = cache.entry(r) if cache is not None else None
+        value_task[r.ident] = plan.add(_finish_task(r, planned_accs, tuple(blocks), prepare, entry))
     for pos, (node, sink) in enumerate(p.sinks):
         if sink.known:
             task = Task(f"commit {node.label()}", lambda s=sink: s.commit(), after=tuple(blocks))
@@ -416,12 +438,16 @@ def _finish_task(
     planned: dict[str, Accumulator],
     blocks: tuple[int, ...],
     prepare: int | None,
+    entry: Any = None,
 ) -> Task:
     def run(*results: Any) -> Any:
         accs = results[0][1] if prepare is not None else planned
         acc = accs[node.ident]
         try:
-            return acc.op.aggregate(acc.result())
+            value = acc.op.aggregate(acc.result())
+            if entry is not None:
+                entry.put_value(value)
+            return value
         except Exception as exc:
             if oom.is_oom(exc):
                 raise OutOfMemoryError(

@@ -10,12 +10,18 @@ assembled once every block's size is known).
 Outputs of ``compute`` are allocated with ``memory.array``: RAM while they fit the
 budget, else a spill file; a spilled output's finished blocks are written back and
 dropped from RAM as they are done. ``to_npy`` writes under a temporary name in the
-target's folder (``.name.XXXX.tmp``), reserves the whole file first when its size is
-known (a full disk fails before any work, with the numbers), starts the write-back of
-blocks once ``budget / 8`` bytes are dirty, or at once under memory pressure
-(``sync_file_range``), so dirty pages stay bounded without making a machine with room
-wait for the disk, and renames the file into place at the end. :meth:`abort` removes the temporary
-file; nothing is ever written under the final name but by the rename.
+target's folder (``.name.tf<pid>-<start>-XXXX.tmp``), reserves the whole file first when
+its size is known (a full disk fails before any work, with the numbers), starts the
+write-back of blocks once ``budget / 8`` bytes are dirty, or at once under memory
+pressure (``sync_file_range``), so dirty pages stay bounded without making a machine
+with room wait for the disk, and renames the file into place at the end. :meth:`abort`
+removes the temporary file; nothing is ever written under the final name but by the
+rename.
+
+A process killed while writing (SIGKILL, a machine that lost power) cannot remove its
+temporary file. Its name holds the writer's pid and start time (``/proc/<pid>/stat``
+field 22), so the next ``to_npy`` into the same folder removes the temporary files of
+writers that are gone (:func:`sweep_temps`), never one a live process is writing.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import ctypes
 import errno
 import math
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -40,7 +47,7 @@ from ..system import pressure
 from ..system.types import Level
 from .graph import Chunked
 
-__all__ = ["ArraySink", "NpySink", "npy_header"]
+__all__ = ["ArraySink", "NpySink", "npy_header", "sweep_temps", "temp_file"]
 
 _MAGIC = b"\x93NUMPY"
 _ALIGN = 64
@@ -49,6 +56,64 @@ _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
 KICK_SHARE = 8  # start write-back once budget / 8 bytes are dirty ...
 KICK_MIN = 64 << 20  # ... but not in pieces smaller than 64 MB
 _TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})
+# .<target name>.tf<pid>-<start time>-<mkstemp's random part>.tmp
+_TEMP_RE = re.compile(r"\..+\.tf(\d+)-(\d+)-[A-Za-z0-9_]+\.tmp")
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks since boot); None if there is none,
+    0 if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return 0
+    # The command name (field 2) is in parentheses and may hold spaces or ')'.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+_OWN_TOKEN: tuple[int, str] | None = None  # (pid, "pid-start") of this process
+
+
+def _own_token() -> str:
+    global _OWN_TOKEN
+    pid = os.getpid()
+    if _OWN_TOKEN is None or _OWN_TOKEN[0] != pid:  # a forked child is another writer
+        _OWN_TOKEN = (pid, f"{pid}-{_start_time(pid) or 0}")
+    return _OWN_TOKEN[1]
+
+
+def temp_file(path: str) -> tuple[int, str]:
+    """A new temporary file next to ``path`` named for this process: ``(fd, name)``."""
+    folder, base = os.path.split(path)
+    return tempfile.mkstemp(prefix=f".{base}.tf{_own_token()}-", suffix=".tmp", dir=folder)
+
+
+def sweep_temps(folder: str) -> list[str]:
+    """Remove temporary ``.npy`` files in ``folder`` whose writer is gone (see the module
+    docstring); the paths removed. A file whose writer may still run is kept, and
+    nothing that does not follow the temporary name's pattern is touched."""
+    removed: list[str] = []
+    if not os.path.isdir("/proc/self"):
+        return removed  # no way to tell a live writer from a gone one
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP_RE.fullmatch(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        pid, start = int(match.group(1)), int(match.group(2))
+        now = _start_time(pid)
+        if now is not None and (now == start or now == 0 or start == 0):
+            continue  # its writer (or a process we cannot tell from it) still runs
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed.append(entry.path)
+    return removed
 
 
 def npy_header(dtype: np.dtype, shape: tuple[int, ...], length: int | None = None) -> bytes:
@@ -210,9 +275,8 @@ class NpySink:
             raise IsADirectoryError(errno.EISDIR, f"cannot write {self.path}: it is a folder")
         if self.dtype.hasobject:
             raise TypeError(f"cannot write {self.dtype} values to a .npy file without pickling")
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=folder
-        )
+        sweep_temps(folder)
+        fd, tmp = temp_file(self.path)
         self.fd, self.tmp = fd, tmp
         try:
             if self.known:
