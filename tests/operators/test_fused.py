@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import warnings
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tierflow.operators import fused, reductions
 from tierflow.operators.elementwise import (
     Const,
     Expr,
@@ -384,3 +386,229 @@ def test_a_freed_register_serves_a_later_unrelated_operation() -> None:
     assert kernel.temp_bytes(10**9) == kernel.sub_rows * 4 * (8 + 4)
     block = np.random.default_rng(7).random((100, 4), dtype=np.float32)
     assert _same_bits(kernel.apply(block), evaluate(expr, block))
+
+
+# The wide view (row-vector constants) and the fixed cost of a call. Every result is
+# compared bitwise with plain NumPy on the whole block; the path taken is pinned by making
+# the other one fail.
+
+
+def _only(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make every _Program run take ``path`` ("wide" or "narrow"): the other one fails."""
+    other = "_run_narrow" if path == "wide" else "_run_wide"
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"{other} ran; expected the {path} path")
+
+    monkeypatch.setattr(fused._Program, other, refuse)
+
+
+ROW_CONSTANT_CASES: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
+    ((8,), (8,)),
+    ((8,), (1, 8)),
+    ((3,), (3,)),
+    ((2, 3), (3,)),  # broadcasts along the first trailing axis
+    ((2, 3), (2, 1)),  # broadcasts along the last
+    ((2, 3), (1, 3)),
+    ((2, 3), (2, 3)),  # the full trailing shape
+    ((2, 3), (1, 2, 3)),
+    ((4, 1, 5), (1, 5)),
+]
+
+
+@pytest.mark.parametrize(("row_shape", "const_shape"), ROW_CONSTANT_CASES)
+@pytest.mark.parametrize("subblock_bytes", [96, 4096, SUBBLOCK_BYTES])
+def test_row_constants_take_the_wide_path_bitwise(
+    monkeypatch: pytest.MonkeyPatch,
+    row_shape: tuple[int, ...],
+    const_shape: tuple[int, ...],
+    subblock_bytes: int,
+) -> None:
+    rng = np.random.default_rng(20)
+    m = rng.uniform(-2, 2, const_shape).astype(np.float32)
+    s = rng.uniform(0.5, 2, const_shape).astype(np.float32)
+    expr = (x - m) / s
+    kernel = FusedKernel(expr, [np.float32], [row_shape], subblock_bytes=subblock_bytes)
+    program = kernel._program
+    if kernel.sub_rows == 1:  # a sub-block of one row has no room for a wide row
+        assert program.fold == 1
+        _only(monkeypatch, "narrow")
+    else:
+        assert program.fold > 1
+        assert program.width == program.fold * math.prod(row_shape)
+        _only(monkeypatch, "wide")
+    fold, sub = program.fold, kernel.sub_rows
+    # Fewer rows than a wide row, whole wide rows, remainders, several sub-blocks.
+    for rows in sorted({1, fold - 1, fold, fold + 1, 2 * fold + 3, sub, sub + 1, 3 * sub + 7}):
+        block = random_array(rng, np.dtype(np.float32), (rows, *row_shape))
+        want = (block - m) / s
+        assert _same_bits(kernel.apply(block), want), rows
+        out = np.empty_like(want)
+        assert kernel.apply(block, out=out) is out
+        assert _same_bits(out, want), rows
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, bool]
+)
+def test_wide_path_keeps_numpys_dtypes_and_bits(
+    monkeypatch: pytest.MonkeyPatch, dtype: Any
+) -> None:
+    rng = np.random.default_rng(21)
+    dtype = np.dtype(dtype)
+    row_shape = (2, 3)
+    block = random_array(rng, dtype, (1000, *row_shape))
+    ints = np.arange(6, dtype=np.int8).reshape(row_shape) % 3 + 1
+    floats = np.linspace(-1.5, 2.5, 3).astype(np.float32)
+    flags = np.array([True, False, True])
+    exprs: list[Expr] = [
+        x * ints + 1,  # strong int8 row vector: NumPy's promotion decides the dtype
+        x - floats,  # float32 row vector
+        where(flags, x, ints),  # boolean condition constant
+        clip(x, ints - 2, ints + 2),  # bounds as row vectors
+        astype(x, np.float64) * floats,
+        call(np.maximum, x, ints) * call(np.minimum, x, floats),
+    ]
+    _only(monkeypatch, "wide")
+    with np.errstate(all="ignore"):
+        for expr in exprs:
+            try:
+                want = evaluate(expr, block)
+            except TypeError:  # e.g. bool - float32 is not defined: nothing to compare
+                continue
+            kernel = FusedKernel(expr, [dtype], [row_shape], subblock_bytes=4096)
+            assert kernel._program.fold > 1, expr
+            got = kernel.apply(block)
+            assert got.dtype == want.dtype
+            assert _same_bits(got, want), (expr, dtype)
+
+
+def test_blocks_that_are_not_c_contiguous_take_the_narrow_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(22)
+    m = np.arange(8, dtype=np.float32)
+    expr = (x - m) * y
+    kernel = FusedKernel(expr, [np.float32, np.float32], [(8,), (8,)], subblock_bytes=4096)
+    assert kernel._program.fold > 1
+    _only(monkeypatch, "narrow")
+    strided = rng.random((1000, 16), dtype=np.float32)[:, ::2]
+    fortran = np.asfortranarray(rng.random((1000, 8), dtype=np.float32))
+    plain = rng.random((1000, 8), dtype=np.float32)
+    for a, b in [(strided, plain), (plain, fortran), (strided, fortran)]:
+        assert _same_bits(kernel.apply(a, b), (a - m) * b)
+    # A C-contiguous input with a strided output block: the output decides too.
+    out = np.empty((1000, 16), np.float32)[:, ::2]
+    kernel.apply(plain, plain, out=out)
+    assert _same_bits(np.ascontiguousarray(out), (plain - m) * plain)
+
+
+def test_no_wide_path_without_row_vectors_or_with_broadcasting_inputs() -> None:
+    assert FusedKernel((x + 1) * 2, [np.float32], [(8,)])._program.fold == 1  # scalars
+    assert FusedKernel(x * np.float32(2), [np.float32], [(8,)])._program.fold == 1
+    assert FusedKernel(x * np.ones((1, 1)), [np.float32], [(8,)])._program.fold == 1
+    m = np.arange(8.0)
+    assert FusedKernel(x - m + y, [np.float64] * 2, [(8,), (1,)])._program.fold == 1
+    assert FusedKernel(x - m, [np.float64], [(1,)])._program.fold == 1  # m widens the rows
+    # Rows wider than half a wide row are wide enough already.
+    assert FusedKernel(x - np.arange(9000.0), [np.float64], [(9000,)])._program.fold == 1
+    assert FusedKernel(x - m, [np.float64], [(8,)])._program.fold > 1
+
+
+def test_wide_path_feeds_epilogues_and_reductions_with_row_shaped_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(23)
+    m = rng.random(8).astype(np.float32)
+    expr = call(np.sqrt, x + m) * m
+    data = rng.random((3000, 8), dtype=np.float32)
+    evaluated = evaluate(expr, data)
+    _only(monkeypatch, "wide")
+    epilogue = reduction("max", np.float32, (8,), axis=1)
+    kernel = FusedKernel(expr, [np.float32], [(8,)], epilogue=epilogue, subblock_bytes=4096)
+    assert kernel._program.fold > 1
+    assert _same_bits(kernel.apply(data), evaluated.max(axis=1))
+    base = FusedKernel(expr, [np.float32], [(8,)], subblock_bytes=4096)
+    for kind in ("sum", "mean", "var", "min", "argmax", "count_nonzero"):
+        fused_op = FusedReduction(base, reduction(kind, np.float32, (8,), axis=0))
+        got = run_blockwise(fused_op, data, 1100, rng)
+        if kind in ("min", "argmax", "count_nonzero"):
+            np.testing.assert_array_equal(got, getattr(np, kind)(evaluated, axis=0))
+        else:
+            oracle = getattr(np, kind)(evaluated.astype(np.float64), axis=0)
+            np.testing.assert_allclose(got, oracle.astype(np.float32), rtol=4e-7)
+
+
+def test_many_block_sizes_reuse_bounded_caches() -> None:
+    m = np.arange(3, dtype=np.float64)
+    kernel = FusedKernel(x * m + 1, [np.float64], [(3,)], subblock_bytes=512)
+    fold = kernel._program.fold
+    data = np.random.default_rng(24).random((5 * fold + 100, 3))
+    for rows in range(1, 5 * fold + 100, 3):  # more sizes than the caches keep
+        assert _same_bits(kernel.apply(data[:rows]), data[:rows] * m + 1), rows
+    assert len(kernel._program._tails) <= fused._CACHED_VIEWS
+    held = kernel._scratch.get(1)
+    assert len(held._views) <= fused._CACHED_VIEWS
+
+
+def test_threads_share_a_wide_kernel() -> None:
+    m = np.arange(8, dtype=np.float32)
+    kernel = FusedKernel((x - m) * 3, [np.float32], [(8,)], subblock_bytes=2048)
+    rng = np.random.default_rng(25)
+    blocks = [rng.random((rows, 8), dtype=np.float32) for rows in (1000, 777, 64, 3001)]
+    results: dict[int, list[np.ndarray]] = {}
+    start = threading.Barrier(len(blocks))
+
+    def work(i: int) -> None:
+        start.wait()
+        results[i] = [kernel.apply(blocks[i]) for _ in range(5)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(blocks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, block in enumerate(blocks):
+        for got in results[i]:
+            assert _same_bits(got, (block - m) * 3)
+
+
+def test_a_call_checks_its_blocks_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = fused.check_blocks
+
+    def counting(blocks: Any, dtypes: Any, row_shapes: Any, what: str) -> int:
+        calls.append(what)
+        return real(blocks, dtypes, row_shapes, what)
+
+    monkeypatch.setattr(fused, "check_blocks", counting)
+    monkeypatch.setattr(reductions, "check_blocks", counting)
+    data = np.random.default_rng(26).random((5000, 8), dtype=np.float32)
+    kernel = FusedKernel(call(np.sqrt, x + 1), [np.float32], [(8,)], subblock_bytes=4096)
+    for kind in ("sum", "argmin", "var"):
+        calls.clear()
+        op = FusedReduction(kernel, reduction(kind, np.float32, (8,), axis=0))
+        op.chunk(data)  # 40 sub-blocks
+        assert calls == ["FusedReduction"], kind
+
+
+def test_where_casts_python_numbers_like_numpy() -> None:
+    cond = np.array([[True, False, True]])
+    block = np.array([[1, 2, 3]], np.uint8)
+    for a, b in [(-1, x), (x, 300), (-1, 3.5)]:
+        expr = where(Input(1), a, b)
+        want = evaluate(expr, block, cond)
+        kernel = FusedKernel(expr, [np.uint8, bool], [(3,), (3,)])
+        assert _same_bits(kernel.apply(block, cond), want)
+
+
+def test_a_kernel_is_one_generated_function() -> None:
+    kernel = FusedKernel(call(np.sqrt, x * 2 + 1), [np.float32], [(8,)])
+    program = kernel._program
+    assert [s.fn for s in program.steps] == [np.multiply, np.add, np.sqrt]
+    assert program._consts == [2, 1]
+    held = kernel._scratch.get(4)
+    block = np.arange(32, dtype=np.float32).reshape(4, 8)
+    out = np.empty_like(block)
+    program._function((block,), held.narrow(4), out, program._consts)
+    assert _same_bits(out, np.sqrt(block * 2 + 1))

@@ -1,10 +1,29 @@
-"""Checks shared by the operators: block inputs and caller-provided output blocks."""
+"""Checks shared by the operators (block inputs, caller-provided output blocks) and the
+width of the wide views their fast paths use."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+
+
+def wide_fold(row_elements: int, wide_elements: int) -> int:
+    """Rows per row of a wide view: the largest power of two ``f`` with
+    ``f * row_elements <= wide_elements``; 1 when a row alone is that wide (or empty).
+
+    A C-contiguous block of rows with ``row_elements`` elements each, seen flat, is a
+    ``(-1, f * row_elements)`` array whose element ``k`` belongs to column
+    ``k % row_elements``: NumPy runs its inner loops over the wide rows instead of over
+    one narrow row at a time.
+
+    >>> wide_fold(8, 1024), wide_fold(3, 1024), wide_fold(2000, 1024)
+    (128, 256, 1)
+    """
+    if row_elements <= 0 or 2 * row_elements > wide_elements:
+        return 1
+    fold = wide_elements // row_elements
+    return 1 << (fold.bit_length() - 1)
 
 
 def check_blocks(
@@ -15,8 +34,36 @@ def check_blocks(
 ) -> int:
     """The common row count of ``blocks``; ValueError when they do not match the operator.
 
-    ``what`` names the operator in the message.
+    ``what`` names the operator in the message. Raises TypeError for a block that is not
+    a NumPy array.
     """
+    if len(blocks) == len(dtypes):
+        # The common case, checked without building anything: every block an ndarray of
+        # the right dtype and row shape, all with the same number of rows.
+        rows = -1
+        for block, dtype, row_shape in zip(blocks, dtypes, row_shapes, strict=False):
+            if (
+                not isinstance(block, np.ndarray)
+                or block.dtype != dtype
+                or block.shape[1:] != row_shape
+                or block.ndim != len(row_shape) + 1
+                or (rows >= 0 and block.shape[0] != rows)
+            ):
+                break
+            rows = block.shape[0]
+        else:
+            return max(rows, 0)
+    _explain(blocks, dtypes, row_shapes, what)
+    raise AssertionError("unreachable: _explain raises")  # pragma: no cover
+
+
+def _explain(
+    blocks: Sequence[np.ndarray],
+    dtypes: Sequence[np.dtype],
+    row_shapes: Sequence[tuple[int, ...]],
+    what: str,
+) -> None:
+    """Raise the error that says why ``blocks`` do not match (see :func:`check_blocks`)."""
     if len(blocks) != len(dtypes):
         raise ValueError(f"{what} takes {len(dtypes)} block(s), {len(blocks)} were given")
     rows = None
@@ -36,7 +83,6 @@ def check_blocks(
                 f"{what}: blocks must have equal row counts, block 0 has {rows} rows and "
                 f"block {i} has {block.shape[0]}"
             )
-    return rows or 0
 
 
 def prepare_out(

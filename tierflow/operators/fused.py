@@ -19,13 +19,36 @@ sub-block to sub-block and from call to call:
 * Results are bitwise those of :func:`~tierflow.operators.elementwise.evaluate`: the
   same ufunc calls with the same dtypes on fewer rows at a time.
 
+The fixed cost of a call matters as much as the throughput: the engine runs one call per
+block, and blocks of a few thousand rows are common. The expression is compiled once,
+when the kernel is built, into one generated Python function with one line per step
+(``f0(i0, c0, out=r0)``, ...), so a sub-block costs the ufunc calls and little else; the
+blocks are checked once per call, and a block that fits in one sub-block is evaluated
+without slicing anything and handed to an epilogue or a reduction in one piece.
+Measured for ``((x + 1) * 2 - 3).sum(axis=0)`` as a :class:`FusedReduction` on 1000
+float32 rows of 8 (one thread): 77 us per call before, 46 us now, against 39 us for
+NumPy's own expression and float32 sum.
+
+Wide view. A constant with more than one element (a row vector of column means) makes
+NumPy iterate one row at a time: on float32 ``[N, 8]`` its inner loops are 8 elements
+long and most of the time goes into its casting buffers. When every input block is
+C-contiguous with the result's row shape, and the constants broadcast along the trailing
+axes only, the kernel evaluates the same steps on a wide 2-D view of the block instead
+(``(-1, W)`` with ``W`` rows' worth of elements, ``W`` about ``_WIDE_ELEMENTS``) against
+the constants tiled to ``W`` elements once per kernel; rows that do not fill a wide row
+run as one flat piece against the first elements of the tiled constants. Element ``k``
+of the flat block meets the same constant element either way, so results stay bitwise
+NumPy's. Measured for ``(x - m) / s`` on float32 ``[N, 8]`` (one thread): row by row
+1.0 GB/s, wide rows of 4096 elements 3.1, of 16384 elements 3.8.
+
 A kernel can end in an *epilogue*: a single-input :class:`~tierflow.operators.types.BlockOp`
 (a reduction over trailing axes, ``@ w``) applied to each sub-block's result, so the
 full-width intermediate block never exists. :class:`FusedReduction` does the same for a
-reduction over rows: each sub-block result is chunked and combined into the block's
-partial at once (``np.sqrt(x*2+1).sum(axis=0)`` reads ``x`` once and allocates nothing
-block-sized). Its float partials accumulate in float64, see
-:mod:`tierflow.operators.reductions`.
+reduction over rows: each sub-block result is folded into the block's partial at once
+(``np.sqrt(x*2+1).sum(axis=0)`` reads ``x`` once and allocates nothing block-sized). The
+built-in sums, products, min/max, any/all, means and var/std keep running per-lane
+partials across the sub-blocks and fold them once per block
+(see :mod:`tierflow.operators.reductions`); their float partials accumulate in float64.
 """
 
 from __future__ import annotations
@@ -38,13 +61,16 @@ from typing import Any
 
 import numpy as np
 
-from ._blocks import check_blocks, prepare_out
+from ._blocks import check_blocks, prepare_out, wide_fold
 from .elementwise import Apply, AsType, Clip, Expr, Input, Round, Where, infer, walk
+from .reductions import RowReduction
 from .types import BlockOp, Partial, ReductionOp
 
 __all__ = ["SUBBLOCK_BYTES", "FusedKernel", "FusedReduction", "subblock_rows"]
 
 SUBBLOCK_BYTES = 512 * 1024  # bytes of the widest temporary of one sub-block (see above)
+_WIDE_ELEMENTS = 16384  # elements per row of the wide view (measured above)
+_CACHED_VIEWS = 32  # register views kept per thread, keyed by piece size
 
 _OUT = -1  # register number of the caller's output block
 
@@ -65,18 +91,26 @@ def subblock_rows(row_bytes: int, subblock_bytes: int = SUBBLOCK_BYTES) -> int:
 
 @dataclass(frozen=True)
 class _Ref:
-    """Where an operand of a step comes from: an input block, a constant, or a register."""
+    """Where an operand of a step comes from.
 
-    kind: str  # "input", "const" or "reg"
+    ``kind`` is "input" (block ``index``), "reg" (register ``index``), "out" (the output
+    block), "const" (an in-memory value) or "literal" (a fixed argument such as a None
+    bound of clip or the decimals of round).
+    """
+
+    kind: str
     index: int = 0
     value: Any = None
 
 
 @dataclass(frozen=True)
 class _Step:
-    run: Callable[[list[Any], np.ndarray], None]
+    """One call ``fn(*operands, out=target, **kwargs)``."""
+
+    fn: Callable[..., Any]
     operands: tuple[_Ref, ...]
     out: int  # register number, or _OUT
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -97,52 +131,78 @@ class _Plan:
         return len(self.specs) - 1
 
 
-def _ufunc_step(node: Apply) -> Callable[[list[Any], np.ndarray], None]:
-    ufunc, kwargs = node.ufunc, dict(node.kwargs)
-
-    def run(args: list[Any], out: np.ndarray) -> None:
-        ufunc(*args, out=out, **kwargs)
-
-    return run
-
-
-def _where_step(args: list[Any], out: np.ndarray) -> None:
-    cond, a, b = args
+def _where(cond: Any, a: Any, b: Any, out: np.ndarray) -> None:
     np.copyto(out, b, casting="unsafe")
     np.copyto(out, a, casting="unsafe", where=cond)
 
 
-def _clip_step(node: Clip) -> Callable[[list[Any], np.ndarray], None]:
-    has_lo, has_hi = node.lo is not None, node.hi is not None
-
-    def run(args: list[Any], out: np.ndarray) -> None:
-        values = iter(args)
-        a = next(values)
-        lo = next(values) if has_lo else None
-        hi = next(values) if has_hi else None
-        np.clip(a, lo, hi, out=out)
-
-    return run
+def _cast(a: Any, out: np.ndarray) -> None:
+    np.copyto(out, a, casting="unsafe")
 
 
-def _round_step(node: Round, in_dtype: np.dtype) -> Callable[[list[Any], np.ndarray], None]:
-    decimals = node.decimals
-    if in_dtype.kind in "biu" and decimals < 0:
-        # NumPy rounds integers to tens and hundreds through a float division whose
-        # result cannot be cast into an integer ``out=``; round first, then copy.
-        def run(args: list[Any], out: np.ndarray) -> None:
-            np.copyto(out, np.round(args[0], decimals))
-
-    else:
-
-        def run(args: list[Any], out: np.ndarray) -> None:
-            np.round(args[0], decimals, out=out)
-
-    return run
+def _round_then_copy(a: Any, decimals: int, out: np.ndarray) -> None:
+    # NumPy rounds integers to tens and hundreds through a float division whose result
+    # cannot be cast into an integer ``out=``; round first, then copy.
+    np.copyto(out, np.round(a, decimals))
 
 
-def _cast_step(args: list[Any], out: np.ndarray) -> None:
-    np.copyto(out, args[0], casting="unsafe")
+def _generate(steps: Sequence[_Step], n_inputs: int, n_registers: int) -> tuple[Any, list[Any]]:
+    """The steps as one Python function ``program(ins, regs, out, consts)``; and the
+    constants, in the order ``consts`` must list them.
+
+    Only names made here enter the source (``i0`` inputs, ``r0`` registers, ``c0``
+    constants, ``f0`` step functions, ``k0`` keyword dicts, ``l0`` literals); every value
+    is bound through the function's namespace.
+    """
+    namespace: dict[str, Any] = {}
+    consts: list[Any] = []
+
+    def name(ref: _Ref) -> str:
+        if ref.kind == "input":
+            return f"i{ref.index}"
+        if ref.kind == "reg":
+            return f"r{ref.index}"
+        if ref.kind == "out":
+            return "out"
+        if ref.kind == "const":
+            consts.append(ref.value)
+            return f"c{len(consts) - 1}"
+        key = f"l{len(namespace)}"
+        namespace[key] = ref.value
+        return key
+
+    lines = ["def program(ins, regs, out, consts):"]
+    lines.append("    " + "".join(f"i{i}, " for i in range(n_inputs)) + "= ins")
+    if n_registers:
+        lines.append("    " + "".join(f"r{i}, " for i in range(n_registers)) + "= regs")
+    body = []
+    for k, step in enumerate(steps):
+        namespace[f"f{k}"] = step.fn
+        args = "".join(f"{name(ref)}, " for ref in step.operands)
+        target = "out" if step.out == _OUT else f"r{step.out}"
+        extra = ""
+        if step.kwargs:
+            namespace[f"k{k}"] = dict(step.kwargs)
+            extra = f", **k{k}"
+        body.append(f"    f{k}({args}out={target}{extra})")
+    if consts:
+        lines.append("    " + "".join(f"c{i}, " for i in range(len(consts))) + "= consts")
+    lines.extend(body or ["    pass"])
+    # The source holds generated names only; values reach it through the namespace.
+    exec("\n".join(lines), namespace)
+    return namespace["program"], consts
+
+
+def _tile(value: Any, row_shape: tuple[int, ...], fold: int) -> Any:
+    """A constant as ``fold`` rows of the flat block: arrays broadcast to ``row_shape``,
+    flattened and repeated (same dtype, read-only); scalars unchanged."""
+    if not isinstance(value, np.ndarray) or value.ndim == 0:
+        return value
+    trailing = value.reshape(value.shape[value.ndim - len(row_shape) :])
+    row = np.ascontiguousarray(np.broadcast_to(trailing, row_shape)).reshape(-1)
+    tiled = np.tile(row, fold)
+    tiled.flags.writeable = False
+    return tiled
 
 
 class _Program:
@@ -190,19 +250,36 @@ class _Program:
                 {refs[id(c)].index for c in children if id(c) in refs and last_use[id(c)] == pos}
             )
             scratch: list[int] = []
-            run: Callable[[list[Any], np.ndarray], None]
+            fn: Callable[..., Any]
+            kwargs: tuple[tuple[str, Any], ...] = ()
             in_place = True
             if isinstance(node, Apply):
-                run = _ufunc_step(node)
+                fn, kwargs = node.ufunc, node.kwargs
             elif isinstance(node, Clip):
-                run = _clip_step(node)
+                fn = np.clip
+                bounds = iter(operands[1:])
+                operands = [
+                    operands[0],
+                    next(bounds) if node.lo is not None else _Ref("literal", value=None),
+                    next(bounds) if node.hi is not None else _Ref("literal", value=None),
+                ]
             elif isinstance(node, Round):
-                run = _round_step(node, spec(node.a)[0])
+                integer = spec(node.a)[0].kind in "biu" and node.decimals < 0
+                fn = _round_then_copy if integer else np.round
+                operands.append(_Ref("literal", value=node.decimals))
             elif isinstance(node, AsType):
-                run, in_place = _cast_step, False
+                fn, in_place = _cast, False
             elif isinstance(node, Where):
-                run, in_place = _where_step, False
+                fn, in_place = _where, False
                 operands[0] = self._bool_condition(node.cond, operands[0], values, plan, scratch)
+                # np.where converts a Python number to an array and casts it unsafely into
+                # the result (-1 into uint8 is 255); copyto would refuse the Python int.
+                operands[1:] = [
+                    _Ref("const", value=np.asarray(r.value))
+                    if r.kind == "const" and isinstance(r.value, (bool, int, float, complex))
+                    else r
+                    for r in operands[1:]
+                ]
             else:
                 raise TypeError(f"unknown node {node!r}")
             if node is expr and not keep_root:
@@ -212,7 +289,7 @@ class _Program:
                 # overlap is safe in NumPy); where and astype read operands after writing.
                 candidates = dying + plan.free if in_place else list(plan.free)
                 out = plan.register(spec(node), candidates)
-            plan.steps.append(_Step(run, tuple(operands), out))
+            plan.steps.append(_Step(fn, tuple(operands), out, kwargs))
             plan.free.extend(r for r in dying + scratch if r != out)
             refs[id(node)] = _Ref("reg", out)
 
@@ -220,8 +297,8 @@ class _Program:
             if keep_root:
                 self.result = ref(expr)
             else:
-                plan.steps.append(_Step(_cast_step, (ref(expr),), _OUT))
-                self.result = _Ref("reg", _OUT)
+                plan.steps.append(_Step(_cast, (ref(expr),), _OUT))
+                self.result = _Ref("out")
         else:
             self.result = refs[id(expr)]
         self.steps = plan.steps
@@ -231,6 +308,9 @@ class _Program:
             + [math.prod(self.row_shape) * self.dtype.itemsize]
         )
         self.sub_rows = subblock_rows(widest, subblock_bytes)
+        self._result_is_input = self.result.kind == "input"
+        self._function, self._consts = _generate(plan.steps, len(input_dtypes), len(plan.specs))
+        self._plan_wide(input_row_shapes)
 
     @staticmethod
     def _bool_condition(
@@ -245,81 +325,245 @@ class _Program:
         if value.dtype == bool:
             return operand
         reg = plan.register((np.dtype(bool), tuple(value.shape[1:])), list(plan.free))
-        plan.steps.append(_Step(_cast_step, (operand,), reg))
+        plan.steps.append(_Step(_cast, (operand,), reg))
         scratch.append(reg)
         return _Ref("reg", reg)
+
+    def _plan_wide(self, input_row_shapes: Sequence[tuple[int, ...]]) -> None:
+        """Decide whether the wide view pays (see the module docstring) and tile the
+        constants for it; ``self.fold`` is the number of rows per wide row, 1 for none."""
+        row_shape = self.row_shape
+        self.row_elements = math.prod(row_shape)
+        self.fold = 1
+        self.width = self.row_elements
+        self._wide_consts: list[Any] = []
+        self._tails: dict[int, list[Any]] = {}
+        row_vectors = any(isinstance(c, np.ndarray) and c.size > 1 for c in self._consts)
+        same_rows = all(tuple(s) == row_shape for s in input_row_shapes) and all(
+            shape == row_shape for _, shape in self.specs
+        )
+        if not (row_shape and row_vectors and same_rows):
+            return
+        fold = min(wide_fold(self.row_elements, _WIDE_ELEMENTS), self.sub_rows)
+        if fold < 2:
+            return
+        self.fold = fold
+        self.width = fold * self.row_elements
+        self._wide_consts = [_tile(c, row_shape, fold) for c in self._consts]
+
+    def _tail_consts(self, elements: int) -> list[Any]:
+        """The tiled constants cut to the first ``elements`` elements (cached per size)."""
+        found = self._tails.get(elements)
+        if found is None:
+            if len(self._tails) >= _CACHED_VIEWS:
+                self._tails.clear()
+            found = [
+                c[:elements] if isinstance(c, np.ndarray) and c.ndim else c
+                for c in self._wide_consts
+            ]
+            self._tails[elements] = found
+        return found
 
     def run(
         self,
         blocks: Sequence[np.ndarray],
         rows: int,
         out: np.ndarray | None,
-        registers: list[np.ndarray],
+        held: _Held,
         sink: Callable[[np.ndarray, int, int], None] | None,
     ) -> None:
-        """Evaluate sub-block by sub-block; ``sink(result, start, stop)`` sees each result."""
+        """Evaluate sub-block by sub-block; ``sink(result, start, stop)`` sees each result.
+
+        The result a sink sees holds rows ``[start, stop)``, C-contiguous in row order:
+        narrow ``(stop - start, *row_shape)``, or, on the wide path, a ``(-1, width)`` view
+        or a flat piece of the same elements. A block of at most ``sub_rows`` rows reaches
+        the sink once, narrow. The result lives in scratch that the next call reuses.
+        """
         if out is None and not self.keeps_root:
             raise ValueError("this program writes its result into an output block; pass out")
-        step_rows = self.sub_rows
-        for start in range(0, rows, step_rows):
-            stop = min(start + step_rows, rows)
-            count = stop - start
-            inputs = [b[start:stop] for b in blocks]
-            regs = [r[:count] for r in registers]
-            target = out[start:stop] if out is not None else None
-            for step in self.steps:
-                args = [
-                    inputs[r.index]
-                    if r.kind == "input"
-                    else regs[r.index]
-                    if r.kind == "reg"
-                    else r.value
-                    for r in step.operands
-                ]
-                step.run(args, target if step.out == _OUT else regs[step.out])  # type: ignore[arg-type]
+        if (
+            self.fold > 1
+            and all(b.flags.c_contiguous for b in blocks)
+            and (out is None or out.flags.c_contiguous)
+        ):
+            self._run_wide(blocks, rows, out, held, sink)
+        else:
+            self._run_narrow(blocks, rows, out, held, sink)
+
+    def evaluate(self, blocks: Sequence[np.ndarray], rows: int, held: _Held) -> np.ndarray:
+        """The result of a block of at most ``sub_rows`` rows, ``(rows, *row_shape)``: a
+        view of scratch that the next call reuses (or of an input block)."""
+        if self.fold > 1 and all(b.flags.c_contiguous for b in blocks):
+            self._run_wide(blocks, rows, None, held, None)
+            regs = held.narrow(rows)
+        else:
+            regs = held.narrow(rows)
+            self._function(blocks, regs, None, self._consts)
+        return blocks[self.result.index] if self._result_is_input else regs[self.result.index]
+
+    def _run_narrow(
+        self,
+        blocks: Sequence[np.ndarray],
+        rows: int,
+        out: np.ndarray | None,
+        held: _Held,
+        sink: Callable[[np.ndarray, int, int], None] | None,
+    ) -> None:
+        program, consts, step = self._function, self._consts, self.sub_rows
+        index, from_input = self.result.index, self._result_is_input
+        if rows <= step:  # one sub-block: nothing to slice
+            regs = held.narrow(rows)
+            program(blocks, regs, out, consts)
             if sink is not None:
-                result = self.result
-                value = inputs[result.index] if result.kind == "input" else regs[result.index]
-                sink(value, start, stop)
+                sink(blocks[index] if from_input else regs[index], 0, rows)
+            return
+        regs = held.narrow(step)
+        for start in range(0, rows, step):
+            stop = start + step
+            if stop > rows:
+                stop = rows
+                regs = held.narrow(rows - start)
+            ins = [b[start:stop] for b in blocks]
+            program(ins, regs, None if out is None else out[start:stop], consts)
+            if sink is not None:
+                sink(ins[index] if from_input else regs[index], start, stop)
+
+    def _run_wide(
+        self,
+        blocks: Sequence[np.ndarray],
+        rows: int,
+        out: np.ndarray | None,
+        held: _Held,
+        sink: Callable[[np.ndarray, int, int], None] | None,
+    ) -> None:
+        program, fold, width = self._function, self.fold, self.width
+        index, from_input = self.result.index, self._result_is_input
+        flats = [b.reshape(-1) for b in blocks]
+        flat_out = None if out is None else out.reshape(-1)
+        whole = rows - rows % fold
+        end = whole * self.row_elements
+        one = rows <= self.sub_rows  # one sub-block: the sink sees the whole result at once
+        if whole:
+            n = whole // fold
+            wide_ins = [f[:end].reshape(n, width) for f in flats]
+            wide_out = None if flat_out is None else flat_out[:end].reshape(n, width)
+            consts, step = self._wide_consts, self.sub_rows // fold
+            regs = held.wide(min(step, n))
+            for a in range(0, n, step):
+                b = a + step
+                if b > n:
+                    b = n
+                    regs = held.wide(n - a)
+                ins = wide_ins if b - a == n else [w[a:b] for w in wide_ins]
+                program(ins, regs, None if wide_out is None else wide_out[a:b], consts)
+                if sink is not None and not one:
+                    sink(ins[index] if from_input else regs[index], a * fold, b * fold)
+        if whole < rows:
+            elements = (rows - whole) * self.row_elements
+            ins = flats if not whole else [f[end:] for f in flats]
+            # After a single wide piece the rest goes right behind it in the registers,
+            # so that the result is one contiguous run of rows.
+            regs = held.flat(elements, end if one else 0)
+            target = None if flat_out is None else flat_out[end:]
+            program(ins, regs, target, self._tail_consts(elements))
+            if sink is not None and not one:
+                sink(ins[index] if from_input else regs[index], whole, rows)
+        if sink is not None and one:
+            sink(blocks[index] if from_input else held.narrow(rows)[index], 0, rows)
+
+
+class _Held:
+    """One thread's registers: flat buffers, and views of them cached by piece size."""
+
+    __slots__ = ("_shapes", "_views", "_width", "buffers", "rows")
+
+    def __init__(
+        self, specs: list[tuple[np.dtype, tuple[int, ...]]], rows: int, width: int
+    ) -> None:
+        self.rows = rows
+        self._shapes = [shape for _, shape in specs]
+        self._width = width
+        self.buffers = [np.empty(rows * math.prod(shape), dtype) for dtype, shape in specs]
+        self._views: dict[tuple[int, int, int], list[np.ndarray]] = {}
+
+    def _cached(self, key: tuple[int, int, int]) -> list[np.ndarray] | None:
+        if len(self._views) >= _CACHED_VIEWS:
+            self._views.clear()
+        return self._views.get(key)
+
+    def narrow(self, rows: int) -> list[np.ndarray]:
+        """Views of ``rows`` rows in each register's own row shape."""
+        views = self._cached((0, rows, 0))
+        if views is None:
+            views = [
+                buf[: rows * math.prod(shape)].reshape((rows, *shape))
+                for buf, shape in zip(self.buffers, self._shapes, strict=True)
+            ]
+            self._views[(0, rows, 0)] = views
+        return views
+
+    def wide(self, n: int) -> list[np.ndarray]:
+        """Views of ``n`` wide rows of the kernel's width."""
+        views = self._cached((1, n, 0))
+        if views is None:
+            views = [buf[: n * self._width].reshape(n, self._width) for buf in self.buffers]
+            self._views[(1, n, 0)] = views
+        return views
+
+    def flat(self, elements: int, offset: int = 0) -> list[np.ndarray]:
+        """Flat views of ``elements`` elements from element ``offset`` on."""
+        views = self._cached((2, elements, offset))
+        if views is None:
+            views = [buf[offset : offset + elements] for buf in self.buffers]
+            self._views[(2, elements, offset)] = views
+        return views
 
 
 class _Scratch:
     """Per-thread scratch registers of one kernel.
 
-    ``get`` and ``clear`` may run on any thread; the lock guards the table only, and a
-    thread's buffers are used by that thread alone.
+    ``get`` and ``clear`` may run on any thread; the lock guards changes to the table
+    (a lookup is one dict read), and a thread's buffers are used by that thread alone.
     """
 
-    def __init__(self, specs: list[tuple[np.dtype, tuple[int, ...]]], max_rows: int) -> None:
+    def __init__(
+        self, specs: list[tuple[np.dtype, tuple[int, ...]]], max_rows: int, width: int
+    ) -> None:
         self._specs = specs
         self._max_rows = max_rows
+        self._width = width
         self._lock = threading.Lock()
-        self._by_thread: dict[int, list[np.ndarray]] = {}
+        self._by_thread: dict[int, _Held] = {}
 
-    def get(self, rows: int) -> list[np.ndarray]:
+    def get(self, rows: int) -> _Held:
         """This thread's registers with room for ``rows`` rows (grown when needed)."""
         ident = threading.get_ident()
+        held = self._by_thread.get(ident)
+        if held is not None and (held.rows >= min(rows, self._max_rows) or not self._specs):
+            return held
+        held = _Held(self._specs, min(max(rows, 1), self._max_rows), self._width)
         with self._lock:
-            buffers = self._by_thread.get(ident)
-        if buffers is not None and (not buffers or buffers[0].shape[0] >= rows):
-            return buffers
-        rows = min(max(rows, 1), self._max_rows)
-        buffers = [np.empty((rows, *shape), dtype=dtype) for dtype, shape in self._specs]
-        with self._lock:
-            self._by_thread[ident] = buffers
-        return buffers
+            self._by_thread[ident] = held
+        return held
 
     def nbytes(self) -> int:
         """Bytes of scratch held, all threads together."""
         with self._lock:
-            return sum(b.nbytes for buffers in self._by_thread.values() for b in buffers)
+            return sum(b.nbytes for held in self._by_thread.values() for b in held.buffers)
 
     def clear(self) -> int:
         """Drop every thread's buffers; returns the bytes dropped."""
         with self._lock:
-            held = sum(b.nbytes for buffers in self._by_thread.values() for b in buffers)
+            held = sum(b.nbytes for h in self._by_thread.values() for b in h.buffers)
             self._by_thread.clear()
         return held
+
+
+def _narrow(value: np.ndarray, rows: int, row_shape: tuple[int, ...]) -> np.ndarray:
+    """A sink's value as ``(rows, *row_shape)`` (a view: the value is C-contiguous)."""
+    if value.shape[0] == rows and value.ndim == len(row_shape) + 1:
+        return value
+    return value.reshape((rows, *row_shape))
 
 
 class FusedKernel:
@@ -367,7 +611,7 @@ class FusedKernel:
             self.out_row_shape = self.expr_row_shape
         self.subblock_bytes = subblock_bytes
         self.sub_rows = self._program.sub_rows
-        self._scratch = _Scratch(self._program.specs, self.sub_rows)
+        self._scratch = _Scratch(self._program.specs, self.sub_rows, self._program.width)
 
     def __repr__(self) -> str:
         tail = f" -> {self.epilogue!r}" if self.epilogue is not None else ""
@@ -383,16 +627,19 @@ class FusedKernel:
         result = prepare_out(out, rows, self.out_row_shape, self.out_dtype, blocks, "FusedKernel")
         if rows == 0:
             return result
-        registers = self._scratch.get(rows)
+        held = self._scratch.get(rows)
         epilogue = self.epilogue
         if epilogue is None:
-            self._program.run(blocks, rows, result, registers, None)
+            self._program.run(blocks, rows, result, held, None)
+        elif rows <= self.sub_rows:
+            epilogue.apply(self._program.evaluate(blocks, rows, held), out=result)
         else:
+            row_shape = self.expr_row_shape
 
             def sink(value: np.ndarray, start: int, stop: int) -> None:
-                epilogue.apply(value, out=result[start:stop])
+                epilogue.apply(_narrow(value, stop - start, row_shape), out=result[start:stop])
 
-            self._program.run(blocks, rows, None, registers, sink)
+            self._program.run(blocks, rows, None, held, sink)
         return result
 
     def temp_bytes(self, rows: int) -> int:
@@ -416,8 +663,10 @@ class FusedReduction:
     """A fused elementwise expression followed by a reduction over rows: a ReductionOp.
 
     ``chunk`` evaluates the kernel sub-block by sub-block and folds each sub-block's
-    result into the partial (``reduction.chunk`` then ``reduction.combine``), so no
-    block-sized intermediate exists. ``combine`` and ``aggregate`` are the reduction's.
+    result into the partial, so no block-sized intermediate exists: the built-in
+    reductions of :mod:`~tierflow.operators.reductions` keep running per-lane partials
+    and fold them once per block, other reductions get ``chunk`` then ``combine`` per
+    sub-block. ``combine`` and ``aggregate`` are the reduction's.
     """
 
     row_independent = False
@@ -441,7 +690,8 @@ class FusedReduction:
             kernel.subblock_bytes,
             keep_root=True,
         )
-        self._scratch = _Scratch(self._program.specs, self._program.sub_rows)
+        self._scratch = _Scratch(self._program.specs, self._program.sub_rows, self._program.width)
+        self._builtin = reduction if isinstance(reduction, RowReduction) else None
         self.n_inputs = kernel.n_inputs
         self.out_dtype = reduction.out_dtype
         self.out_shape = reduction.out_shape
@@ -456,16 +706,32 @@ class FusedReduction:
         rows = check_blocks(blocks, kernel.input_dtypes, kernel.input_row_shapes, "FusedReduction")
         if rows == 0:
             return None
-        reduction = self.reduction
+        held = self._scratch.get(rows)
+        builtin = self._builtin
+        program = self._program
+        # The blocks were checked above; a built-in reduction's own chunk would check the
+        # values again on every sub-block.
+        reduce = builtin._chunk if builtin is not None else self._chunk_checked
+        if rows <= program.sub_rows:  # the reduction's chunk of the one result
+            return reduce(program.evaluate(blocks, rows, held), row_offset)
+        accumulator = builtin._accumulator(rows) if builtin is not None else None
+        if accumulator is not None:
+            program.run(blocks, rows, None, held, accumulator.add)
+            return accumulator.partial()
+        combine = self.reduction.combine
+        row_shape = program.row_shape
         partial: Partial = None
 
         def sink(value: np.ndarray, start: int, stop: int) -> None:
             nonlocal partial
-            piece = reduction.chunk(value, row_offset=row_offset + start)
-            partial = piece if partial is None else reduction.combine(partial, piece)
+            piece = reduce(_narrow(value, stop - start, row_shape), row_offset + start)
+            partial = piece if partial is None else combine(partial, piece)
 
-        self._program.run(blocks, rows, None, self._scratch.get(rows), sink)
+        program.run(blocks, rows, None, held, sink)
         return partial
+
+    def _chunk_checked(self, block: np.ndarray, row_offset: int) -> Partial:
+        return self.reduction.chunk(block, row_offset=row_offset)
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """The reduction's combine."""
