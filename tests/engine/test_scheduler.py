@@ -273,3 +273,45 @@ def test_progress_bar_after_a_delay_or_at_once(capsys: pytest.CaptureFixture[str
     assert "11/11" in capsys.readouterr().err
     x.sum().compute(progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_inbox_loses_no_wake_up_between_workers_and_the_scheduler() -> None:
+    from tierflow.engine.scheduler import _Inbox
+
+    inbox = _Inbox()
+    per_worker, workers = 3000, 3
+
+    def work(w: int) -> None:
+        for k in range(per_worker):
+            inbox.put((w * per_worker + k, None, None))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    got: list[int] = []
+    total = per_worker * workers
+    deadline = time.monotonic() + 20
+    while len(got) < total and time.monotonic() < deadline:
+        # A lost wake-up would leave this wait to its timeout: a second at most, which
+        # the deadline turns into a failure if it keeps happening.
+        items = inbox.take(min(7, total - len(got)), 1.0)
+        got.extend(i for i, _, _ in items)
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(total))
+    assert inbox.wanted > total  # nobody waits: workers take no lock
+
+
+def test_inbox_wakes_the_scheduler_at_once_for_an_error() -> None:
+    from tierflow.engine.scheduler import _Inbox
+
+    inbox = _Inbox()
+    inbox.put((0, None, None))
+    timer = threading.Timer(0.05, inbox.put, args=((1, None, ValueError("bad block")),))
+    timer.start()
+    started = time.monotonic()
+    items = inbox.take(100, 10.0)
+    timer.join()
+    assert time.monotonic() - started < 5
+    assert [i for i, _, _ in items] == [0, 1] and isinstance(items[1][2], ValueError)
+    assert inbox.take(100, 10.0) == []  # after an error, take no longer waits

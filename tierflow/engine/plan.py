@@ -155,22 +155,24 @@ def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[tuple[A
     if kind == "rows":
         bounds = p.partition[1]
         out: list[tuple[tuple[Any, ...], int]] = []
-        needs: dict[int, int] = {0: 0}
+        append = out.append
+        # Rows per piece for each block length (blocks mostly share one length); 0 for
+        # a block kept whole, which is the per-block path a compute of many small
+        # blocks takes, so it does no more than one lookup.
+        steps: dict[int, int] = {}
         for a, b in itertools.pairwise(bounds):
             rows = b - a
-            need = needs.get(rows)
-            if need is None:
-                need = needs[rows] = program.memory(rows).total
-            pieces = 1
-            if need > task_limit and rows > 1:
-                pieces = min(rows, math.ceil(need / task_limit))
-            step = math.ceil(rows / pieces) if rows else 0
-            if not rows:
-                out.append((("r", a, b), 0))
+            step = steps.get(rows)
+            if step is None:
+                need = program.memory(rows).total if rows else 0
+                pieces = min(rows, math.ceil(need / task_limit)) if need > task_limit else 1
+                step = steps[rows] = 0 if pieces <= 1 else math.ceil(rows / pieces)
+            if not step:
+                append((("r", a, b), rows))
                 continue
             for start in range(a, b, step):
                 stop = min(start + step, b)
-                out.append((("r", start, stop), stop - start))
+                append((("r", start, stop), stop - start))
         return out
     root = p.roots()[0]
     node = root.inputs[0] if isinstance(root, graph.Reduce) else root
@@ -371,9 +373,11 @@ def _add_pass(
 
     files = planned.reads_files()
     planned.name, planned.count = label, n
-    name = f"block {{}} of {label}"
+    name = f" of {label}"
 
     memories: dict[int, TaskMemory] = {0: TaskMemory()}
+    run = planned.run
+    block_deps = (prepare,) if prepare is not None else ()
 
     def block_task(j: int, req: tuple[Any, ...], rows: int) -> Task:
         memory = memories.get(rows)
@@ -381,20 +385,25 @@ def _add_pass(
             memory = memories[rows] = planned.memory(rows)
         prefetch = functools.partial(planned.prefetch, req) if files else None
         if prepare is None:
-            return Task(name.format(j), planned.run, (), memory, prefetch, rows, args=(j, req))
+            return Task(f"block {j}{name}", run, (), memory, prefetch, rows, (), (j, req))
         return Task(
-            name.format(j), _run_prepared, (prepare,), memory, prefetch, rows, args=(j, req)
+            f"block {j}{name}", _run_prepared, block_deps, memory, prefetch, rows, (), (j, req)
         )
 
     held = [(pos, node, sink) for pos, (node, sink) in enumerate(p.sinks) if not sink.known]
     npy_held = [(pos, sink) for pos, _, sink in held if isinstance(sink, NpySink)]
     blocks: list[int] = []
     last_append: dict[int, int | None] = {pos: None for pos, _ in npy_held}
-    for j, (req, rows) in enumerate(requests):
-        blocks.append(plan.add(block_task(j, req, rows)))
-        for pos, sink in npy_held:
-            prev = last_append[pos]
-            last_append[pos] = plan.add(_append_task(sink, pos, j, blocks[-1], prev))
+    if npy_held:
+        for j, (req, rows) in enumerate(requests):
+            blocks.append(plan.add(block_task(j, req, rows)))
+            for pos, sink in npy_held:
+                prev = last_append[pos]
+                last_append[pos] = plan.add(_append_task(sink, pos, j, blocks[-1], prev))
+    else:  # block tasks only, numbered in a row
+        first = len(plan.tasks)
+        plan.tasks.extend(block_task(j, req, rows) for j, (req, rows) in enumerate(requests))
+        blocks = list(range(first, len(plan.tasks)))
 
     for r in p.reduces:
         entry = cache.entry(r) if cache is not None else None

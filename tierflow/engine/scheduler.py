@@ -69,11 +69,13 @@ while it waits, or raised by a task — does the same. The caller then aborts it
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import threading
 import time
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -99,6 +101,7 @@ HELD_SHARE = 2  # held results above budget / HELD_SHARE are spilled
 _WAIT = 0.05  # seconds between pressure re-readings while admission is refused
 # Level comparisons parse names; set membership is what a per-task check can afford.
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
+_NOBODY = 1 << 62  # the inbox's ``wanted`` while the scheduler is not waiting
 
 
 class Stats:
@@ -126,29 +129,42 @@ def _nbytes_in_ram(value: Any) -> int:
 class _Inbox:
     """Finished tasks, put by workers and taken by the scheduler in batches.
 
+    A put is a deque append (atomic under the GIL) and takes no lock unless the
+    scheduler waits for enough items to have come in, or the item is an error: a worker
+    finishing a small task while the scheduler is busy pays no lock and no wake-up.
     ``take(n, timeout)`` waits until ``n`` items (or one error) are in, or ``timeout``
-    seconds have passed; the condition's lock guards ``items`` and ``wanted``.
+    seconds have passed. No wake-up is lost: the scheduler publishes ``wanted`` before
+    it counts the items, a worker appends before it reads ``wanted``, so one of them sees
+    the other; and the notify needs the condition's lock, which the scheduler holds from
+    publishing until ``wait`` releases it.
     """
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, Any, BaseException | None]] = []
-        self.wanted = 1
+        self.items: collections.deque[tuple[int, Any, BaseException | None]] = collections.deque()
+        self.wanted = _NOBODY
+        self.failed = False
         self.cond = threading.Condition(threading.Lock())
 
     def put(self, item: tuple[int, Any, BaseException | None]) -> None:
-        with self.cond:
-            self.items.append(item)
-            if len(self.items) >= self.wanted or item[2] is not None:
+        self.items.append(item)
+        if item[2] is not None:
+            self.failed = True
+            with self.cond:
+                self.cond.notify()
+        elif len(self.items) >= self.wanted:
+            with self.cond:
                 self.cond.notify()
 
     def take(self, n: int, timeout: float | None) -> list[tuple[int, Any, BaseException | None]]:
-        with self.cond:
-            if len(self.items) < n and not any(e is not None for _, _, e in self.items):
+        items = self.items
+        if len(items) < n and not self.failed:
+            with self.cond:
                 self.wanted = n
-                self.cond.wait(timeout)
-                self.wanted = 1
-            items, self.items = self.items, []
-        return items
+                if len(items) < n and not self.failed:
+                    self.cond.wait(timeout)
+                self.wanted = _NOBODY
+        pop = items.popleft
+        return [pop() for _ in range(len(items))]
 
 
 class _Run:
@@ -187,9 +203,18 @@ class _Run:
         self.running = 0
         self.in_flight = 0
         self.inbox = _Inbox()
-        self.window = TASKS_PER_WORKER * max(1, executor.workers)
-        self.deep_window = SMALL_TASKS_PER_WORKER * max(1, executor.workers)
+        window = TASKS_PER_WORKER * max(1, executor.workers)
+        deep_window = SMALL_TASKS_PER_WORKER * max(1, executor.workers)
         self.needs = [t.memory.total for t in tasks]
+        # How many tasks may be in flight when task i is admitted. A task's consumers
+        # have not run before it has, so whether anything waits for its result is known
+        # now: small tasks nobody waits for may queue deeper (see _admit).
+        self.limits = [
+            deep_window if need < SMALL_TASK and not self.consumers[i] else window
+            for i, need in enumerate(self.needs)
+        ]
+        # Callbacks' task_done methods, looked up once rather than for every task.
+        self.task_done = [m for cb in callbacks if (m := getattr(cb, "task_done", None))]
         self.stats = Stats()
         self.spilled: list[np.ndarray] = []
         self.level = Level.OK
@@ -203,20 +228,19 @@ class _Run:
         put = self.inbox.put
 
         def call() -> tuple[Any, float]:
-            start = time.perf_counter()
-            result = fn(*args)
-            return result, time.perf_counter() - start
+            start = perf_counter()
+            return fn(*args), perf_counter() - start
 
         def done(outcome: Any, error: BaseException | None) -> None:
             put((i, outcome, error))
 
-        self.in_flight += 1
-        self.running += need
+        in_flight = self.in_flight = self.in_flight + 1
+        running = self.running = self.running + need
         stats = self.stats
-        if self.in_flight > stats.max_in_flight:
-            stats.max_in_flight = self.in_flight
-        if self.running + self.held > stats.peak_bytes:
-            stats.peak_bytes = self.running + self.held
+        if in_flight > stats.max_in_flight:
+            stats.max_in_flight = in_flight
+        if running + self.held > stats.peak_bytes:
+            stats.peak_bytes = running + self.held
         self.executor.submit(call, done)
         if task.prefetch is not None:
             # After the submit: a task that waits in the queue has its rows read
@@ -232,13 +256,12 @@ class _Run:
         A task is admitted when nothing runs, when it projects nothing, or when the
         level is below ``high`` and its projection fits the budget's room (see the
         module docstring). Small tasks may queue deeper (:data:`SMALL_TASK`)."""
-        ready, tasks, needs = self.ready, self.tasks, self.needs
+        ready, tasks, needs, limits = self.ready, self.tasks, self.needs, self.limits
         room: int | None = None
         while ready:
             i = ready[0]
             need = needs[i]
-            deep = need < SMALL_TASK and not self.consumers[i]
-            if self.in_flight >= (self.deep_window if deep else self.window):
+            if self.in_flight >= limits[i]:
                 return True
             if self.in_flight and need:
                 if self.level in _HIGH:
@@ -276,12 +299,10 @@ class _Run:
             if waiting[k] == 0:
                 heapq.heappush(self.ready, k)
         self.stats.done += 1
-        if self.callbacks:
+        if self.task_done:
             event = TaskFinished(i, task.name, task.rows, seconds, self.stats.done, len(self.tasks))
-            for cb in self.callbacks:
-                method = getattr(cb, "task_done", None)
-                if method is not None:
-                    method(event)
+            for method in self.task_done:
+                method(event)
 
     def _release(self, i: int) -> None:
         self.results.pop(i, None)
