@@ -3,58 +3,55 @@
 A thin facade: every name here is implemented in a layer below (``tierflow.system``,
 ``tierflow.storage``) and re-exported so that a notebook user needs one import.
 The engine (``import tierflow as tw``) is built on exactly these parts.
+
+``memory.map`` shadows the builtin inside this module only; it is the public name.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
-
-# -- system: limits, budget, pressure, devices, status (tierflow/system) ----------------
-from .system.budget import budget
-from .system.limits import limits
-
-__all__ += ["budget", "limits"]
-
-from .system.devices import best_device, devices
-from .system.status import status
-
-__all__ = [*__all__, "best_device", "devices", "status"]
-
-from .system.pressure import pressure, relieve
-from .system.watch import on_pressure
-
-__all__ = [*__all__, "on_pressure", "pressure", "relieve"]
-
-# -- storage: spill files, tier placement, pool (tierflow/storage) ----------------------
+# system: limits, budget, pressure, devices, status
+# storage: spill files and tier placement, the pool, page release, sharing across
+# processes and the /dev/shm guard, streaming, the two-tier store and @cached
+from .storage.oom import fit_batch
+from .storage.pages import file_resident_bytes, readahead, release, release_path, resident_bytes
 from .storage.placement import array, free, on_disk, report
 from .storage.pool import pool
-
-__all__ += ["array", "free", "on_disk", "pool", "report"]
-
-# -- storage: page release, sharing across processes, /dev/shm guard --------------------
-from .storage.pages import file_resident_bytes, readahead, release, release_path, resident_bytes
 from .storage.sharing import to_tensor
 from .storage.shm import share_tensor, shared_array
+from .storage.store import cached, store
+from .storage.stream import chunks, map
+from .system.budget import budget
+from .system.devices import best_device, devices
+from .system.limits import limits
+from .system.pressure import pressure, relieve
+from .system.status import status
+from .system.watch import on_pressure
 
-__all__ += [
+__all__ = [
+    "array",
+    "best_device",
+    "budget",
+    "cached",
+    "chunks",
+    "devices",
     "file_resident_bytes",
+    "fit_batch",
+    "free",
+    "limits",
+    "map",
+    "on_disk",
+    "on_pressure",
+    "pool",
+    "pressure",
     "readahead",
     "release",
     "release_path",
+    "relieve",
+    "report",
     "resident_bytes",
     "share_tensor",
     "shared_array",
+    "status",
+    "store",
     "to_tensor",
 ]
-
-# -- storage: streaming (chunks, map, fit_batch) -----------------------------------------
-# `map` shadows the builtin in this module only (memory.map is the public name).
-from .storage.oom import fit_batch
-from .storage.stream import chunks, map
-
-__all__ += ["chunks", "fit_batch", "map"]
-
-# -- storage: the two-tier store and @cached ---------------------------------------------
-from .storage.store import cached, store
-
-__all__ += ["cached", "store"]
