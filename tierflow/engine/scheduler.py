@@ -44,8 +44,9 @@ dropped from the process when it finishes (and from the page cache too at ``high
 inside the task (:meth:`tierflow.engine.optimize.Program.run`). Held results are
 counted against the budget; when they outgrow half of it, or the level reaches
 ``critical``, they are spilled — copied into spill files on the SSD, dropped from RAM —
-largest first. Spill files the scheduler made are deleted when it returns, whatever
-happened::
+largest first. A spilled result's pages leave the process when its last consumer
+has run (they were read back through the mapping); its spill file is deleted when the
+scheduler returns, whatever happened::
 
     held: [block 3: 120 MB RAM] [block 4: 120 MB RAM]     level -> critical
     held: [block 3: SSD]        [block 4: SSD]            RAM freed, files deleted at end
@@ -305,8 +306,26 @@ class _Run:
                 method(event)
 
     def _release(self, i: int) -> None:
-        self.results.pop(i, None)
-        self.held -= self.sizes.pop(i, 0)
+        value = self.results.pop(i, None)
+        size = self.sizes.pop(i, 0)
+        self.held -= size
+        if size == 0 and self.spilled and value is not None:
+            self._unmap_spilled(value)
+
+    def _unmap_spilled(self, value: Any) -> None:
+        """Drop the pages of a released result's spill files from this process.
+
+        Its consumers read them back through the mapping (an append writes the block
+        to its file from there), which leaves them resident as file-backed RSS the
+        budget does not count, until the files are deleted when the run ends; at a few
+        MB per block that outgrew the budget. The file stays valid (a view of it, if a
+        consumer returned one, faults its pages back in); it is deleted at the end.
+        """
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                self._unmap_spilled(v)
+        elif isinstance(value, np.memmap) and any(value is m for m in self.spilled):
+            pages.release(value, drop_cache=True)
 
     def _spill_held(self, why: str) -> None:
         """Move held results to spill files, largest first (see the module docstring)."""
