@@ -33,12 +33,24 @@ import numpy as np
 from ..errors import OutOfMemoryError
 from ..storage import oom
 
-__all__ = ["forget", "remembered", "run_block", "run_chunk"]
+__all__ = [
+    "block_halves",
+    "chunk_halves",
+    "first_failure",
+    "forget",
+    "remembered",
+    "run_block",
+    "run_chunk",
+    "sizes",
+]
 
 log = logging.getLogger("tierflow.engine")
 
 _lock = threading.Lock()
 _sizes: dict[str, int] = {}  # node key -> rows per call that last worked; _lock
+# Read-only outside this module: a caller's first attempt at an operator whose key is
+# not in it needs no halving machinery (see first_failure).
+sizes = _sizes
 _retries = 0  # halvings since the process started; _lock
 
 
@@ -88,6 +100,22 @@ def _give_up(label: str, where: Any, tried: list[int], exc: BaseException) -> Ou
     )
 
 
+def first_failure(label: str, where: Any, rows: int, exc: Exception) -> bool:
+    """Called in the ``except`` clause of a first, unsplit attempt on ``rows`` rows:
+    whether ``exc`` is an out-of-memory error to retry on halves (then the failed
+    attempt's memory is reclaimed first; see :func:`block_halves` and
+    :func:`chunk_halves`). False for any other error, which the caller re-raises.
+
+    Raises :class:`~tierflow.errors.OutOfMemoryError` when one row ran out of memory.
+    """
+    if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+        return False
+    if rows <= 1:
+        raise _give_up(label, where, [rows], exc) from exc
+    _recover(exc)
+    return True
+
+
 def _pieces(rows: int, limit: int | None) -> list[tuple[int, int]]:
     if limit is None or rows <= limit:
         return [(0, rows)]
@@ -112,11 +140,8 @@ def run_block(
         try:
             return fn(*blocks, out=out)
         except Exception as exc:
-            if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+            if not first_failure(label, where, rows, exc):
                 raise
-            if rows <= 1:
-                raise _give_up(label, where, [rows], exc) from exc
-            _recover(exc)
         return _halves(key, label, where, fn, blocks, out, rows, [rows])
     pieces = _pieces(rows, remembered(key))
     if len(pieces) == 1:
@@ -191,11 +216,8 @@ def run_chunk(
         try:
             return op.chunk(*blocks, row_offset=row_offset)
         except Exception as exc:
-            if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+            if not first_failure(label, where, rows, exc):
                 raise
-            if rows <= 1:
-                raise _give_up(label, where, [rows], exc) from exc
-            _recover(exc)
         return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [rows])
     partial: Any = None
     for a, b in _pieces(rows, remembered(key)):
@@ -244,3 +266,31 @@ def _chunk_halves(
         key, label, where, op, [b[half:] for b in blocks], row_offset + half, rows - half, tried
     )
     return op.combine(left, right)
+
+
+def block_halves(
+    key: str,
+    label: str,
+    where: Any,
+    fn: Callable[..., np.ndarray],
+    blocks: Sequence[np.ndarray],
+    out: np.ndarray | None,
+) -> np.ndarray:
+    """After :func:`first_failure` said True for ``fn(*blocks, out=out)``: the call on
+    the halves of the blocks, stitched (see :func:`run_block`)."""
+    rows = blocks[0].shape[0] if blocks else 0
+    return _halves(key, label, where, fn, blocks, out, rows, [rows])
+
+
+def chunk_halves(
+    key: str,
+    label: str,
+    where: Any,
+    op: Any,
+    blocks: Sequence[np.ndarray],
+    row_offset: int,
+) -> Any:
+    """After :func:`first_failure` said True for ``op.chunk``: the chunk of each half,
+    combined left before right (see :func:`run_chunk`)."""
+    rows = blocks[0].shape[0] if blocks else 0
+    return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [rows])

@@ -278,30 +278,35 @@ class _Run:
     # -- results ----------------------------------------------------------------------
 
     def _finished(self, i: int, outcome: Any) -> None:
+        # Runs once per task: attributes read once into locals.
         task = self.tasks[i]
+        stats = self.stats
+        consumers = self.consumers
         self.in_flight -= 1
         self.running -= self.needs[i]
         result, seconds = outcome
-        if self.consumers[i] > 0:
+        if consumers[i] > 0:
             self.results[i] = result
             size = _nbytes_in_ram(result)
             if size:
                 self.sizes[i] = size
                 self.held += size
-                if self.running + self.held > self.stats.peak_bytes:
-                    self.stats.peak_bytes = self.running + self.held
+                if self.running + self.held > stats.peak_bytes:
+                    stats.peak_bytes = self.running + self.held
         for d in task.deps:
-            self.consumers[d] -= 1
-            if self.consumers[d] == 0:
+            consumers[d] -= 1
+            if consumers[d] == 0:
                 self._release(d)
-        waiting = self.waiting
-        for k in self.dependents[i]:
-            waiting[k] -= 1
-            if waiting[k] == 0:
-                heapq.heappush(self.ready, k)
-        self.stats.done += 1
+        dependents = self.dependents[i]
+        if dependents:
+            waiting = self.waiting
+            for k in dependents:
+                waiting[k] -= 1
+                if waiting[k] == 0:
+                    heapq.heappush(self.ready, k)
+        done = stats.done = stats.done + 1
         if self.task_done:
-            event = TaskFinished(i, task.name, task.rows, seconds, self.stats.done, len(self.tasks))
+            event = TaskFinished(i, task.name, task.rows, seconds, done, len(self.tasks))
             for method in self.task_done:
                 method(event)
 
