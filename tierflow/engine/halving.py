@@ -100,18 +100,21 @@ def _give_up(label: str, where: Any, tried: list[int], exc: BaseException) -> Ou
     )
 
 
-def first_failure(label: str, where: Any, rows: int, exc: Exception) -> bool:
-    """Called in the ``except`` clause of a first, unsplit attempt on ``rows`` rows:
-    whether ``exc`` is an out-of-memory error to retry on halves (then the failed
-    attempt's memory is reclaimed first; see :func:`block_halves` and
-    :func:`chunk_halves`). False for any other error, which the caller re-raises.
+def first_failure(
+    label: str, where: Any, rows: int, exc: Exception, tried: Sequence[int] = ()
+) -> bool:
+    """Called in the ``except`` clause of an attempt on ``rows`` rows (``tried``: the
+    sizes that failed before it): whether ``exc`` is an out-of-memory error to retry on
+    halves (then the failed attempt's memory is reclaimed first; see
+    :func:`block_halves` and :func:`chunk_halves`). False for any other error, which
+    the caller re-raises.
 
     Raises :class:`~tierflow.errors.OutOfMemoryError` when one row ran out of memory.
     """
     if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
         return False
     if rows <= 1:
-        raise _give_up(label, where, [rows], exc) from exc
+        raise _give_up(label, where, [*tried, rows], exc) from exc
     _recover(exc)
     return True
 
@@ -166,13 +169,9 @@ def _block(
     try:
         return fn(*blocks, out=out)
     except Exception as exc:
-        if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+        if not first_failure(label, where, rows, exc, tried):
             raise
-        tried = [*tried, rows]
-        if rows <= 1:
-            raise _give_up(label, where, tried, exc) from exc
-        _recover(exc)
-    return _halves(key, label, where, fn, blocks, out, rows, tried)
+    return _halves(key, label, where, fn, blocks, out, rows, [*tried, rows])
 
 
 def _halves(
@@ -239,13 +238,9 @@ def _chunk(
     try:
         return op.chunk(*blocks, row_offset=row_offset)
     except Exception as exc:
-        if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
+        if not first_failure(label, where, rows, exc, tried):
             raise
-        tried = [*tried, rows]
-        if rows <= 1:
-            raise _give_up(label, where, tried, exc) from exc
-        _recover(exc)
-    return _chunk_halves(key, label, where, op, blocks, row_offset, rows, tried)
+    return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [*tried, rows])
 
 
 def _chunk_halves(
