@@ -32,6 +32,8 @@ of the cost (``dask.array.from_array`` copies the memmap into RAM and hashes the
    same blocks) / the task count the engine reports; <= 50 us. Shown too: the same
    against plain NumPy (``((b + 1) * 2 - 3).sum(axis=0, dtype=float64)`` per block),
    which adds the operator's own cost per call. Best of 3 after a warm-up compute.
+   Also shown: the same job on ``dask.array.from_array(a, chunks=(1000, 1))`` (threads,
+   one run after a warm-up on a tenth of the blocks), as a ratio of whole computes.
 6. ``--plot`` writes RSS over time of tierflow vs dask for 1 and 3 (and the cgroup runs).
 
 A reference child computes the exact answers in float64 once per file; results are
@@ -344,6 +346,12 @@ def _overhead(path: str, out: str, m: Measure) -> dict[str, Any]:
             result, events, seconds = engine(executor)
             if seconds < best[executor]:
                 best[executor], reports[executor] = seconds, events.figures
+    da = _dask()
+    d = da.from_array(a, chunks=(TINY_ROWS, 1))
+    ((d[: len(a) // 10] + 1) * 2 - 3).sum(axis=0).compute(scheduler="threads")
+    t0 = time.perf_counter()
+    by_dask = ((d + 1) * 2 - 3).sum(axis=0).compute(scheduler="threads")
+    dask_s = time.perf_counter() - t0
     m.stop()
     tasks = int(reports["threads"]["tasks"])
     return {
@@ -362,6 +370,9 @@ def _overhead(path: str, out: str, m: Measure) -> dict[str, Any]:
         "serial_overhead_us": (best["serial"] - best["kernels"]) / tasks * 1e6,
         "vs_numpy_us": (best["threads"] - best["loop"]) / tasks * 1e6,
         "kernel_vs_numpy_us": (best["kernels"] - best["loop"]) / blocks * 1e6,
+        "dask_s": dask_s,
+        "vs_dask": dask_s / best["threads"],
+        "dask_result": by_dask,
         "result": result,
         "direct": direct,
         "expect": expect,
@@ -669,6 +680,10 @@ def targets(report: dict[str, Any]) -> list[Target]:
         ):
             shown = f"{r[key]:.1f} us"
             rows.append(Target("5 scheduler overhead", what, r[key], target, False, shown))
+        what = "vs dask.array, the same chunks (whole computes)"
+        rows.append(
+            Target("5 scheduler overhead", what, r["vs_dask"], None, shown=f"{r['vs_dask']:.1f}x")
+        )
     elif r:
         rows.append(Target("5 scheduler overhead", "us per task", None, 50.0, at_least=False))
     return rows
@@ -729,7 +744,9 @@ def print_overhead(r: dict[str, Any]) -> None:
         f"  per task over the kernels: {r['overhead_us']:.1f} us threads, "
         f"{r['serial_overhead_us']:.1f} us serial; over NumPy: {r['vs_numpy_us']:.1f} us "
         f"(the kernel itself {r['kernel_vs_numpy_us']:.1f} us per block over NumPy); "
-        f"result err {rel_err(r['result'], r['expect']):.1e}"
+        f"result err {rel_err(r['result'], r['expect']):.1e}\n"
+        f"  dask.array on the same chunks: {r['dask_s'] * 1e3:.1f} ms, tierflow "
+        f"{r['vs_dask']:.1f}x faster; result err {rel_err(r['dask_result'], r['expect']):.1e}"
     )
 
 
@@ -989,10 +1006,12 @@ def test_scheduler_overhead(benchmark: Any) -> None:
     assert r["returncode"] == 0, r.get("error")
     print_overhead(r)
     keys = ("tasks", "loop_s", "kernels_s", "threads_s", "serial_s", "plan_s", "overhead_us")
-    benchmark.extra_info.update({k: r[k] for k in (*keys, "serial_overhead_us", "vs_numpy_us")})
+    more = ("serial_overhead_us", "vs_numpy_us", "dask_s", "vs_dask")
+    benchmark.extra_info.update({k: r[k] for k in (*keys, *more)})
     assert r["tasks"] >= BLOCKS, f"{BLOCKS} blocks of {TINY_ROWS} rows ran as {r['tasks']} tasks"
     assert rel_err(r["result"], r["expect"]) < TW_RTOL
     assert rel_err(r["direct"], r["expect"]) < TW_RTOL
+    assert rel_err(r["dask_result"], r["expect"]) < TW_RTOL
 
 
 @pytest.mark.cgroup

@@ -4,6 +4,8 @@ release of source pages, errors and interrupts, executors and callbacks."""
 from __future__ import annotations
 
 import _thread
+import collections
+import sys
 import tempfile
 import threading
 import time
@@ -224,21 +226,39 @@ def test_serial_and_thread_executors_and_a_custom_one() -> None:
     assert main not in seen and worker_threads() == []
 
     class Counting(executors.SerialExecutor):
+        """Runs tasks inside ``submit`` and counts the blocks that ran there."""
+
         name = "counting"
 
         def __init__(self) -> None:
             self.submitted = 0
+            self.inside = False
 
         def submit(self, fn: Any, done: Any) -> None:
             self.submitted += 1
-            super().submit(fn, done)
+            self.inside = True
+            try:
+                super().submit(fn, done)
+            finally:
+                self.inside = False
 
     custom = Counting()
-    x.compute(executor=custom)
-    assert custom.submitted == 11  # 10 blocks and the commit
+    ran_inside: list[bool] = []
+
+    def counted(b: np.ndarray) -> np.ndarray:
+        ran_inside.append(custom.inside)
+        return b
+
+    y = tw.from_array(np.zeros((100, 1)), rows=10).map_blocks(
+        counted, dtype=np.float64, row_shape=(1,)
+    )
+    y.compute(executor=custom)
+    # Every block ran through the executor; tiny ones share a submit (the lane).
+    assert ran_inside == [True] * 10 and 1 <= custom.submitted <= 11
     with tw.use_executor(custom):
-        x.compute()
-    assert custom.submitted == 22
+        before = custom.submitted
+        y.compute()
+    assert ran_inside == [True] * 20 and custom.submitted > before
     with pytest.raises(ValueError, match="unknown executor 'dask-ish'"):
         x.compute(executor="dask-ish")
     with pytest.raises(TypeError, match="is not an executor"):
@@ -315,3 +335,162 @@ def test_inbox_wakes_the_scheduler_at_once_for_an_error() -> None:
     assert time.monotonic() - started < 5
     assert [i for i, _, _ in items] == [0, 1] and isinstance(items[1][2], ValueError)
     assert inbox.take(100, 10.0) == []  # after an error, take no longer waits
+
+
+# -- tiny tasks: the lane ---------------------------------------------------------------
+
+
+class CountingThreads(executors.ThreadExecutor):
+    """Threads that count their submits."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.submitted = 0
+
+    def submit(self, fn: Any, done: Any) -> None:
+        self.submitted += 1
+        super().submit(fn, done)
+
+
+def run_tasks(fn: Any, n: int, executor: Any) -> list[Any]:
+    """Run ``fn(k)`` for k < n as one kind of task; the results in order."""
+    from tierflow.engine import scheduler
+
+    tasks = [types.Task(f"task {k}", fn, args=(k,)) for k in range(n)]
+    try:
+        results, stats = scheduler.run(tasks, executor, keep=set(range(n)))
+    finally:
+        executor.shutdown()
+    assert stats.done == n
+    return [results[k] for k in range(n)]
+
+
+def test_tiny_tasks_share_one_job_and_never_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierflow.engine import scheduler
+
+    # A threshold no hiccup of a busy machine crosses: the test is about the lane itself.
+    monkeypatch.setattr(scheduler, "TINY_TASK_SECONDS", 0.01)
+    ex = CountingThreads(2)
+    fn = Concurrency(pause=0)
+    results = run_tasks(lambda k: fn(np.array([k])), 2000, ex)
+    assert [int(r[0]) for r in results] == [2 * k for k in range(2000)]
+    # Tiny tasks ran on the lane: a few jobs for 2,000 tasks, never two at once.
+    assert ex.submitted < 200 and fn.most == 1
+
+
+def test_slow_tasks_go_to_the_workers_after_the_probe() -> None:
+    from tierflow.engine.scheduler import LANE_PROBE
+
+    fn = Concurrency(pause=0.003)  # sleeping releases the GIL: worth two workers
+    order: list[int] = []
+
+    def task(k: int) -> np.ndarray:
+        with fn.lock:
+            order.append(fn.now)  # tasks already running when this one starts
+        return fn(np.array([k]))
+
+    run_tasks(task, 60, executors.ThreadExecutor(2))
+    assert order[:LANE_PROBE] == [0] * LANE_PROBE  # probed one at a time
+    assert fn.most == 2 and max(order[LANE_PROBE:]) == 1
+
+
+def test_a_kind_that_turns_slow_leaves_the_lane() -> None:
+    fn = Concurrency(pause=0.004)
+    late: list[int] = []
+
+    def task(k: int) -> int:
+        if k < 200:
+            return k  # tiny: the kind goes to the lane
+        with fn.lock:
+            late.append(fn.now)
+        fn(np.array([k]))
+        return k
+
+    assert run_tasks(task, 260, executors.ThreadExecutor(2)) == list(range(260))
+    assert max(late) == 1  # the later, slow tasks ran two at a time
+
+
+def test_kind_judgement_probe_and_band() -> None:
+    from tierflow.engine.scheduler import LANE_PROBE, TINY_TASK_SECONDS, _Kind
+
+    tiny, slow = TINY_TASK_SECONDS / 3, TINY_TASK_SECONDS * 3
+    kind = _Kind()
+    for seconds in [1.0] + [tiny] * (LANE_PROBE - 1):  # the first (warm-up) is left out
+        assert kind.lane and kind.probing
+        kind.observe(seconds)
+    assert kind.lane and not kind.probing
+    kind.observe(TINY_TASK_SECONDS * 1.5)  # inside the band: stays
+    assert kind.lane
+    while kind.lane:
+        kind.observe(slow)
+    assert kind.mean > 2 * TINY_TASK_SECONDS
+    kind.observe(TINY_TASK_SECONDS * 0.9)  # inside the band on the workers: stays there
+    assert not kind.lane
+    while not kind.lane:
+        kind.observe(tiny / 10)
+    assert kind.mean < TINY_TASK_SECONDS / 2
+
+    slow_kind = _Kind()
+    for _ in range(LANE_PROBE):
+        slow_kind.observe(slow)
+    assert not slow_kind.lane and not slow_kind.probing
+
+
+@pytest.mark.parametrize("raised", [ValueError("task 30 is bad"), KeyboardInterrupt()])
+def test_an_error_on_the_lane_stops_it(raised: BaseException) -> None:
+    calls: list[int] = []
+
+    def task(k: int) -> int:
+        calls.append(k)
+        if k == 30:
+            raise raised
+        return k
+
+    with pytest.raises(type(raised)):
+        run_tasks(task, 5000, executors.ThreadExecutor(2))
+    done = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == done < 100 and worker_threads() == []
+
+
+def test_lane_loses_no_task_when_its_job_ends_as_tasks_come() -> None:
+    from tierflow.engine.scheduler import _Inbox, _Lane
+
+    # A job that finds the queue empty ends under the lock; an append meanwhile makes
+    # ``extend`` ask for a new job. Each round appends as soon as the last task is in,
+    # while the job is on its way out: a task left in a queue nobody runs never comes.
+    class SlowToFindEmpty(collections.deque):  # type: ignore[type-arg]
+        """Widens the race: a pop from an empty queue fails after a pause."""
+
+        def popleft(self) -> Any:
+            if not self:
+                time.sleep(0.0005)
+                raise IndexError("pop from an empty deque")
+            return super().popleft()
+
+    inbox = _Inbox()
+    lane = _Lane(inbox)
+    lane.queue = SlowToFindEmpty()
+    jobs: list[threading.Thread] = []
+    got: list[int] = []
+    total = 0
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    try:
+        for round_ in range(500):
+            items = [(total + j, lambda k: k, (total + j,)) for j in range(round_ % 3 + 1)]
+            total += len(items)
+            if lane.extend(items):
+                job = threading.Thread(target=lane.job)
+                job.start()
+                jobs.append(job)
+            while len(got) < total:
+                came = inbox.take(total - len(got), 2.0)
+                assert came, f"round {round_}: tasks {len(got)}..{total - 1} never ran"
+                got.extend(i for i, _, _ in came)
+    finally:
+        sys.setswitchinterval(interval)
+        lane.stop()
+        for job in jobs:
+            job.join()
+    assert got == list(range(total)) and not lane.active
