@@ -6,6 +6,7 @@ import errno
 import io
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -155,3 +156,41 @@ def test_failed_compute_frees_its_spilled_output() -> None:
     with pytest.raises(BlockError, match="late failure"):
         x.map_blocks(fail, dtype=np.float64, row_shape=(2,)).compute()
     assert len(spill.live_files()) == before
+
+
+def test_masked_blocks_wait_for_slow_appends_rather_than_spill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierflow.engine import sinks, types
+
+    tw.memory.budget("8MB")
+    write = sinks.NpySink.append
+
+    def slow_append(self: sinks.NpySink, row: int, block: np.ndarray) -> int:
+        time.sleep(0.01)  # a slow disk: blocks are computed faster than appended
+        return write(self, row, block)
+
+    monkeypatch.setattr(sinks.NpySink, "append", slow_append)
+    a = np.random.default_rng(0).normal(size=(400_000, 4))  # 12.8 MB, 1.6x the budget
+    x = tw.from_array(a, rows=10_000)
+    names: list[str] = []
+
+    class Order:
+        def task_done(self, event: types.TaskFinished) -> None:
+            names.append(event.name.split(" of ")[0])
+
+        def finish(self, event: types.ComputeFinished) -> None:
+            self.spilled = event.spilled_bytes
+
+    order = Order()
+    x[x[:, 0] > 0].to_npy(tmp_path / "m.npy", workers=2, callbacks=order)
+    np.testing.assert_array_equal(np.load(tmp_path / "m.npy"), a[a[:, 0] > 0])
+    # No block is computed more than 2 x workers ahead of the appends, so none is held
+    # past half the budget and none is spilled.
+    computed = appended = most = 0
+    for name in names:
+        computed += name.startswith("block")
+        appended += name.startswith("append")
+        most = max(most, computed - appended)
+    assert computed == appended == 40
+    assert most <= 4 and order.spilled == 0

@@ -22,7 +22,9 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
 
    a pass over blocks of unknown size writing a ``.npy`` file appends block ``j`` right
    after it is computed (``[block j] -> [append j]``, each append after the previous
-   one); reductions are folded as blocks finish, so ``finish`` only aggregates.
+   one), and block ``j`` starts only after the append of block ``j - 2 x workers``, so
+   computed blocks never pile up behind a slow append; reductions are folded as blocks
+   finish, so ``finish`` only aggregates.
 5. **Memory.** Each block task carries its projection (:class:`TaskMemory`: file pages
    it reads, blocks it makes, operators' scratch), computed by the pure function
    :meth:`tierflow.engine.optimize.Program.memory`. A task whose single row exceeds
@@ -258,6 +260,7 @@ def build_plan(requests: list[Request], *, workers: int, budget: int, cache: Any
     const: dict[str, Any] = {k: n.value for k, n in nodes.items() if isinstance(n, graph.Const)}
     const.update(resolved)
     task_limit = max(1, budget // (TASKS_PER_WORKER * max(1, workers)))
+    ahead = TASKS_PER_WORKER * max(1, workers)  # blocks computed ahead of their append
     applies = [n for n in nodes.values() if isinstance(n, graph.Apply) and n.ident not in resolved]
     made: set[str] = set()
     n_stages = max([p.stage for p in passes.values()] + [0]) + 1
@@ -277,7 +280,7 @@ def build_plan(requests: list[Request], *, workers: int, budget: int, cache: Any
         for s in range(n_stages):
             add_applies(s)
             for p in [p for p in passes.values() if p.stage == s]:
-                _add_pass(plan, p, const, value_task, task_limit, budget, cache)
+                _add_pass(plan, p, const, value_task, task_limit, budget, ahead, cache)
             plan.passes += sum(1 for p in passes.values() if p.stage == s)
         while len(made) < len(applies):  # values computed from values, in dependency order
             before = len(made)
@@ -345,6 +348,7 @@ def _add_pass(
     value_task: dict[str, int],
     task_limit: int,
     budget: int,
+    ahead: int,
     cache: Any = None,
 ) -> None:
     bound = [v for v in _value_inputs(p.roots()) if v.ident not in const]
@@ -395,11 +399,19 @@ def _add_pass(
     blocks: list[int] = []
     last_append: dict[int, int | None] = {pos: None for pos, _ in npy_held}
     if npy_held:
+        appends: list[tuple[int, ...]] = []  # the append tasks of each block
         for j, (req, rows) in enumerate(requests):
-            blocks.append(plan.add(block_task(j, req, rows)))
+            task = block_task(j, req, rows)
+            if j >= ahead:
+                # Appends run one after another and may fall behind blocks computed on
+                # every worker; a block held for its append costs RAM (and past half
+                # the budget a spill). Block j waits for the appends of j - ahead.
+                task.after = appends[j - ahead]
+            blocks.append(plan.add(task))
             for pos, sink in npy_held:
                 prev = last_append[pos]
                 last_append[pos] = plan.add(_append_task(sink, pos, j, blocks[-1], prev))
+            appends.append(tuple(a for a in last_append.values() if a is not None))
     else:  # block tasks only, numbered in a row
         first = len(plan.tasks)
         plan.tasks.extend(block_task(j, req, rows) for j, (req, rows) in enumerate(requests))

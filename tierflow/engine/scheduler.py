@@ -18,6 +18,10 @@ stage starts::
     block 1 -> append 1     =>    runs append 0 first: the held block 0 is
     block 2 -> append 2           released before block 2 is read
 
+Order alone does not stop blocks computed on every worker from outrunning appends that
+run one after another; the plan also makes block ``j`` wait (``Task.after``) for the
+append of block ``j - 2 x workers``.
+
 Admission (backpressure)
 ------------------------
 At most two tasks per worker are in flight: one running and one queued, whose source
