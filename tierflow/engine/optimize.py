@@ -28,6 +28,7 @@ counts are known (any range can be computed: every step maps rows to rows), and
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 import threading
@@ -96,7 +97,7 @@ def _user_error(label: str, ctx: Context, req: Request, exc: Exception) -> Block
     )
 
 
-class Step:
+class Step(abc.ABC):
     """A physical step: evaluates its graph node for a request, memoised per task."""
 
     node: Node
@@ -115,8 +116,9 @@ class Step:
         ctx.memo[(id(self), req)] = out
         return result
 
+    @abc.abstractmethod
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
-        raise NotImplementedError
+        """The rows ``req`` asks for (what :meth:`eval` memoises)."""
 
     def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
         np.copyto(out, self.eval(ctx, req), casting="unsafe")

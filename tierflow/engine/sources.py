@@ -14,6 +14,7 @@ since, naming it: the array's shape and key describe the file as it was.
 
 from __future__ import annotations
 
+import abc
 import datetime
 import math
 import os
@@ -33,7 +34,7 @@ __all__ = ["COSTLY_BYTES", "ArrayReader", "FileReader", "FilesReader", "Reader"]
 COSTLY_BYTES = 16 << 20
 
 
-class Reader:
+class Reader(abc.ABC):
     """Base of the readers; see the module docstring for the contract.
 
     ``n_rows`` is None when the row count is known only after loading; then
@@ -51,26 +52,32 @@ class Reader:
         """Bytes of one row."""
         return self.dtype.itemsize * math.prod(self.row_shape)
 
+    @abc.abstractmethod
     def read(self, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` (a view where the data allows)."""
-        raise NotImplementedError
 
     def read_block(self, j: int) -> np.ndarray:
-        """Block ``j`` (for readers whose row count is unknown)."""
-        raise NotImplementedError
+        """Block ``j``: only readers whose row count is unknown serve blocks."""
+        raise TypeError(
+            f"{type(self).__name__} knows its {self.n_rows} rows and reads row ranges "
+            "(read(a, b)); read_block is for readers whose row count is unknown"
+        )
 
     def readahead(self, a: int, b: int) -> None:
         """Ask for rows ``a:b`` ahead of use (a hint)."""
+        return None  # nothing to do for data in memory
 
     def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
         """Drop the pages of rows ``a:b`` from this process (a hint)."""
+        return None  # nothing to do for data in memory
 
     def check(self) -> None:
         """Raise :class:`~tierflow.errors.SourceError` if the data changed since build."""
+        return None  # nothing to do for data in memory
 
+    @abc.abstractmethod
     def token(self) -> str:
         """The canonical text this source's key is hashed from."""
-        raise NotImplementedError
 
     def files(self) -> list[str]:
         """The files this reader reads (for ``repr``)."""

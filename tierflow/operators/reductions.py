@@ -73,6 +73,7 @@ each sub-block of its expression and folds once per block.
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 import operator
@@ -426,7 +427,7 @@ class _Accumulator(Protocol):
     def partial(self) -> Partial: ...
 
 
-class RowReduction:
+class RowReduction(abc.ABC):
     """Base of the built-in reductions over the row axis (a ReductionOp).
 
     Partials are tuples of small arrays shaped like the output without kept dimensions;
@@ -512,14 +513,17 @@ class RowReduction:
         piece and combines). Used by FusedReduction."""
         return None
 
+    @abc.abstractmethod
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
-        raise NotImplementedError
+        """The partial of one block (``row_offset``: its first row in the array)."""
 
+    @abc.abstractmethod
     def _combine(self, a: Partial, b: Partial) -> Partial:
-        raise NotImplementedError
+        """Two partials merged (``a`` covers the rows before ``b``)."""
 
+    @abc.abstractmethod
     def _finish(self, partial: Partial) -> np.ndarray:
-        raise NotImplementedError
+        """The reduced values of the partial of every row."""
 
 
 def _abs2(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
