@@ -360,7 +360,30 @@ def reduction(
     return cls(kind, in_dtype, row_shape, axes, keepdims, kwargs)
 
 
-class RowwiseReduction:
+class _NamedReduction:
+    """What every built-in reduction is told: NumPy's name for it (``kind``), the input's
+    dtype and row shape, the axes (0 is the row axis), ``keepdims`` and NumPy's other
+    keyword arguments; the result's dtype follows from them as NumPy gives it."""
+
+    def __init__(
+        self,
+        kind: str,
+        in_dtype: np.dtype,
+        row_shape: tuple[int, ...],
+        axes: tuple[int, ...],
+        keepdims: bool,
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.kind = kind
+        self.in_dtype = in_dtype
+        self.in_row_shape = row_shape
+        self.axes = axes
+        self.keepdims = keepdims
+        self._kwargs = kwargs
+        self.out_dtype: np.dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
+
+
+class RowwiseReduction(_NamedReduction):
     """A reduction over trailing axes only: NumPy's reduction applied to each block.
 
     A :class:`~tierflow.operators.types.BlockOp`; the result of a block is rows of the
@@ -379,12 +402,7 @@ class RowwiseReduction:
         keepdims: bool,
         kwargs: dict[str, Any],
     ) -> None:
-        self.kind = kind
-        self.in_dtype = in_dtype
-        self.in_row_shape = row_shape
-        self.axes = axes
-        self._kwargs = kwargs
-        self.out_dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
+        super().__init__(kind, in_dtype, row_shape, axes, keepdims, kwargs)
         self.out_row_shape = tuple(
             1 if i + 1 in axes else n
             for i, n in enumerate(row_shape)
@@ -427,7 +445,7 @@ class _Accumulator(Protocol):
     def partial(self) -> Partial: ...
 
 
-class RowReduction(abc.ABC):
+class RowReduction(_NamedReduction, abc.ABC):
     """Base of the built-in reductions over the row axis (a ReductionOp).
 
     Partials are tuples of small arrays shaped like the output without kept dimensions;
@@ -447,12 +465,7 @@ class RowReduction(abc.ABC):
         keepdims: bool,
         kwargs: dict[str, Any],
     ) -> None:
-        self.kind = kind
-        self.in_dtype = in_dtype
-        self.in_row_shape = row_shape
-        self.axes = axes
-        self.keepdims = keepdims
-        self._kwargs = kwargs
+        super().__init__(kind, in_dtype, row_shape, axes, keepdims, kwargs)
         self.trailing = tuple(a - 1 for a in axes if a != 0)
         self.reduced_per_row = math.prod(row_shape[a] for a in self.trailing)
         self.core_shape = tuple(n for i, n in enumerate(row_shape) if i not in self.trailing)
@@ -461,7 +474,6 @@ class RowReduction(abc.ABC):
             if keepdims
             else self.core_shape
         )
-        self.out_dtype: np.dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kind}, {self._kwargs})"
