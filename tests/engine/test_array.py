@@ -69,6 +69,29 @@ def test_from_files_one_row_per_file_in_the_workers(tmp_path: Path, data: np.nda
     np.testing.assert_allclose(x.mean(axis=0).compute(), data[:12].mean(axis=0), rtol=1e-6)
 
 
+def test_slow_loads_of_small_files_run_on_every_worker(tmp_path: Path, data: np.ndarray) -> None:
+    import threading
+
+    paths = [save(tmp_path / f"{i}.npy", data[i]) for i in range(24)]
+    lock = threading.Lock()
+    now, most = [0], [0]
+
+    def load(path: str) -> np.ndarray:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.005)  # a slow disk or a decoder that releases the GIL
+        with lock:
+            now[0] -= 1
+        return np.load(path)
+
+    # One row per block: each task projects a few bytes, so it is timed on the lane first
+    # and sent to the workers once it proves slow.
+    x = tw.from_files(paths, load, rows=1)
+    np.testing.assert_array_equal(x.compute(workers=2), data[:24])
+    assert most[0] == 2
+
+
 def test_from_files_with_a_fixed_or_varying_number_of_rows(
     tmp_path: Path, data: np.ndarray
 ) -> None:

@@ -378,9 +378,7 @@ def test_tiny_tasks_share_one_job_and_never_run_at_once(monkeypatch: pytest.Monk
     assert ex.submitted < 200 and fn.most == 1
 
 
-def test_slow_tasks_go_to_the_workers_after_the_probe() -> None:
-    from tierflow.engine.scheduler import LANE_PROBE
-
+def test_slow_tasks_go_to_the_workers_after_a_short_probe() -> None:
     fn = Concurrency(pause=0.003)  # sleeping releases the GIL: worth two workers
     order: list[int] = []
 
@@ -390,8 +388,9 @@ def test_slow_tasks_go_to_the_workers_after_the_probe() -> None:
         return fn(np.array([k]))
 
     run_tasks(task, 60, executors.ThreadExecutor(2))
-    assert order[:LANE_PROBE] == [0] * LANE_PROBE  # probed one at a time
-    assert fn.most == 2 and max(order[LANE_PROBE:]) == 1
+    # Probed one at a time until two tasks after the first were slow, then two at once.
+    assert order[:3] == [0, 0, 0]
+    assert fn.most == 2 and max(order[3:6]) == 1
 
 
 def test_a_kind_that_turns_slow_leaves_the_lane() -> None:
@@ -431,9 +430,16 @@ def test_kind_judgement_probe_and_band() -> None:
     assert kind.mean < TINY_TASK_SECONDS / 2
 
     slow_kind = _Kind()
-    for _ in range(LANE_PROBE):
+    for _ in range(3):  # warm-up, then two slow tasks: no need to probe further
+        assert slow_kind.probing
         slow_kind.observe(slow)
     assert not slow_kind.lane and not slow_kind.probing
+
+    one_slow = _Kind()  # a single slow task among tiny ones is noise
+    for seconds in [slow, tiny, slow, *[tiny] * (LANE_PROBE - 3)]:
+        assert one_slow.probing
+        one_slow.observe(seconds)
+    assert one_slow.lane and not one_slow.probing
 
 
 @pytest.mark.parametrize("raised", [ValueError("task 30 is bad"), KeyboardInterrupt()])

@@ -50,7 +50,8 @@ one executor job that runs queued tasks one after another, taking each from a sh
 queue without a thread hand-off. The first :data:`LANE_PROBE` tasks of a kind (one
 ``fn``) are timed there one at a time. If their median (leaving out the first, which
 warms up) is below the threshold, the kind stays on the lane; otherwise it goes to the
-workers (feature extraction that releases the GIL, loading many files). Afterwards a
+workers (feature extraction that releases the GIL, loading many files), as soon as two
+tasks after the first have taken more than twice the threshold. Afterwards a
 running mean moves a kind on the lane to the workers above twice the threshold, and a
 kind on the workers to the lane below half of it::
 
@@ -218,11 +219,13 @@ class _Kind:
         move it when its running mean leaves a wide band around the threshold (times on
         the workers are longer: they share the GIL)."""
         if self.probing:
-            self.samples.append(seconds)
-            if len(self.samples) >= LANE_PROBE:
+            samples = self.samples
+            samples.append(seconds)
+            # The first task of a kind pays for warming up (buffers, caches): left out.
+            slow = sum(1 for t in samples[1:] if t > 2 * TINY_TASK_SECONDS)
+            if len(samples) >= LANE_PROBE or slow >= 2:  # slow kinds need no full probe
                 self.probing = False
-                # The first task of a kind pays for warming up (buffers, caches).
-                self.mean = statistics.median(self.samples[1:])
+                self.mean = statistics.median(samples[1:])
                 self.lane = self.mean < TINY_TASK_SECONDS
             return
         self.mean += (seconds - self.mean) / 8
