@@ -57,6 +57,8 @@ def test_building_every_kind_of_pipeline_computes_nothing(
             x.reduction(lambda b: len(b), lambda p, q: p + q),
             (x.std(axis=0) / x.var()).max(),
             x[3],
+            np.cumsum(y, axis=1),
+            np.sort(x, axis=-1)[:, :2],
         ]
         for p in pipelines:
             assert isinstance(p, tw.Array)

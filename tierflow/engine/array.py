@@ -36,7 +36,7 @@ from ..operators import selection
 from ..storage import sources as storage_sources
 from ..storage import stream
 from ..system import devices
-from . import graph, specs
+from . import graph, ops, specs
 from .graph import Chunked, ElemOp, Node, Value
 from .sources import ArrayReader, FileReader, FilesReader
 
@@ -364,6 +364,10 @@ def _reduce_value(kind: str) -> Callable[..., Any]:
     if kind == "count_nonzero":
         return np.count_nonzero
     return getattr(np, kind)
+
+
+# Keywords of the along() functions for which None is a value, not the default.
+_VALUED = frozenset({"prepend", "append"})
 
 
 # -- the Array --------------------------------------------------------------------------
@@ -950,6 +954,52 @@ class Array:
         if isinstance(node, Chunked) and node.n_rows is None:
             return _wrap(graph.Reduce(specs.HeadSpec(n), (node,)))
         return self[:n]
+
+    def along(self, name: str, axis: int | None, **kwargs: Any) -> Array:
+        """``np.<name>(x, axis=axis, **kwargs)`` for ``name`` in ``sort``, ``argsort``,
+        ``cumsum``, ``cumprod``, ``nancumsum``, ``nancumprod``, ``diff``, along a trailing
+        axis: lazy, one block at a time (also as ``np.sort(x, axis=1)`` and so on).
+
+        Along the rows (axis 0) every row is needed at once, which a chunked array does
+        not have: that raises ValueError. ``out=`` is not supported."""
+        function = ops.ALONG_AXIS.get(name)
+        if function is None:
+            raise ValueError(f"along() runs one of {', '.join(ops.ALONG_AXIS)}, not {name!r}")
+        if kwargs.get("out") is not None:
+            raise TypeError(f"np.{name}(..., out=...) is not supported on lazy arrays")
+        # Defaults spelled out (x.cumsum(axis=1) passes dtype=None) key like left out.
+        kwargs = {k: v for k, v in kwargs.items() if k != "out" and (v is not None or k in _VALUED)}
+        node = self._node
+        if isinstance(node, Value):
+            return _value_apply(function, node, name=name, axis=axis, **kwargs)
+        assert isinstance(node, Chunked)
+        if axis is None:
+            raise ValueError(
+                f"np.{name}(x, axis=None) works on the flattened array, which runs along the "
+                "rows; give a trailing axis (axis=1 or -1), or compute() first"
+            )
+        k = operator.index(axis)
+        if not -self.ndim <= k < self.ndim:
+            raise np.exceptions.AxisError(k, self.ndim)
+        k %= self.ndim
+        if k == 0:
+            raise ValueError(
+                f"np.{name} along axis 0 needs every row at once, and a lazy array is cut "
+                "into row blocks; give a trailing axis, or compute() first"
+            )
+        return _wrap(graph.BlockMap(specs.AlongAxisSpec(name, k, kwargs), (node,)))
+
+    def cumsum(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Array:
+        """``np.cumsum`` along a trailing axis (see :meth:`along`)."""
+        return self.along("cumsum", axis, dtype=dtype, out=out)
+
+    def cumprod(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Array:
+        """``np.cumprod`` along a trailing axis (see :meth:`along`)."""
+        return self.along("cumprod", axis, dtype=dtype, out=out)
+
+    def argsort(self, axis: int = -1, kind: str | None = None, order: Any = None) -> Array:
+        """``np.argsort`` along a trailing axis (see :meth:`along`)."""
+        return self.along("argsort", axis, kind=kind, order=order)
 
     def reshape(self, *shape: Any) -> Array:
         """A new shape that keeps the rows: ``x.reshape(n, 2, 4)`` or ``x.reshape(-1, 8)``

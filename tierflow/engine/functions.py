@@ -313,6 +313,13 @@ def _nansum(
     return where(np.isnan(array), 0, array).sum(axis=axis, dtype=dtype, keepdims=keep)
 
 
+def _along(name: str, default_axis: int | None) -> Callable[..., Any]:
+    def handler(a: Any, axis: Any = default_axis, **kwargs: Any) -> Any:
+        return from_array(a).along(name, axis, **kwargs)
+
+    return handler
+
+
 FUNCTIONS: dict[Any, Callable[..., Any]] = {
     np.sum: _reduction_function("sum"),
     np.prod: _reduction_function("prod"),
@@ -338,6 +345,13 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     np.stack: _stack,
     np.reshape: _reshape,
     np.nansum: _nansum,
+    np.sort: _along("sort", -1),
+    np.argsort: _along("argsort", -1),
+    np.cumsum: _along("cumsum", None),
+    np.cumprod: _along("cumprod", None),
+    np.nancumsum: _along("nancumsum", None),
+    np.nancumprod: _along("nancumprod", None),
+    np.diff: _along("diff", -1),
     np.shape: lambda a: from_array(a).shape,
     np.ndim: lambda a: from_array(a).ndim,
     np.size: lambda a, axis=None: from_array(a).size if axis is None else from_array(a).shape[axis],

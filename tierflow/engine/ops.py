@@ -18,6 +18,8 @@ import numpy as np
 from ..operators.types import Partial, block_bytes
 
 __all__ = [
+    "ALONG_AXIS",
+    "AlongAxis",
     "Collect",
     "Head",
     "MapBlocks",
@@ -163,6 +165,64 @@ class MapBlocks:
     def temp_bytes(self, rows: int) -> int:
         """Unknown for a user function: counted as one output block (its own result)."""
         return block_bytes(rows, self.out_row_shape, self.out_dtype)
+
+
+ALONG_AXIS: dict[str, Callable[..., Any]] = {
+    "sort": np.sort,
+    "argsort": np.argsort,
+    "cumsum": np.cumsum,
+    "cumprod": np.cumprod,
+    "nancumsum": np.nancumsum,
+    "nancumprod": np.nancumprod,
+    "diff": np.diff,
+}
+"""NumPy functions along one axis that lazy arrays run blockwise along a trailing axis."""
+
+
+class AlongAxis:
+    """``np.<name>(block, axis=axis, **kwargs)`` along a trailing axis of the block
+    (``axis`` >= 1): every row's result depends on that row alone.
+
+    The result's dtype and row shape are NumPy's, from a probe on one row of zeros, so
+    bad keywords fail when the pipeline is built.
+    """
+
+    row_independent = True
+    n_inputs = 1
+
+    def __init__(
+        self,
+        name: str,
+        in_dtype: Any,
+        in_row_shape: tuple[int, ...],
+        axis: int,
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.function = ALONG_AXIS[name]
+        self.axis = axis
+        self.kwargs = kwargs
+        self.in_dtype = np.dtype(in_dtype)
+        self.in_row_shape = tuple(in_row_shape)
+        probe = np.asarray(
+            self.function(np.zeros((1, *in_row_shape), in_dtype), axis=axis, **kwargs)
+        )
+        self.out_dtype = probe.dtype
+        self.out_row_shape = tuple(probe.shape[1:])
+
+    def __repr__(self) -> str:
+        return f"AlongAxis({self.name}, axis={self.axis})"
+
+    def apply(self, *blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        result = np.asarray(self.function(blocks[0], axis=self.axis, **self.kwargs))
+        if out is not None:
+            np.copyto(out, result)
+            return out
+        return result
+
+    def temp_bytes(self, rows: int) -> int:
+        """The result and as much again: a sort's scratch, NumPy's casting buffers."""
+        return 2 * block_bytes(rows, self.out_row_shape, self.out_dtype)
 
 
 class Reshape:

@@ -24,6 +24,7 @@ from . import keys, ops
 
 __all__ = [
     "VALUE",
+    "AlongAxisSpec",
     "CollectSpec",
     "ContractSpec",
     "HeadSpec",
@@ -185,6 +186,31 @@ class MapSpec(_Spec):
     def label(self) -> str:
         where = f", {self.device}" if self.device else ""
         return f"map_blocks({_fn_name(self.fn)}{where})"
+
+
+class AlongAxisSpec(_Spec):
+    """``np.sort(x, axis=1)``, ``np.cumsum(x, axis=-1)``...: a NumPy function along a
+    trailing axis (``axis`` counts the row axis, as NumPy does)."""
+
+    def __init__(self, name: str, axis: int, kwargs: dict[str, Any]) -> None:
+        self.name = name
+        self.axis = axis
+        self.kwargs = kwargs
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.name, self.axis, self.kwargs)
+
+    def build(
+        self,
+        dtypes: Sequence[np.dtype],
+        row_shapes: Sequence[tuple[int, ...]],
+        values: Sequence[Any],
+    ) -> Any:
+        return ops.AlongAxis(self.name, dtypes[0], row_shapes[0], self.axis, self.kwargs)
+
+    def label(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.name}(axis={self.axis}{extra})"
 
 
 class ReshapeSpec(_Spec):
