@@ -16,6 +16,7 @@ columns of noise with different means and scales, and one planted spike in colum
   statistics of the masked rows;
 - ``np.histogram`` of a column, drawn as text;
 - ``argmax`` finding the spike, and that one row;
+- a random sample of rows, ``x[np.sort(positions)]``, and ``np.cumsum`` along the columns;
 - ``visualize()`` of a pipeline: a text drawing of the graph (graphviz when installed);
 - ``persist()`` of the masked rows, then ``memory.status()`` and ``memory.report()``
   showing where the result lives (RAM while it fits the budget, else the SSD).
@@ -106,6 +107,16 @@ def run(rows: int, budget: int, folder: str | None) -> None:
         print(f"row {where:,} (the spike was planted at row {spike:,}): {x[where].compute()}")
         if where != spike:
             raise SystemExit(f"argmax found row {where}, not the planted spike at {spike}")
+
+        cell("a random sample of 5 rows: sorted positions are picked block by block")
+        picks = np.sort(np.random.default_rng(5).choice(rows, size=min(5, rows), replace=False))
+        sample = x[picks]
+        print(f"rows {picks.tolist()}:")
+        print(sample.compute())
+        print(
+            "their running totals along the columns (np.cumsum, axis=1), last column: "
+            f"{np.cumsum(sample, axis=1)[:, -1].compute()}"
+        )
 
         cell("visualize(): the graph of a pipeline, before it runs")
         standardised = ((x - mean) / std)[x[:, 0] > 0]

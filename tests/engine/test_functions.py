@@ -64,8 +64,6 @@ def test_unsupported_numpy_calls_say_what_to_do(x: tw.Array) -> None:
         np.sqrt(x, out=np.empty((500, 4)))
     with pytest.raises(TypeError, match=r"tw\.where\(condition\) without x and y"):
         tw.where(x > 0)
-    with pytest.raises(IndexError, match="integer arrays on the rows are not supported"):
-        x[[1, 5, 2]]
     with pytest.raises(IndexError, match="in-memory result of shape"):
         x[x.mean(axis=1).sum() > 0]
     with pytest.raises(ValueError, match="a lazy array keeps its rows"):
@@ -81,6 +79,50 @@ def test_row_indexing_and_values_of_a_row(a: np.ndarray, x: tw.Array) -> None:
         x[500]
     np.testing.assert_array_equal(x[..., 1].compute(), a[..., 1])
     np.testing.assert_array_equal(x[:, None, 1:3].compute(), a[:, None, 1:3])
+
+
+def test_rows_picked_by_integer_arrays(tmp_path: Path, a: np.ndarray, x: tw.Array) -> None:
+    np.save(tmp_path / "a.npy", a)
+    f = tw.from_npy(tmp_path / "a.npy", rows=100)
+    ordered = np.array([0, 3, 3, 99, 100, 350, 499])
+    for lazy_array in (x, f, f * 2 - 1):
+        base = lazy_array.compute()
+        picked = lazy_array[ordered]
+        # Sorted picks stay lazy: one block per input block picked from.
+        stops = [b for _, b in lazy_array.blocks]
+        touched = {int(np.searchsorted(stops, p, side="right")) for p in ordered}
+        assert picked._node.kind == "chunked" and picked.nblocks == len(touched)
+        np.testing.assert_array_equal(picked.compute(), base[ordered])
+        np.testing.assert_array_equal(picked.sum(axis=0).compute(), base[ordered].sum(axis=0))
+        shuffled = np.random.default_rng(0).permutation(500)[:50]
+        np.testing.assert_array_equal(lazy_array[shuffled].compute(), base[shuffled])
+        np.testing.assert_array_equal(lazy_array[[-1, 2], 1:].compute(), base[[-1, 2], 1:])
+    # Far-apart picks from a computed input evaluate only the rows around each pick.
+    seen: list[int] = []
+
+    def double(b: np.ndarray) -> np.ndarray:
+        seen.append(len(b))
+        return b * 2
+
+    big = np.arange(40_000.0).reshape(20_000, 2)
+    doubled = tw.from_array(big, rows=10_000).map_blocks(double)
+    seen.clear()
+    picks = [0, 1, 2, 5_000, 9_999, 10_000, 19_999]
+    np.testing.assert_array_equal(doubled[picks].compute(), big[picks] * 2)
+    assert sum(seen) == 7 and len(seen) == 5  # rows 0:3, 5000, 9999, 10000, 19999
+    assert x[[]].shape == (0, 4) and x[np.array([], np.int64)].compute().shape == (0, 4)
+    with pytest.raises(IndexError, match="index 500 is out of bounds for axis 0 with size 500"):
+        x[[1, 500]]
+    with pytest.raises(IndexError, match="index -501 is out of bounds"):
+        x[[-501]]
+    with pytest.raises(IndexError, match="must be of integer"):
+        x[[1.0, 2.0]]
+    with pytest.raises(IndexError, match=r"must be 1-D, not of shape \(1, 2\)"):
+        x[np.array([[1, 2]])]
+    with pytest.raises(IndexError, match="paired elementwise"):
+        x[[1, 2], [0, 1]]
+    with pytest.raises(IndexError, match="picking rows needs the row count"):
+        x[x[:, 0] > 0][[0, 1]]
 
 
 def test_in_memory_operands_broadcast_and_align(a: np.ndarray, x: tw.Array) -> None:

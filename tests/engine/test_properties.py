@@ -177,8 +177,21 @@ def test_random_selections_equal_numpy(a: np.ndarray, data: st.DataObject) -> No
     expected = a
     for _ in range(data.draw(st.integers(1, 3), label="length")):
         known = x.shape[0] is not None
-        kind = data.draw(st.sampled_from(["slice", "mask", "column", "concat", "head", "filter"]))
-        if kind == "slice" and known:
+        kinds = ["slice", "mask", "column", "concat", "head", "filter", "take"]
+        kind = data.draw(st.sampled_from(kinds))
+        if kind == "take" and known:
+            n = expected.shape[0]
+            picks = st.integers(-n, n - 1) if n else st.nothing()
+            idx = data.draw(st.lists(picks, max_size=12 if n else 0), label="rows picked")
+            if data.draw(st.booleans(), label="sorted"):
+                idx = sorted(idx, key=lambda i: i % n)
+            x, expected = x[idx], expected[idx]
+            if x._node.kind == "value":
+                break  # rows picked out of order come back in memory
+        elif kind == "take":
+            with pytest.raises(IndexError, match="needs the row count"):
+                x[[0]]
+        elif kind == "slice" and known:
             key = _rows_slice(data)
             x, expected = x[key], expected[key]
         elif kind == "slice":

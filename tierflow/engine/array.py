@@ -1050,11 +1050,10 @@ class Array:
         if isinstance(rows, (np.ndarray, list)) and np.asarray(rows).dtype == bool:
             mask = np.asarray(rows)
             return self._mask(from_array(mask), trailing)
-        if isinstance(rows, (np.ndarray, list, tuple)):
-            raise IndexError(
-                "integer arrays on the rows are not supported by lazy arrays; use a boolean "
-                "mask, slices, or compute() first"
-            )
+        if isinstance(rows, (np.ndarray, list, tuple)):  # split_index refused pairing
+            out = self._take(rows)
+            columns = (slice(None), *trailing)
+            return out[columns] if trailing else out
         if isinstance(rows, slice):
             out = self._rows(rows)
         else:
@@ -1073,6 +1072,45 @@ class Array:
             value = _value_apply(operator.getitem, row, 0, name=f"row {index}")
             return value[trailing] if trailing else value
         return out._trailing(trailing) if trailing else out
+
+    def _take(self, rows: Any) -> Array:
+        """``x[rows]`` for an integer array of row positions (see :class:`graph.RowTake`).
+
+        Sorted positions (repeats allowed) stay lazy, block by block. Other orders are
+        gathered in row order the same way and then put in the order asked for in
+        memory: the result is an in-memory value, like a reduction's."""
+        node = self._node
+        assert isinstance(node, Chunked)
+        index = np.asarray(rows)
+        if index.size == 0 and index.dtype.kind == "f":
+            index = index.astype(np.intp)  # x[[]], as in NumPy
+        if index.dtype.kind not in "iu":
+            raise IndexError("arrays used as indices must be of integer (or boolean) type")
+        if index.ndim != 1:
+            raise IndexError(
+                f"an integer array on the rows must be 1-D, not of shape {index.shape}; "
+                "index with its flattened form and reshape the result"
+            )
+        n = node.n_rows
+        if n is None:
+            raise IndexError(
+                "picking rows needs the row count, which is unknown after a boolean mask; "
+                "persist() the array first"
+            )
+        positions = index.astype(np.int64)
+        bad = (positions < -n) | (positions >= n)
+        if bad.any():
+            raise IndexError(
+                f"index {int(positions[bad][0])} is out of bounds for axis 0 with size {n}"
+            )
+        positions = np.where(positions < 0, positions + n, positions)
+        if len(positions) < 2 or bool(np.all(positions[1:] >= positions[:-1])):
+            return _wrap(graph.RowTake(node, positions))
+        order = np.argsort(positions, kind="stable")
+        picked = graph.RowTake(node, positions[order])
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        return _value_apply(np.take, picked, back, axis=0, name=f"rows in order {picked.label()}")
 
     def _trailing(self, trailing: tuple[Any, ...]) -> Array:
         node = self._node

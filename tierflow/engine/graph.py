@@ -45,6 +45,7 @@ __all__ = [
     "Node",
     "Reduce",
     "RowSlice",
+    "RowTake",
     "Source",
     "Value",
     "placeholder",
@@ -445,6 +446,39 @@ class RowSlice(Chunked):
     def label(self) -> str:
         stop = self.first + self.step * (self.shape[0] or 0)
         return f"rows[{self.first}:{stop}:{self.step}]"
+
+
+class RowTake(Chunked):
+    """``x[positions]`` for sorted row positions (repeats allowed) of an array with a
+    known row count.
+
+    Output blocks follow the input's: each holds the rows picked from one input block;
+    input blocks nothing is picked from have no output block.
+    """
+
+    def __init__(self, source: Chunked, positions: np.ndarray) -> None:
+        assert source.n_rows is not None and source.bounds is not None
+        counts = np.diff(np.searchsorted(positions, np.asarray(source.bounds), side="left"))
+        bounds = (0, *np.cumsum(counts[counts > 0]).tolist())
+        super().__init__(
+            (source,), source.dtype, (len(positions), *source.row_shape), bounds=bounds
+        )
+        self.positions = positions
+
+    def input_rows(self, a: int, b: int) -> tuple[int, int, np.ndarray]:
+        """Input rows ``[lo, hi)`` holding output rows ``a:b``, and the rows to take from
+        them (relative to ``lo``)."""
+        picked = self.positions[a:b]
+        if not len(picked):
+            return 0, 0, picked
+        lo = int(picked[0])
+        return lo, int(picked[-1]) + 1, picked - lo
+
+    def params(self) -> str:
+        return keys.array_digest(self.positions)
+
+    def label(self) -> str:
+        return f"rows[{len(self.positions):,} picked]"
 
 
 class Filter(Chunked):

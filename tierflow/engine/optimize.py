@@ -251,6 +251,40 @@ class SliceStep(Step):
         yield from self.source.sources(self._map(req)[0])
 
 
+class TakeStep(Step):
+    """Picked rows of the input: each output row range lies in one input block. The input
+    is evaluated over the picked rows' span, in pieces where they are far apart, so a
+    computed input is not evaluated on rows nobody picked."""
+
+    node: graph.RowTake
+    GAP = 256  # rows between picks beyond which the span is cut
+
+    def __init__(self, node: graph.RowTake, source: Step) -> None:
+        self.node = node
+        self.source = source
+
+    def _spans(self, req: Request) -> list[tuple[int, int, np.ndarray]]:
+        lo, hi, take = self.node.input_rows(req[1], req[2])
+        if hi - lo <= 2 * len(take) + self.GAP:
+            return [(lo, hi, take)]
+        cuts = np.flatnonzero(np.diff(take) > self.GAP) + 1
+        return [(lo + int(t[0]), lo + int(t[-1]) + 1, t - t[0]) for t in np.split(take, cuts)]
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        spans = self._spans(req)
+        parts = [self.source.eval(ctx, ("r", a, b))[take] for a, b, take in spans]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts)
+
+    def children(self) -> list[tuple[Step, Request]]:
+        return [(self.source, ())]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        for a, b, _ in self._spans(req):
+            yield from self.source.sources(("r", a, b))
+
+
 def _block_request(node: Chunked, j: int) -> Request:
     """The request for block ``j`` of ``node`` in its own terms."""
     if node.bounds is not None:
@@ -729,6 +763,8 @@ class Lowering:
             return KernelStep(node, op, [self.step(c) for c in chunked], user=node.spec.user)
         if isinstance(node, graph.RowSlice):
             return SliceStep(node, self.step(node.inputs[0]))
+        if isinstance(node, graph.RowTake):
+            return TakeStep(node, self.step(node.inputs[0]))
         if isinstance(node, graph.Filter):
             mask = self.step(node.inputs[1]) if len(node.inputs) > 1 else None
             return FilterStep(node, self.step(node.inputs[0]), mask)
