@@ -89,6 +89,14 @@ def test_release_without_drop_cache_leaves_the_page_cache(tmp_path: Path) -> Non
     assert float(x[-1]) == x.size - 1
 
 
+def test_release_without_counting_returns_zero_and_still_releases(tmp_path: Path) -> None:
+    x = _memmap(tmp_path)
+    assert mapped_bytes(x) == x.nbytes
+    assert release(x, drop_cache=False, count=False) == 0
+    assert mapped_bytes(x) == 0
+    assert float(x[-1]) == x.size - 1
+
+
 def test_release_of_a_row_block_rounds_outward_to_pages(tmp_path: Path) -> None:
     # Rows of 1000 bytes: block boundaries fall inside pages.
     path = tmp_path / "rows.bin"

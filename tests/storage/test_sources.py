@@ -179,7 +179,7 @@ def test_release_reaches_one_huge_page_behind(
     assert sources.behind_rows(1 << 30) == 1
     released: list[tuple[int, bool]] = []
 
-    def release(x: np.ndarray, *, drop_cache: bool = True) -> int:
+    def release(x: np.ndarray, *, drop_cache: bool = True, count: bool = True) -> int:
         released.append((x.shape[0], drop_cache))
         return 0
 

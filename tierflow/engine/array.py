@@ -80,6 +80,50 @@ def _bounds(n_rows: int, rows: int | None, row_nbytes: int) -> tuple[int, ...]:
     return (0, *(stop for _, stop in selection.block_bounds(n_rows, step)))
 
 
+PAGE_BYTES = 4096
+
+
+def _take_below(
+    node: Chunked, positions: np.ndarray, rows: int, made: dict[tuple[int, int], Chunked]
+) -> Chunked | None:
+    """``node[positions]`` with the picks moved below every operation to the sources:
+    picking rows commutes with operations that work row by row (elementwise, trailing
+    selections and reductions, ``@``, row slices). A source whose rows are views (a
+    memory-mapped file, an array in memory) is then picked from in any order, block by
+    block. None where something else lies on the way (``map_blocks``, a mask, a
+    concatenation, files loaded by ``from_files``). ``made`` shares what was built for
+    a node reached twice."""
+    found = made.get((id(node), id(positions)))
+    if found is not None:
+        return found
+    out: Chunked | None = None
+    if isinstance(node, graph.Source):
+        if isinstance(node.reader, (FileReader, ArrayReader)):
+            out = graph.RowTake(node, positions, rows)
+    elif isinstance(node, graph.RowSlice):
+        out = _take_below(node.inputs[0], node.first + positions * node.step, rows, made)  # type: ignore[arg-type]
+    elif isinstance(node, graph.Elementwise):
+        operands: list[Any] = []
+        for o in node.operands:
+            moved = _take_below(o, positions, rows, made) if isinstance(o, Chunked) else o
+            if moved is None:
+                return None
+            operands.append(moved)
+        out = graph.Elementwise(node.op, tuple(operands))
+    elif isinstance(node, graph.BlockMap) and not node.spec.user:
+        chunked = []
+        for c in node.inputs[: node.n_chunked]:
+            moved = _take_below(c, positions, rows, made)  # type: ignore[arg-type]
+            if moved is None:
+                return None
+            chunked.append(moved)
+        values = tuple(node.inputs[node.n_chunked :])
+        out = graph.BlockMap(node.spec, tuple(chunked), values)  # type: ignore[arg-type]
+    if out is not None:
+        made[(id(node), id(positions))] = out
+    return out
+
+
 def _wrap(node: Node) -> Array:
     return Array(node)
 
@@ -1076,9 +1120,11 @@ class Array:
     def _take(self, rows: Any) -> Array:
         """``x[rows]`` for an integer array of row positions (see :class:`graph.RowTake`).
 
-        Sorted positions (repeats allowed) stay lazy, block by block. Other orders are
-        gathered in row order the same way and then put in the order asked for in
-        memory: the result is an in-memory value, like a reduction's."""
+        Sorted positions (repeats allowed) stay lazy, block by block. Other orders stay
+        lazy where the picks can be moved down to the sources (see
+        :func:`_take_below`); otherwise the rows are gathered in row order the same way
+        and then put in the order asked for in memory: the result is an in-memory
+        value, like a reduction's."""
         node = self._node
         assert isinstance(node, Chunked)
         index = np.asarray(rows)
@@ -1097,15 +1143,23 @@ class Array:
                 "picking rows needs the row count, which is unknown after a boolean mask; "
                 "persist() the array first"
             )
-        positions = index.astype(np.int64)
-        bad = (positions < -n) | (positions >= n)
-        if bad.any():
-            raise IndexError(
-                f"index {int(positions[bad][0])} is out of bounds for axis 0 with size {n}"
-            )
-        positions = np.where(positions < 0, positions + n, positions)
+        # One copy at most (a permutation of a big file's rows is big itself): the
+        # graph keeps its own positions, safe from changes to the caller's array.
+        positions = index.astype(np.int64, copy=True)
+        if len(positions) and (positions.min() < -n or positions.max() >= n):
+            first = positions[(positions < -n) | (positions >= n)][0]
+            raise IndexError(f"index {int(first)} is out of bounds for axis 0 with size {n}")
+        negative = positions < 0
+        if negative.any():
+            positions[negative] += n
+        del negative
         if len(positions) < 2 or bool(np.all(positions[1:] >= positions[:-1])):
             return _wrap(graph.RowTake(node, positions))
+        # Each picked row costs at least a page of the file it is read from.
+        row_bytes = max(1, np.dtype(node.dtype).itemsize * math.prod(node.row_shape))
+        below = _take_below(node, positions, _default_rows(row_bytes, len(positions)), {})
+        if below is not None:
+            return _wrap(below)
         order = np.argsort(positions, kind="stable")
         picked = graph.RowTake(node, positions[order])
         back = np.empty_like(order)

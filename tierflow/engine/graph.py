@@ -449,17 +449,24 @@ class RowSlice(Chunked):
 
 
 class RowTake(Chunked):
-    """``x[positions]`` for sorted row positions (repeats allowed) of an array with a
-    known row count.
+    """``x[positions]``: rows of an array with a known row count, by position.
 
-    Output blocks follow the input's: each holds the rows picked from one input block;
-    input blocks nothing is picked from have no output block.
+    Sorted positions (repeats allowed, ``ordered``): output blocks follow the input's,
+    each holding the rows picked from one input block; input blocks nothing is picked
+    from have no output block. Positions in any other order are only taken from a
+    source whose rows are read as views (a file's memory map, an array in memory):
+    output blocks then have ``rows`` rows each, and each picks from anywhere.
     """
 
-    def __init__(self, source: Chunked, positions: np.ndarray) -> None:
+    def __init__(self, source: Chunked, positions: np.ndarray, rows: int = 0) -> None:
         assert source.n_rows is not None and source.bounds is not None
-        counts = np.diff(np.searchsorted(positions, np.asarray(source.bounds), side="left"))
-        bounds = (0, *np.cumsum(counts[counts > 0]).tolist())
+        self.ordered = bool(np.all(positions[1:] >= positions[:-1]))
+        if self.ordered:
+            counts = np.diff(np.searchsorted(positions, np.asarray(source.bounds), side="left"))
+            bounds = (0, *np.cumsum(counts[counts > 0]).tolist())
+        else:
+            assert rows > 0, "positions out of order need the rows of an output block"
+            bounds = (*range(0, len(positions), rows), len(positions))
         super().__init__(
             (source,), source.dtype, (len(positions), *source.row_shape), bounds=bounds
         )
@@ -471,8 +478,8 @@ class RowTake(Chunked):
         picked = self.positions[a:b]
         if not len(picked):
             return 0, 0, picked
-        lo = int(picked[0])
-        return lo, int(picked[-1]) + 1, picked - lo
+        lo, hi = (picked[0], picked[-1]) if self.ordered else (picked.min(), picked.max())
+        return int(lo), int(hi) + 1, picked - lo
 
     def params(self) -> str:
         return keys.array_digest(self.positions)

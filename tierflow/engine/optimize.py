@@ -265,8 +265,8 @@ class TakeStep(Step):
 
     def _spans(self, req: Request) -> list[tuple[int, int, np.ndarray]]:
         lo, hi, take = self.node.input_rows(req[1], req[2])
-        if hi - lo <= 2 * len(take) + self.GAP:
-            return [(lo, hi, take)]
+        if not self.node.ordered or hi - lo <= 2 * len(take) + self.GAP:
+            return [(lo, hi, take)]  # out of order: a source's view, picked from anywhere
         cuts = np.flatnonzero(np.diff(take) > self.GAP) + 1
         return [(lo + int(t[0]), lo + int(t[-1]) + 1, t - t[0]) for t in np.split(take, cuts)]
 
@@ -281,6 +281,8 @@ class TakeStep(Step):
         return [(self.source, ())]
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        if not self.node.ordered:
+            return  # reading the span ahead would read what nobody picked
         for a, b, _ in self._spans(req):
             yield from self.source.sources(("r", a, b))
 

@@ -110,7 +110,7 @@ class FileReader(Reader):
         self.source.readahead(a, b)
 
     def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
-        self.source.release(a, b, drop_cache=drop_cache)
+        self.source.release(a, b, drop_cache=drop_cache, count=False)
 
     def check(self) -> None:
         try:
@@ -170,7 +170,7 @@ class ArrayReader(Reader):
 
     def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
         if self.file_backed:
-            self.source.release(a, b, drop_cache=drop_cache)
+            self.source.release(a, b, drop_cache=drop_cache, count=False)
 
     def costly_token(self) -> bool:
         """Whether :meth:`token` would hash a big in-memory array (not done yet)."""

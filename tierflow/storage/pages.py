@@ -124,7 +124,7 @@ class _Span:
 # -- public API ------------------------------------------------------------------------
 
 
-def release(x: np.ndarray, *, drop_cache: bool = True) -> int:
+def release(x: np.ndarray, *, drop_cache: bool = True, count: bool = True) -> int:
     """Give back the memory of ``x``'s pages; ``x`` stays valid and reads the same values.
 
     ``x`` is a ``np.memmap`` of a file, or a view of one (a slice, ``np.asarray``,
@@ -142,7 +142,9 @@ def release(x: np.ndarray, *, drop_cache: bool = True) -> int:
     drops a dirty page; this costs microseconds when nothing is dirty.
 
     Returns the bytes of ``x``'s range that were resident before the call (mincore),
-    i.e. how much of ``x`` was in memory when it was released.
+    i.e. how much of ``x`` was in memory when it was released; 0 with ``count=False``,
+    which skips that page-by-page look (it costs as much as the release over a wide
+    range of which few pages were touched).
 
     Raises ``ValueError`` for an array whose memory is not a file mapping (ordinary
     RAM: dropping its pages would discard the data) or a copy-on-write memmap (the
@@ -159,7 +161,7 @@ def release(x: np.ndarray, *, drop_cache: bool = True) -> int:
             "of changes made through it. Use mode='r+' to write through to the file, "
             "or keep the array in memory."
         )
-    before = _resident(span.low, span.high)
+    before = _resident(span.low, span.high) if count else 0
     start, stop = _mm_pages(span)
     if span.writable:
         # msync wants a page-aligned offset and a range inside the mapping.

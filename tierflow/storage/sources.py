@@ -210,17 +210,18 @@ class FileSource:
         if i1 > i0 and self.nbytes:
             pages.readahead(self.block(i0, i1))
 
-    def release(self, i0: int, i1: int, *, drop_cache: bool = False) -> int:
+    def release(self, i0: int, i1: int, *, drop_cache: bool = False, count: bool = True) -> int:
         """Drop rows ``i0:i1`` from this process; with ``drop_cache`` also from the page cache.
 
         The range reaches :func:`behind_rows` rows before ``i0`` (see the module
         docstring). Views stay valid: their pages fault back in from the file. Returns
-        the bytes that were resident (see :func:`tierflow.storage.pages.release`).
+        the bytes that were resident (see :func:`tierflow.storage.pages.release`; 0
+        with ``count=False``).
         """
         if i1 <= i0 or not self.nbytes:
             return 0
         start = max(0, i0 - behind_rows(self.row_nbytes))
-        return pages.release(self.block(start, i1), drop_cache=drop_cache)
+        return pages.release(self.block(start, i1), drop_cache=drop_cache, count=count)
 
     def close(self) -> None:
         """Drop this source's reference to the mapping.
@@ -291,17 +292,17 @@ class ArraySource:
         if self.file_backed and i1 > i0 and self.row_nbytes:
             pages.readahead(self.block(i0, i1))
 
-    def release(self, i0: int, i1: int, *, drop_cache: bool = False) -> int:
+    def release(self, i0: int, i1: int, *, drop_cache: bool = False, count: bool = True) -> int:
         """Write back and drop rows ``i0:i1`` from this process if the array is file-backed.
 
         Like :meth:`FileSource.release` the range reaches :func:`behind_rows` rows before
-        ``i0``. Returns the bytes that were resident; 0 for RAM arrays (nothing to drop
-        safely).
+        ``i0``. Returns the bytes that were resident (0 with ``count=False``); 0 for RAM
+        arrays (nothing to drop safely).
         """
         if not self.file_backed or i1 <= i0 or not self.row_nbytes:
             return 0
         start = max(0, i0 - behind_rows(self.row_nbytes))
-        return pages.release(self.block(start, i1), drop_cache=drop_cache)
+        return pages.release(self.block(start, i1), drop_cache=drop_cache, count=count)
 
     def close(self) -> None:
         """Nothing to close: the caller owns the array."""
