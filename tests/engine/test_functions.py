@@ -136,6 +136,9 @@ def test_rows_picked_by_integer_arrays(tmp_path: Path, a: np.ndarray, x: tw.Arra
         x[[1, 500]]
     with pytest.raises(IndexError, match="index -501 is out of bounds"):
         x[[-501]]
+    with pytest.raises(IndexError, match=f"index {2**64 - 1} is out of bounds"):
+        x[np.array([3, 2**64 - 1], np.uint64)]
+    np.testing.assert_array_equal(x[np.array([3, 1], np.uint8)].compute(), a[[3, 1]])
     with pytest.raises(IndexError, match="must be of integer"):
         x[[1.0, 2.0]]
     with pytest.raises(IndexError, match=r"must be 1-D, not of shape \(1, 2\)"):

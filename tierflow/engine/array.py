@@ -80,9 +80,6 @@ def _bounds(n_rows: int, rows: int | None, row_nbytes: int) -> tuple[int, ...]:
     return (0, *(stop for _, stop in selection.block_bounds(n_rows, step)))
 
 
-PAGE_BYTES = 4096
-
-
 def _take_below(
     node: Chunked, positions: np.ndarray, rows: int, made: dict[tuple[int, int], Chunked]
 ) -> Chunked | None:
@@ -1143,6 +1140,8 @@ class Array:
                 "picking rows needs the row count, which is unknown after a boolean mask; "
                 "persist() the array first"
             )
+        if index.dtype.kind == "u" and index.size and int(index.max()) >= n:
+            raise IndexError(f"index {int(index.max())} is out of bounds for axis 0 with size {n}")
         # One copy at most (a permutation of a big file's rows is big itself): the
         # graph keeps its own positions, safe from changes to the caller's array.
         positions = index.astype(np.int64, copy=True)
@@ -1155,7 +1154,8 @@ class Array:
         del negative
         if len(positions) < 2 or bool(np.all(positions[1:] >= positions[:-1])):
             return _wrap(graph.RowTake(node, positions))
-        # Each picked row costs at least a page of the file it is read from.
+        # Blocks of the default size for the output's rows: the source's mapping is
+        # released once a block, whatever the picks touched.
         row_bytes = max(1, np.dtype(node.dtype).itemsize * math.prod(node.row_shape))
         below = _take_below(node, positions, _default_rows(row_bytes, len(positions)), {})
         if below is not None:

@@ -252,9 +252,10 @@ class SliceStep(Step):
 
 
 class TakeStep(Step):
-    """Picked rows of the input: each output row range lies in one input block. The input
-    is evaluated over the picked rows' span, in pieces where they are far apart, so a
-    computed input is not evaluated on rows nobody picked."""
+    """Picked rows of the input (:class:`graph.RowTake`). Sorted picks of an output row
+    range lie in one input block, which is evaluated over the picks' span, in pieces
+    where they are far apart, so a computed input is not evaluated on rows nobody
+    picked. Picks out of order come from a source's view of its whole span."""
 
     node: graph.RowTake
     GAP = 256  # rows between picks beyond which the span is cut
