@@ -381,6 +381,10 @@ class _NamedReduction:
         self.keepdims = keepdims
         self._kwargs = kwargs
         self.out_dtype: np.dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
+        self._derive()
+
+    def _derive(self) -> None:
+        """Set what a kind of reduction derives from the fields above (its shapes)."""
 
 
 class RowwiseReduction(_NamedReduction):
@@ -393,19 +397,11 @@ class RowwiseReduction(_NamedReduction):
     row_independent = True
     n_inputs = 1
 
-    def __init__(
-        self,
-        kind: str,
-        in_dtype: np.dtype,
-        row_shape: tuple[int, ...],
-        axes: tuple[int, ...],
-        keepdims: bool,
-        kwargs: dict[str, Any],
-    ) -> None:
-        super().__init__(kind, in_dtype, row_shape, axes, keepdims, kwargs)
+    def _derive(self) -> None:
+        axes, keepdims = self.axes, self.keepdims
         self.out_row_shape = tuple(
             1 if i + 1 in axes else n
-            for i, n in enumerate(row_shape)
+            for i, n in enumerate(self.in_row_shape)
             if keepdims or i + 1 not in axes
         )
 
@@ -456,22 +452,14 @@ class RowReduction(_NamedReduction, abc.ABC):
     commutative = True
     n_inputs = 1
 
-    def __init__(
-        self,
-        kind: str,
-        in_dtype: np.dtype,
-        row_shape: tuple[int, ...],
-        axes: tuple[int, ...],
-        keepdims: bool,
-        kwargs: dict[str, Any],
-    ) -> None:
-        super().__init__(kind, in_dtype, row_shape, axes, keepdims, kwargs)
+    def _derive(self) -> None:
+        axes, row_shape = self.axes, self.in_row_shape
         self.trailing = tuple(a - 1 for a in axes if a != 0)
         self.reduced_per_row = math.prod(row_shape[a] for a in self.trailing)
         self.core_shape = tuple(n for i, n in enumerate(row_shape) if i not in self.trailing)
         self.out_shape: tuple[int, ...] = (
             tuple(1 if i in axes else n for i, n in enumerate((1, *row_shape)))
-            if keepdims
+            if self.keepdims
             else self.core_shape
         )
 
