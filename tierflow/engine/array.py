@@ -1140,14 +1140,14 @@ class Array:
                 "picking rows needs the row count, which is unknown after a boolean mask; "
                 "persist() the array first"
             )
-        if index.dtype.kind == "u" and index.size and int(index.max()) >= n:
-            raise IndexError(f"index {int(index.max())} is out of bounds for axis 0 with size {n}")
-        # One copy at most (a permutation of a big file's rows is big itself): the
-        # graph keeps its own positions, safe from changes to the caller's array.
-        positions = index.astype(np.int64, copy=True)
-        if len(positions) and (positions.min() < -n or positions.max() >= n):
-            first = positions[(positions < -n) | (positions >= n)][0]
+        if index.size and (int(index.min()) < -n or int(index.max()) >= n):
+            first = index[(index < -n) | (index >= n)][0]
             raise IndexError(f"index {int(first)} is out of bounds for axis 0 with size {n}")
+        # One copy (a permutation of a big file's rows is big itself), in 4 bytes a
+        # position where the rows allow: the graph keeps its own positions, safe from
+        # changes to the caller's array.
+        small = n <= np.iinfo(np.int32).max
+        positions = index.astype(np.int32 if small else np.int64, copy=True)
         negative = positions < 0
         if negative.any():
             positions[negative] += n
