@@ -132,6 +132,13 @@ def test_rows_picked_by_integer_arrays(tmp_path: Path, a: np.ndarray, x: tw.Arra
     assert loaded[[2500, 10]]._node.kind == "value"  # files load whole: no view to pick from
     np.testing.assert_array_equal(loaded[[2500, 10]].compute(), wide[[500, 10]])
     assert x[[]].shape == (0, 4) and x[np.array([], np.int64)].compute().shape == (0, 4)
+    # The graph keeps its own positions, 4 bytes each: changing the caller's array
+    # after building changes nothing.
+    mine = np.array([7, 3, 400])
+    later = x[mine]
+    assert later._node.positions.dtype == np.int32  # type: ignore[attr-defined]
+    mine[:] = 0
+    np.testing.assert_array_equal(later.compute(), a[[7, 3, 400]])
     with pytest.raises(IndexError, match="index 500 is out of bounds for axis 0 with size 500"):
         x[[1, 500]]
     with pytest.raises(IndexError, match="index -501 is out of bounds"):
