@@ -46,23 +46,9 @@ class Calls:
         self.__init__()  # type: ignore[misc]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_handles() -> Any:
-    cache_module.close_all()
-    yield
-    cache_module.close_all()
-
-
 @pytest.fixture
 def data() -> np.ndarray:
     return np.random.default_rng(7).random((N, 4)).astype(np.float32)
-
-
-@pytest.fixture
-def src(tmp_path: Path, data: np.ndarray) -> Path:
-    path = tmp_path / "src.npy"
-    np.save(path, data)
-    return path
 
 
 def doubled(calls: Calls) -> Any:

@@ -14,30 +14,15 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import cache as cache_module
 from tierflow.engine import keys
 
 ROWS = 50
 N = 200
 
 
-@pytest.fixture(autouse=True)
-def _fresh_handles() -> Any:
-    cache_module.close_all()
-    yield
-    cache_module.close_all()
-
-
 @pytest.fixture
 def data() -> np.ndarray:
     return np.random.default_rng(3).random((N, 4)).astype(np.float32)
-
-
-@pytest.fixture
-def src(tmp_path: Path, data: np.ndarray) -> Path:
-    path = tmp_path / "src.npy"
-    np.save(path, data)
-    return path
 
 
 def run(array: Any) -> tuple[int, int]:

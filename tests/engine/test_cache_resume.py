@@ -61,13 +61,6 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.fixture(autouse=True)
-def _fresh_handles() -> Iterator[None]:
-    cache_module.close_all()
-    yield
-    cache_module.close_all()
-
-
 @pytest.fixture(scope="module")
 def data() -> np.ndarray:
     return np.random.default_rng(11).random((N, WIDTH)).astype(np.float32)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -283,6 +283,14 @@ class ElemOp:
             return f"round({self.decimals})"
         return self.kind
 
+    def _clip_args(self, args: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """``(a, lo, hi)`` of a clip, whose operands hold only the bounds it was given."""
+        items = iter(args)
+        a = next(items)
+        lo = next(items) if self.has_lo else None
+        hi = next(items) if self.has_hi else None
+        return a, lo, hi
+
     def expr(self, args: list[Any]) -> ew.Expr:
         """The operators layer's expression node over ``args`` (nodes or constants)."""
         if self.kind == "ufunc":
@@ -291,11 +299,7 @@ class ElemOp:
         if self.kind == "where":
             return ew.where(*args)
         if self.kind == "clip":
-            values = iter(args)
-            a = next(values)
-            lo = next(values) if self.has_lo else None
-            hi = next(values) if self.has_hi else None
-            return ew.clip(a, lo, hi)
+            return ew.clip(*self._clip_args(args))
         if self.kind == "astype":
             return ew.astype(args[0], self.dtype)
         if self.kind == "round":
@@ -310,11 +314,7 @@ class ElemOp:
         if self.kind == "where":
             return np.where(*values)
         if self.kind == "clip":
-            items = iter(values)
-            a = next(items)
-            lo = next(items) if self.has_lo else None
-            hi = next(items) if self.has_hi else None
-            return np.clip(a, lo, hi)
+            return np.clip(*self._clip_args(values))
         if self.kind == "astype":
             return np.asarray(values[0]).astype(self.dtype)
         if self.kind == "round":
