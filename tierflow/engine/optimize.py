@@ -672,6 +672,25 @@ class Program:
             stack.extend(child for child, _ in step.children())
         return list(found.values())
 
+    def describe(self) -> str:
+        """The program's roots and their steps, one per line, indented by depth (for
+        logs and the plan's golden tests)."""
+        lines: list[str] = []
+
+        def walk(step: Step, depth: int) -> None:
+            lines.append(f"{'  ' * depth}{type(step).__name__} {step.label()}")
+            for child, _ in step.children():
+                walk(child, depth + 1)
+
+        for s in self.sinks:
+            lines.append(f"sink {s.node.label()} -> {type(s.sink).__name__}")
+            walk(s.step, 1)
+        for r in self.reductions:
+            lines.append(f"reduce {r.label} by {type(r.chunker).__name__}")
+            for step in r.inputs:
+                walk(step, 1)
+        return "\n".join(lines)
+
     def memory(self, rows: int) -> TaskMemory:
         """Projected bytes of one task on a block of ``rows`` rows (a pure function of
         the program: inputs read, blocks made, operators' scratch)."""

@@ -80,6 +80,7 @@ class Plan:
     what: str = ""
     stages: int = 0
     passes: int = 0
+    programs: list[Program] = field(default_factory=list)  # one per pass, as planned
 
     def add(self, task: Task) -> int:
         self.tasks.append(task)
@@ -377,6 +378,7 @@ def _add_pass(
 
     files = planned.reads_files()
     planned.name, planned.count = label, n
+    plan.programs.append(planned)
     name = f" of {label}"
 
     memories: dict[int, TaskMemory] = {0: TaskMemory()}
@@ -482,10 +484,28 @@ def _finish_task(
     return Task(f"finish {node.label()}", run, deps, after=blocks)
 
 
-def describe(plan: Plan) -> str:
-    """A short text of the plan (stages, passes, tasks), for logs and errors."""
+def describe(plan: Plan, *, tasks: bool = False) -> str:
+    """A short text of the plan (stages, passes, tasks), for logs and errors.
+
+    ``tasks=True`` adds every pass's program and every task, one per line: index, name,
+    the tasks whose results it takes (``deps``) and those it waits for (``after``), its
+    rows and projected bytes (inputs/outputs/scratch). The plan's golden tests compare
+    this text."""
     counts: dict[str, int] = defaultdict(int)
     for t in plan.tasks:
         counts[t.name.split(" ", 1)[0]] += 1
     parts = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-    return f"{len(plan.tasks)} tasks in {plan.stages} stage(s), {plan.passes} pass(es): {parts}"
+    head = f"{len(plan.tasks)} tasks in {plan.stages} stage(s), {plan.passes} pass(es): {parts}"
+    if not tasks:
+        return head
+    lines = [head]
+    for k, program in enumerate(plan.programs):
+        lines.append(f"program {k}: {program.name} ({program.count} blocks)")
+        lines.extend(f"  {line}" for line in program.describe().splitlines())
+    for i, t in enumerate(plan.tasks):
+        m = t.memory
+        lines.append(
+            f"{i}: {t.name} deps={list(t.deps)} after={list(t.after)} rows={t.rows} "
+            f"mem={m.inputs}/{m.outputs}/{m.temps}"
+        )
+    return "\n".join(lines)
