@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from tierflow.engine import cache as cache_module
+from tierflow.engine.executors import use_executor
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +27,30 @@ def src(tmp_path: Path, data: np.ndarray) -> Path:
     path = tmp_path / "src.npy"
     np.save(path, data)
     return path
+
+
+EXECUTORS = ("threads", "serial", "processes")
+# TIERFLOW_TEST_EXECUTORS=processes (a comma-separated list) runs the engine's tests on
+# some executors only.
+_CHOSEN = [
+    n
+    for n in os.environ.get("TIERFLOW_TEST_EXECUTORS", ",".join(EXECUTORS)).split(",")
+    if n in EXECUTORS
+]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every engine test runs on each executor: threads, serial and worker processes;
+    ``@pytest.mark.executors("threads")`` names the ones a test is about."""
+    if "executor_name" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("executors")
+    names = [n for n in _CHOSEN if marker is None or n in marker.args]
+    metafunc.parametrize("executor_name", names, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def executor_name(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The default executor of the test's computes (see pytest_generate_tests)."""
+    with use_executor(request.param):
+        yield request.param

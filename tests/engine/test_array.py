@@ -69,6 +69,7 @@ def test_from_files_one_row_per_file_in_the_workers(tmp_path: Path, data: np.nda
     np.testing.assert_allclose(x.mean(axis=0).compute(), data[:12].mean(axis=0), rtol=1e-6)
 
 
+@pytest.mark.executors("threads")
 def test_slow_loads_of_small_files_run_on_every_worker(tmp_path: Path, data: np.ndarray) -> None:
     import threading
 

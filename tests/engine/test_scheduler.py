@@ -77,6 +77,7 @@ def blocks_of(mb: float, n: int) -> tw.Array:
     return tw.from_array(np.ones((rows * n, 1)), rows=rows)
 
 
+@pytest.mark.executors("threads")
 def test_blocks_too_big_for_a_workers_share_are_cut_to_fit() -> None:
     tw.memory.budget("3MB")  # a 1 MB block task projects 2 MB: more than 3 MB / (2 x 4)
     fn = Concurrency()
@@ -99,6 +100,7 @@ def test_admission_keeps_projected_memory_within_a_tiny_budget() -> None:
     assert fn.most == 1 and fn.calls == 8 and len(result) == 8 * (MB // 8)
 
 
+@pytest.mark.executors("threads")
 def test_a_bigger_budget_lets_workers_run_together() -> None:
     tw.memory.budget("64MB")
     fn = Concurrency()

@@ -57,6 +57,18 @@ _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
 _SIZES = halving.sizes  # operators that ran out of memory before: run through halving
 
 
+class _Skipped:
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+    def __reduce__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED: Any = _Skipped()
+"""A reduction's partial for a block it does not need (a complete prefix exists)."""
+
+
 class Context:
     """One task's state: the memo of evaluated steps and the source rows it read."""
 
@@ -529,16 +541,23 @@ class ReduceRoot:
         self.label = node.label()
         self.cache = cache  # the node's cache Entry: partials per block, or None
 
-    def run(self, ctx: Context, req: Request) -> None:
+    def __getstate__(self) -> dict[str, Any]:
+        # Travels without its accumulator: partials go back to the driver, which adds
+        # them (Program.receive). A cache entry never travels (Program.remote_ok).
+        state = self.__dict__.copy()
+        state["acc"] = state["cache"] = None
+        return state
+
+    def run(self, ctx: Context, req: Request) -> Any:
+        """This block's partial result, or :data:`SKIPPED` when it is not needed."""
         acc = self.acc
-        if acc.complete_through is not None and acc.skip(ctx.index):
-            return
+        if acc is not None and acc.complete_through is not None and acc.skip(ctx.index):
+            return SKIPPED
         cache = self.cache
         if cache is not None:
             cached = cache.get_partial(req)
             if cached is not MISS:
-                acc.add(ctx.index, cached)
-                return
+                return cached
         blocks = [s.eval(ctx, req) for s in self.inputs]
         offset = req[1] if req[0] == "r" else 0
         key = self.node.ident
@@ -568,7 +587,7 @@ class ReduceRoot:
             raise
         if cache is not None:
             cache.put_partial(req, partial)
-        acc.add(ctx.index, partial)
+        return partial
 
     def cached(self, req: Request) -> bool:
         """Whether this block's partial is in the cache (then it reads no input)."""
@@ -590,6 +609,14 @@ class SinkRoot:
         self.step = step
         self.sink = sink
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The sink stays with the driver; its place (a file's rows) travels, if it has
+        # one, and the worker writes known rows there.
+        state = self.__dict__.copy()
+        state["sink"] = None
+        state["place"] = self.sink.place() if self.sink is not None else None
+        return state
+
     def run(self, ctx: Context, req: Request) -> Any:
         if req[0] == "r" and self.sink.known:
             a, b = req[1], req[2]
@@ -597,12 +624,33 @@ class SinkRoot:
             self.step.eval_into(ctx, req, dest)
             self.sink.written(a, b, dest)
             return None
+        return self._held(ctx, req)
+
+    def _held(self, ctx: Context, req: Request) -> np.ndarray:
         block = self.step.eval(ctx, req)
         return (
             np.array(block, order="C")
             if not block.flags.c_contiguous or not block.flags.owndata
             else block
         )
+
+    def run_remote(self, ctx: Context, req: Request) -> np.ndarray | None:
+        """In a worker: write known rows to the sink's place, else return the block."""
+        place = getattr(self, "place", None)
+        if place is not None and req[0] == "r":
+            place.write(req[1], self.step.eval(ctx, req))
+            return None
+        return self._held(ctx, req)
+
+    def receive(self, req: Request, block: np.ndarray | None) -> Any:
+        """In the driver: place a block a worker returned; the held block, if any."""
+        if block is None or not (req[0] == "r" and self.sink.known):
+            return block
+        a, b = req[1], req[2]
+        dest = self.sink.dest(a, b)
+        np.copyto(dest, block, casting="unsafe")
+        self.sink.written(a, b, dest)
+        return None
 
     def memory(self, rows: int) -> TaskMemory:
         return TaskMemory(outputs=int(self.sink.task_bytes(rows)))
@@ -620,25 +668,74 @@ class Program:
         self.count = count  # blocks in the pass
         self._memory: dict[int, TaskMemory] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_memory"] = {}
+        state.pop("_wire", None)
+        return state
+
     def run(self, index: int, req: Request) -> Any:
-        """Compute block ``index`` (request ``req``) for every root; the held blocks of
-        unknown-size sinks come back as a tuple (None when there are none)."""
+        """Compute block ``index`` (request ``req``) for every root, in this process;
+        the held blocks of unknown-size sinks come back as a tuple (None when there
+        are none)."""
         ctx = Context(index, req, self)
         held: list[Any] | None = None
         try:
             if self.sinks:
                 held = [s.run(ctx, req) for s in self.sinks]
             for r in self.reductions:
-                r.run(ctx, req)
+                partial = r.run(ctx, req)
+                if partial is not SKIPPED:
+                    r.acc.add(index, partial)
         finally:
-            if ctx.reads:
-                drop = pressure.level_now() in _HIGH
-                for reader, a, b in ctx.reads:
-                    reader.release(a, b, drop_cache=drop)
-            ctx.memo.clear()
+            self._release(ctx)
         if held is None or all(h is None for h in held):
             return None
         return tuple(held)
+
+    @staticmethod
+    def _release(ctx: Context) -> None:
+        if ctx.reads:
+            drop = pressure.level_now() in _HIGH
+            for reader, a, b in ctx.reads:
+                reader.release(a, b, drop_cache=drop)
+        ctx.memo.clear()
+
+    def run_remote(self, index: int, req: Request) -> Any:
+        """Compute block ``index`` in a worker process (see :mod:`tierflow.engine.tasks`):
+        partials and blocks come back by value, known rows of a file go to its place."""
+        from .tasks import BlockResult
+
+        ctx = Context(index, req, self)
+        try:
+            blocks = tuple(s.run_remote(ctx, req) for s in self.sinks)
+            partials = tuple(r.run(ctx, req) for r in self.reductions)
+        finally:
+            self._release(ctx)
+        return BlockResult(partials, blocks)
+
+    def receive(self, index: int, req: Request, result: Any) -> Any:
+        """In the driver, what a worker computed for block ``index``: its partials
+        added, its blocks placed; returns what :meth:`run` would have."""
+        for r, partial in zip(self.reductions, result.partials, strict=True):
+            if partial is not SKIPPED:
+                r.acc.add(index, partial)
+        held = [s.receive(req, b) for s, b in zip(self.sinks, result.blocks, strict=True)]
+        if not held or all(h is None for h in held):
+            return None
+        return tuple(held)
+
+    @property
+    def remote_ok(self) -> bool:
+        """Whether a worker process can run this program: one that reads or writes the
+        compute's cache holds handles on its store, and runs in the driver."""
+        found = self.__dict__.get("_remote_ok")
+        if found is None:
+            found = not any(r.cache is not None for r in self.reductions) and not any(
+                isinstance(s, CachedStep) for s in self.steps()
+            )
+            self._remote_ok = found
+        return bool(found)
 
     def reads_files(self) -> bool:
         """Whether any step reads a file (else there is nothing to read ahead)."""

@@ -390,10 +390,16 @@ def _add_pass(
         if memory is None:
             memory = memories[rows] = planned.memory(rows)
         prefetch = functools.partial(planned.prefetch, req) if files else None
-        if prepare is None:
-            return Task(f"block {j}{name}", run, (), memory, prefetch, rows, (), (j, req))
         return Task(
-            f"block {j}{name}", _run_prepared, block_deps, memory, prefetch, rows, (), (j, req)
+            f"block {j}{name}",
+            run if prepare is None else _run_prepared,
+            block_deps,
+            memory=memory,
+            prefetch=prefetch,
+            rows=rows,
+            args=(j, req),
+            block=True,
+            program=planned if prepare is None else None,
         )
 
     held = [(pos, node, sink) for pos, (node, sink) in enumerate(p.sinks) if not sink.known]

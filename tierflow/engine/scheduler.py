@@ -112,7 +112,16 @@ from ..system import budget as budget_module
 from ..system import pressure
 from ..system.types import Level
 from . import halving
-from .types import ComputeFinished, ComputeStarted, Executor, Task, TaskFinished
+from . import tasks as tasks_module
+from .tasks import BlockTask
+from .types import (
+    ComputeFinished,
+    ComputeStarted,
+    Executor,
+    Task,
+    TaskExecutor,
+    TaskFinished,
+)
 
 __all__ = ["LANE_PROBE", "TASKS_PER_WORKER", "TINY_TASK_SECONDS", "Stats", "run"]
 
@@ -339,10 +348,15 @@ class _Run:
             deep_window if need < SMALL_TASK and not self.consumers[i] else window
             for i, need in enumerate(self.needs)
         ]
-        # Kinds of tasks that may run on the lane: those projecting under SMALL_TASK.
+        # Block tasks travel to other processes when the executor runs tasks as data.
+        self.remote = isinstance(executor, TaskExecutor)
+        # Kinds of tasks that may run on the lane: those projecting under SMALL_TASK
+        # (no lane beside worker processes: the lane saves thread hand-offs).
         kinds: dict[Any, _Kind] = {}
         self.kinds: list[_Kind | None] = [
-            (kinds.get(t.fn) or kinds.setdefault(t.fn, _Kind())) if need < SMALL_TASK else None
+            (kinds.get(t.fn) or kinds.setdefault(t.fn, _Kind()))
+            if need < SMALL_TASK and not (self.remote and t.block)
+            else None
             for t, need in zip(tasks, self.needs, strict=True)
         ]
         self.lane = _Lane(self.inbox)
@@ -371,6 +385,10 @@ class _Run:
             lane.append((i, fn, args))
             return
         put = self.inbox.put
+        if task.block and self.remote and self._submit_remote(i, task, args):
+            if task.prefetch is not None:
+                self._prefetch(task)
+            return
 
         def call() -> tuple[Any, float]:
             start = perf_counter()
@@ -382,6 +400,30 @@ class _Run:
         self.executor.submit(call, done)
         if task.prefetch is not None:
             self._prefetch(task)
+
+    def _submit_remote(self, i: int, task: Task, args: tuple[Any, ...]) -> bool:
+        """Send block task ``i`` to a worker process as data; False when its program
+        must run here (see :attr:`tierflow.engine.optimize.Program.remote_ok`). The
+        worker's result is received (partials added, blocks placed) on the thread
+        that reports it. Scheduler thread only."""
+        program = task.program if task.program is not None else args[-1][0]
+        if not program.remote_ok:
+            return False
+        index, req = task.args
+        desc = BlockTask(tasks_module.ship(program), index, req)
+        put = self.inbox.put
+
+        def done(outcome: Any, error: BaseException | None) -> None:
+            if error is None:
+                try:
+                    result, seconds = outcome
+                    outcome = (program.receive(index, req, result), seconds)
+                except BaseException as exc:
+                    outcome, error = None, exc
+            put((i, outcome, error))
+
+        self.executor.submit_task(desc, done)  # type: ignore[attr-defined]
+        return True
 
     @staticmethod
     def _prefetch(task: Task) -> None:

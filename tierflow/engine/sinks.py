@@ -47,7 +47,7 @@ from ..system import pressure
 from ..system.types import Level
 from .graph import Chunked
 
-__all__ = ["ArraySink", "NpySink", "npy_header", "sweep_temps", "temp_file"]
+__all__ = ["ArraySink", "FileRows", "NpySink", "npy_header", "sweep_temps", "temp_file"]
 
 _MAGIC = b"\x93NUMPY"
 _ALIGN = 64
@@ -184,6 +184,41 @@ class _Scratch:
             self._buffers.clear()
 
 
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+class FileRows:
+    """Where a worker process writes a sink's known rows: ``path`` from byte
+    ``offset``, ``row_nbytes`` bytes a row of ``dtype`` (small and picklable)."""
+
+    __slots__ = ("dtype", "offset", "path", "row_nbytes")
+
+    def __init__(self, path: str, offset: int, row_nbytes: int, dtype: np.dtype) -> None:
+        self.path = path
+        self.offset = offset
+        self.row_nbytes = row_nbytes
+        self.dtype = dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FileRows, (self.path, self.offset, self.row_nbytes, self.dtype))
+
+    def write(self, row: int, block: np.ndarray) -> None:
+        """Write ``block`` at row ``row`` (the file exists: the driver created it)."""
+        data = np.ascontiguousarray(block, dtype=self.dtype)
+        if not data.size:
+            return
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            _pwrite_all(fd, data, self.offset + row * self.row_nbytes)
+        finally:
+            os.close(fd)
+
+
 class ArraySink:
     """The result of ``compute`` / ``persist``: an array made by ``memory.array``."""
 
@@ -205,6 +240,10 @@ class ArraySink:
         if self.known:
             return 0
         return rows * self.node.dtype.itemsize * math.prod(self.node.row_shape)  # type: ignore[union-attr]
+
+    def place(self) -> FileRows | None:
+        """Where another process writes rows: nowhere (they come back by value)."""
+        return None
 
     def dest(self, a: int, b: int) -> np.ndarray:
         assert self.out is not None
@@ -311,11 +350,13 @@ class NpySink:
 
     def _pwrite(self, data: Any, offset: int) -> None:
         assert self.fd is not None
-        view = memoryview(data).cast("B")
-        while view:
-            written = os.pwrite(self.fd, view, offset)
-            view = view[written:]
-            offset += written
+        _pwrite_all(self.fd, data, offset)
+
+    def place(self) -> FileRows | None:
+        """Where another process writes known rows: the temporary file, by offset."""
+        if not self.known or self.tmp is None:
+            return None
+        return FileRows(self.tmp, self.header_len, self.row_nbytes, self.dtype)
 
     def task_bytes(self, rows: int) -> int:
         """The block buffer a task writes from."""

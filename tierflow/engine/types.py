@@ -26,6 +26,7 @@ __all__ = [
     "Done",
     "Executor",
     "Task",
+    "TaskExecutor",
     "TaskFinished",
     "TaskMemory",
 ]
@@ -54,6 +55,22 @@ class Executor(Protocol):
 
     def shutdown(self, *, cancel: bool = False) -> None:
         """Stop: drop unstarted tasks when ``cancel``; return once nothing runs."""
+        ...
+
+
+@runtime_checkable
+class TaskExecutor(Executor, Protocol):
+    """An executor that also runs block tasks described as data, in other processes.
+
+    ``submit_task(desc, done)`` runs the :class:`~tierflow.engine.tasks.BlockTask`
+    ``desc`` somewhere that sees the same paths (shipping its program there first,
+    from :func:`~tierflow.engine.tasks.program_bytes`) and calls ``done(outcome,
+    error)`` with ``outcome = (BlockResult, seconds)``. ``submit(fn, done)`` runs the
+    driver's own tasks (finishing a reduction, committing a file) in this process.
+    """
+
+    def submit_task(self, desc: Any, done: Done) -> None:
+        """Run the block task ``desc`` and then ``done((result, seconds), error)``."""
         ...
 
 
@@ -94,6 +111,12 @@ class Task:
     any, is called when the task is submitted (readahead of its source blocks).
     ``rows`` is for progress reports; ``name`` says what the task does (``"block 3 of
     sum"``).
+
+    A block task (``block`` True, ``args == (index, request)``) can also travel as data
+    to another process (:mod:`tierflow.engine.tasks`): ``program`` is the pass's
+    program, or None when it is the first item of the result of the task's only
+    dependency (a pass whose program binds computed values is made by a ``prepare``
+    task).
     """
 
     name: str
@@ -104,6 +127,8 @@ class Task:
     rows: int = 0
     after: tuple[int, ...] = ()
     args: tuple[Any, ...] = ()
+    block: bool = False
+    program: Any = None
 
 
 @dataclass(frozen=True)

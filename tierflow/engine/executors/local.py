@@ -1,35 +1,28 @@
-"""Executors: threads (the default), serial (for debugging), and one that refuses to run.
+"""Executors in this process: threads (the default), serial (for debugging), and one
+that refuses to run.
 
 All three follow :class:`~tierflow.engine.types.Executor`. NumPy and torch release the
 GIL inside their loops, so threads compute in parallel without copying blocks between
-processes. An executor is made per compute by name (``executor="threads"``) and shut
-down at its end, so no worker thread outlives the compute that started it; an
-executor object passed in is used as it is and left running.
-
-:func:`use_executor` sets the default for a block of code (a context manager) or for
-the rest of the process; laziness tests wrap the building of a pipeline in
-``use_executor("raise")``.
+processes.
 """
 
 from __future__ import annotations
 
-import contextvars
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import TierflowError
-from ..system import devices
-from .types import Done, Executor
+from ...errors import TierflowError
+from ...system import devices
+from ..types import Done
 
 __all__ = [
     "ComputeForbidden",
     "RaisingExecutor",
     "SerialExecutor",
     "ThreadExecutor",
-    "make_executor",
-    "use_executor",
+    "default_workers",
 ]
 
 
@@ -139,64 +132,3 @@ class RaisingExecutor:
 
     def shutdown(self, *, cancel: bool = False) -> None:
         return None
-
-
-_NAMES: dict[str, Callable[[int | None], Executor]] = {
-    "threads": lambda workers: ThreadExecutor(workers),
-    "serial": lambda workers: SerialExecutor(),
-    "sync": lambda workers: SerialExecutor(),
-    "raise": lambda workers: RaisingExecutor(),
-}
-
-_default: contextvars.ContextVar[str | Executor] = contextvars.ContextVar(
-    "tierflow_executor", default="threads"
-)
-
-
-def make_executor(
-    executor: str | Executor | None, workers: int | None = None
-) -> tuple[Executor, bool]:
-    """The executor to use and whether this compute owns it (and must shut it down).
-
-    ``executor`` is None (the default set by :func:`use_executor`, else threads), a
-    name (``"threads"``, ``"serial"``, ``"raise"``) or an object following the protocol.
-    """
-    chosen = _default.get() if executor is None else executor
-    if isinstance(chosen, str):
-        make = _NAMES.get(chosen)
-        if make is None:
-            raise ValueError(
-                f"unknown executor {chosen!r}; use one of {', '.join(sorted(_NAMES))} or an "
-                "object with submit(fn, done), shutdown(cancel=...), workers and name"
-            )
-        return make(workers), True
-    if not isinstance(chosen, Executor):
-        raise TypeError(
-            f"{type(chosen).__name__} is not an executor: it needs submit(fn, done), "
-            "shutdown(cancel=...), workers and name"
-        )
-    return chosen, False
-
-
-class _Setting:
-    """What :func:`use_executor` returns: the setting, undone on leaving a ``with``."""
-
-    def __init__(self, token: contextvars.Token[str | Executor]) -> None:
-        self._token = token
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        _default.reset(self._token)
-
-
-def use_executor(executor: str | Executor) -> _Setting:
-    """Make ``executor`` the default of computes in this context (a thread or task).
-
-    >>> from tierflow.engine.executors import use_executor
-    >>> with use_executor("serial"):
-    ...     pass
-    """
-    make_executor(executor)  # validate now, not at the first compute
-    return _Setting(_default.set(executor))

@@ -1,0 +1,385 @@
+"""The ``"processes"`` executor: block tasks on a pool of spawned worker processes.
+
+A function written in plain Python holds the GIL, so threads run it one at a time.
+Worker processes run it on every core. Block tasks travel as data
+(:class:`~tierflow.engine.tasks.BlockTask`): the pool sends each worker a pass's
+program once, then only ``(program hash, block index, rows)`` per task; a worker
+reads its rows from the sources by path, and sends back partial results by value (and
+the blocks of results held in the driver's RAM); a ``.npy`` file's rows it writes in
+place. The driver (the process that called ``compute``) keeps the order, admission,
+the combining of partials, and runs its own small tasks (finishing a reduction,
+committing a file) on one thread of its own::
+
+    driver: scheduler ──BlockTask──▶ worker 0: run_task ──BlockResult──▶ driver
+                      ──BlockTask──▶ worker 1: ...        (partials, held blocks)
+
+The pool is persistent: it starts with the first block task of the process and serves
+every later compute that asks for the same number of workers, so a compute does not
+pay the start of the workers (about half a second each, which they spend importing
+NumPy and tierflow). Each worker runs with its share of the driver's RAM budget
+(``budget / workers``) and the driver's spill and store folders. Workers ignore
+SIGINT: a KeyboardInterrupt reaches the driver, whose scheduler cancels the compute;
+cancelling kills the workers that were running its tasks (they are started afresh for
+the next compute), so nothing keeps running.
+
+A worker that dies while running a task (killed by the kernel's OOM killer, a
+``SIGKILL``, a crash in native code) is replaced and its tasks are sent again, up to
+:data:`TRIES` times each; then the task fails with :class:`WorkerDied`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+import cloudpickle
+
+from ... import config
+from ...errors import TierflowError
+from ...system import budget as budget_module
+from .. import tasks as tasks_module
+from ..types import Done
+from .local import ThreadExecutor, default_workers
+
+__all__ = ["TRIES", "ProcessExecutor", "RemoteError", "WorkerDied", "shutdown_pools"]
+
+log = logging.getLogger("tierflow.engine")
+
+TRIES = 3  # times a task is sent before the deaths of its workers fail it
+_SETTINGS = ("spill_dir", "store_dir", "proc_root")  # passed on to workers as they are
+
+
+class WorkerDied(TierflowError, RuntimeError):
+    """A worker process died each time it ran a task."""
+
+
+class RemoteError(TierflowError, RuntimeError):
+    """An error raised in a worker process that could not be sent back as itself; its
+    message holds the worker's traceback."""
+
+
+def _wire_error(exc: BaseException) -> tuple[bytes | None, str]:
+    """``exc`` pickled (None if it does not survive a round trip) and its traceback."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        data = cloudpickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        return None, text
+    return data, text
+
+
+def _unwire_error(data: bytes | None, text: str) -> BaseException:
+    if data is not None:
+        with contextlib.suppress(Exception):
+            exc: BaseException = pickle.loads(data)
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"raised in a tierflow worker process:\n{text}")
+            return exc
+    return RemoteError(f"a worker process raised an error that cannot be sent back:\n{text}")
+
+
+def _worker_main(conn: multiprocessing.connection.Connection) -> None:
+    """A worker's loop: receive ``(tid, desc, program bytes, settings)``, run, reply."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    runtime = tasks_module.Runtime()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        tid, desc, data, settings = message
+        start = perf_counter()
+        try:
+            if settings is not None:
+                config.set(**dict(settings))
+            if data is not None:
+                runtime.add(desc.program, data)
+            result = tasks_module.run_task(desc, runtime)
+            reply: tuple[Any, ...] = ("ok", tid, result, perf_counter() - start)
+            conn.send(reply)
+        except BaseException as exc:
+            conn.send(("error", tid, *_wire_error(exc)))
+
+
+class _Worker:
+    """One worker process and what the driver knows of it."""
+
+    def __init__(self, context: Any, number: int) -> None:
+        here, there = context.Pipe(duplex=True)
+        self.process = context.Process(
+            target=_worker_main, args=(there,), name=f"tierflow-worker-{number}", daemon=True
+        )
+        self.process.start()
+        there.close()
+        self.conn = here
+        self.programs: set[str] = set()  # program hashes it holds
+        self.settings: tuple[tuple[str, Any], ...] | None = None
+        self.inflight: dict[int, _Pending] = {}
+        self.send_lock = threading.Lock()
+        self.retired = False  # killed on purpose (a cancelled compute), not to be mourned
+
+    def kill(self) -> None:
+        self.retired = True
+        with contextlib.suppress(Exception):
+            self.process.kill()
+        self.process.join(timeout=10)
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+class _Pending:
+    __slots__ = ("desc", "done", "tries")
+
+    def __init__(self, desc: tasks_module.BlockTask, done: Done) -> None:
+        self.desc = desc
+        self.done = done
+        self.tries = 0
+
+
+class _Pool:
+    """``size`` spawned workers and the thread that receives their replies.
+
+    ``_lock`` guards ``_workers`` and every worker's ``inflight``; a worker's
+    ``send_lock`` orders the messages sent to it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._context = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._numbers = itertools.count()
+        self._tids = itertools.count()
+        self._wake_r, self._wake_w = self._context.Pipe(duplex=False)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- workers ----------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        """Start workers up to ``size``. Caller holds ``_lock``."""
+        started = False
+        while len(self._workers) < self.size:
+            self._workers.append(_Worker(self._context, next(self._numbers)))
+            started = True
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._receive, name="tierflow-process-results", daemon=True
+            )
+            self._thread.start()
+        elif started:
+            self._wake_w.send_bytes(b"w")
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        share = max(1, budget_module.budget_bytes() // self.size)
+        return (("ram_budget", share), *((n, config.get(n)) for n in _SETTINGS))
+
+    # -- sending ----------------------------------------------------------------------
+
+    def submit(self, desc: tasks_module.BlockTask, done: Done) -> None:
+        self._send(_Pending(desc, done))
+
+    def _send(self, pending: _Pending) -> None:
+        if self._closed:
+            raise RuntimeError("the process pool was shut down")
+        tid = next(self._tids)
+        with self._lock:
+            self._fill()
+            worker = min(self._workers, key=lambda w: len(w.inflight))
+            worker.inflight[tid] = pending
+        pending.tries += 1
+        desc = pending.desc
+        settings = self._settings()
+        with worker.send_lock:
+            data = None
+            if desc.program not in worker.programs:
+                data = tasks_module.program_bytes(desc.program)
+            changed = settings if settings != worker.settings else None
+            try:
+                worker.conn.send((tid, desc, data, changed))
+            except (OSError, ValueError):
+                return  # it died: the receiving thread sends the task again
+            worker.programs.add(desc.program)
+            worker.settings = settings
+
+    # -- receiving --------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        """The receiving thread: replies to ``done``, dead workers replaced."""
+        while not self._closed:
+            with self._lock:
+                workers = list(self._workers)
+            by_conn = {w.conn: w for w in workers}
+            by_sentinel = {w.process.sentinel: w for w in workers}
+            ready = multiprocessing.connection.wait(
+                [self._wake_r, *by_conn, *by_sentinel], timeout=1.0
+            )
+            for item in ready:
+                if item is self._wake_r:
+                    with contextlib.suppress(EOFError, OSError):
+                        self._wake_r.recv_bytes()
+                elif item in by_conn:
+                    self._reply(by_conn[item])
+                else:
+                    self._mourn(by_sentinel[item])
+
+    def _reply(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            return  # the sentinel tells the rest
+        except Exception as exc:  # a reply that does not unpickle here
+            log.debug("a worker's reply could not be read", exc_info=True)
+            message = ("error", None, None, f"{type(exc).__name__}: {exc}")
+        tid = message[1]
+        with self._lock:
+            pending = worker.inflight.pop(tid, None) if tid is not None else None
+            if pending is None and tid is None and worker.inflight:
+                # Which task it was is lost with the reply: fail the oldest.
+                pending = worker.inflight.pop(min(worker.inflight))
+        if pending is None:
+            return  # cancelled meanwhile
+        if message[0] == "ok":
+            pending.done((message[2], message[3]), None)
+        else:
+            pending.done(None, _unwire_error(message[2], message[3]))
+
+    def _mourn(self, worker: _Worker) -> None:
+        """``worker`` died: replace it, send its tasks again or fail them."""
+        worker.process.join(timeout=10)
+        with self._lock:
+            if worker in self._workers:
+                self._workers.remove(worker)
+            orphans = list(worker.inflight.values())
+            worker.inflight.clear()
+            if orphans and not self._closed:
+                self._fill()
+        with contextlib.suppress(Exception):
+            worker.conn.close()
+        if worker.retired:
+            return
+        code = worker.process.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        log.warning("tierflow worker %s died (%s)", worker.process.name, how)
+        for pending in orphans:
+            if pending.tries >= TRIES:
+                pending.done(
+                    None,
+                    WorkerDied(
+                        f"a worker process died ({how}) each of the {pending.tries} times it "
+                        f"ran block {pending.desc.index}; the operator may crash the "
+                        "process, or the machine runs out of memory (the kernel's OOM "
+                        "killer): lower the RAM budget or the block size, or run with "
+                        "executor='threads' to see the error"
+                    ),
+                )
+            else:
+                self._send(pending)
+
+    # -- stopping ---------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Drop every task in flight and kill the workers running them."""
+        with self._lock:
+            busy = [w for w in self._workers if w.inflight]
+            for w in busy:
+                w.inflight.clear()
+                self._workers.remove(w)
+        for w in busy:
+            w.kill()
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for w in workers:
+            with contextlib.suppress(Exception), w.send_lock:
+                w.conn.send(None)
+        for w in workers:
+            w.process.join(timeout=5)
+            if w.process.is_alive():
+                w.kill()
+        with contextlib.suppress(Exception):
+            self._wake_w.send_bytes(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.process.pid for w in self._workers if w.process.pid is not None]
+
+
+_pools: dict[int, _Pool] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(size: int) -> _Pool:
+    with _pools_lock:
+        found = _pools.get(size)
+        if found is None or found._closed:
+            found = _pools[size] = _Pool(size)
+        return found
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Stop every worker process of this process's pools (run at exit)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for p in pools:
+        p.close()
+
+
+class ProcessExecutor:
+    """Block tasks on ``workers`` worker processes (default: the usable cores); the
+    driver's own tasks on one thread here. See the module docstring."""
+
+    name = "processes"
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = int(workers) if workers is not None else default_workers()
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self._local = ThreadExecutor(1)
+        self._pool = _pool(self.workers)
+
+    def submit(self, fn: Callable[[], Any], done: Done) -> None:
+        self._local.submit(fn, done)
+
+    def submit_task(self, desc: tasks_module.BlockTask, done: Done) -> None:
+        self._pool.submit(desc, done)
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        if cancel:
+            self._pool.cancel()
+        self._local.shutdown(cancel=cancel)
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes (none before the first block task)."""
+        return self._pool.pids()
+
+    def __repr__(self) -> str:
+        return f"ProcessExecutor(workers={self.workers})"
+
+
+def _reset_after_fork() -> None:  # a forked child must not use its parent's workers
+    _pools.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,116 @@
+"""A block task as data: what another process needs to run it, and how it runs there.
+
+A block task of a plan computes block ``index`` of one pass: it runs the pass's
+:class:`~tierflow.engine.optimize.Program` on the rows ``request`` names. In the
+driver's own threads the task is a call of ``Program.run``. To run it in another
+process the task travels as a :class:`BlockTask`, a small frozen record::
+
+    BlockTask(program="3f9c…", index=7, request=("r", 7000, 8000))
+
+* ``program`` is the content hash of the pickled program (cloudpickle). The program
+  itself travels once per worker process and is cached there by hash
+  (:class:`Runtime`): its steps, kernels and user functions, its sources by path and
+  identity (an in-memory array by value), and where its sinks' rows go.
+* ``request`` names the rows: ``("r", a, b)`` for rows ``a:b``, ``("b", j)`` for block
+  ``j`` of rows counted only when computed.
+
+:func:`run_task` runs one in any process that sees the same paths and returns a
+:class:`BlockResult`: the reductions' partial results by value, and the blocks of sinks
+whose rows are not written in place. A ``.npy`` file's known rows are written by the
+worker at their offset in the file (by place); everything else comes back by value and
+the driver places it (:meth:`~tierflow.engine.optimize.Program.receive`). The driver
+keeps the order, admission, halving decisions and the combining of partials.
+
+Programs that use the compute's cache hold handles on its store and run in the
+driver's threads (:attr:`~tierflow.engine.optimize.Program.remote_ok` is False).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["BlockResult", "BlockTask", "Runtime", "program_bytes", "run_task", "ship"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTask:
+    """Block ``index`` of the program hashed ``program``, on rows ``request``."""
+
+    program: str
+    index: int
+    request: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockResult:
+    """What a block task sends back: ``partials[k]`` of the program's ``k``-th
+    reduction (None where it was skipped) and ``blocks[k]`` of its ``k``-th sink (None
+    where the rows were written in place)."""
+
+    partials: tuple[Any, ...]
+    blocks: tuple[Any, ...]
+
+
+_lock = threading.Lock()
+# Programs shipped from this process, by hash; a program lives as long as its plan.
+_shipped: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def ship(program: Any) -> str:
+    """The content hash of ``program``, pickled once (and kept on it) for shipping."""
+    wire = getattr(program, "_wire", None)
+    if wire is None:
+        with _lock:
+            wire = getattr(program, "_wire", None)
+            if wire is None:
+                data = cloudpickle.dumps(program)
+                wire = (hashlib.sha256(data).hexdigest()[:32], data)
+                program._wire = wire
+                _shipped[wire[0]] = program
+    return str(wire[0])
+
+
+def program_bytes(key: str) -> bytes:
+    """The pickled program ``key`` (:func:`ship` made it in this process)."""
+    program = _shipped.get(key)
+    if program is None:
+        raise KeyError(f"program {key} was not shipped from this process, or its plan is gone")
+    return bytes(program._wire[1])
+
+
+class Runtime:
+    """A worker process's programs by hash (the most recent ``keep``)."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self.keep = keep
+        self._programs: OrderedDict[str, Any] = OrderedDict()
+
+    def add(self, key: str, data: bytes) -> None:
+        """Unpickle and keep program ``key``."""
+        self._programs[key] = cloudpickle.loads(data)
+        self._programs.move_to_end(key)
+        while len(self._programs) > self.keep:
+            self._programs.popitem(last=False)
+
+    def has(self, key: str) -> bool:
+        return key in self._programs
+
+    def program(self, key: str) -> Any:
+        try:
+            found = self._programs[key]
+        except KeyError:
+            raise KeyError(f"program {key} has not been shipped to this process") from None
+        self._programs.move_to_end(key)
+        return found
+
+
+def run_task(desc: BlockTask, runtime: Runtime) -> BlockResult:
+    """Run ``desc`` with the program ``runtime`` holds for it."""
+    return runtime.program(desc.program).run_remote(desc.index, desc.request)
