@@ -31,7 +31,7 @@ import numpy as np
 
 from ..operators import elementwise as ew
 from ..operators import selection
-from . import keys
+from . import keys, portable
 
 __all__ = [
     "Apply",
@@ -95,6 +95,13 @@ class Node:
     def _costly(self) -> bool:
         """Whether this node's own parameters are expensive to key."""
         return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ``ident`` may be made of id(self), which names an object of this process only;
+        # the key is a content digest and travels (see tierflow.engine.portable).
+        state = self.__dict__.copy()
+        state["_ident"] = None
+        return state
 
     def params(self) -> str:
         """The canonical text of this node's parameters (inputs excluded)."""
@@ -511,6 +518,11 @@ class Filter(Chunked):
         self.fn = fn
         self.mask_ndim = k
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["fn"] = portable.by_value(self.fn)
+        return state
+
     def params(self) -> str:
         return keys.token(self.fn) if self.fn is not None else "mask"
 
@@ -670,6 +682,11 @@ class Apply(Value):
         self.args = args
         self.kwargs = kwargs
         self.name = name or getattr(fn, "__name__", "apply")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["fn"] = portable.by_value(self.fn)
+        return state
 
     def evaluate(self, values: Callable[[Node], Any]) -> Any:
         """The result, given the values of the input nodes."""

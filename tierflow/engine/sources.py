@@ -10,6 +10,10 @@ drops a finished block's pages (:mod:`tierflow.storage.pages`).
 A file's identity (size, modification time, inode) is read when the array is built;
 :meth:`FileReader.check` runs before every compute and refuses a file that changed
 since, naming it: the array's shape and key describe the file as it was.
+
+Readers pickle (see :mod:`tierflow.engine.portable`): a file reader as its path and the
+identity read at build, so another process refuses a file changed since the build too;
+an array reader as its array; a files reader as its paths and its loader, by value.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 
 from ..errors import BlockError, SourceError
 from ..storage.sources import ArraySource, FileSource
-from . import keys
+from . import keys, portable
 
 __all__ = ["COSTLY_BYTES", "ArrayReader", "FileReader", "FilesReader", "Reader"]
 
@@ -161,6 +165,15 @@ class ArrayReader(Reader):
         self.label = "from_array"
         self._token: str | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The array by value (a spill file by path under multiprocessing); the source is
+        # made again around what arrives, which may be in RAM where this one was mapped.
+        return {"array": self.array, "_token": self._token}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["array"])  # type: ignore[misc]
+        self._token = state["_token"]
+
     def read(self, a: int, b: int) -> np.ndarray:
         return self.array[a:b]
 
@@ -213,6 +226,9 @@ class FilesReader(Reader):
         name = getattr(load, "__qualname__", type(load).__name__)
         self.label = f"from_files({len(self.paths)} files, {name})"
         self._token: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "load": portable.by_value(self.load)}
 
     def _load(self, i: int) -> np.ndarray:
         path = self.paths[i]

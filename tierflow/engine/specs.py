@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..operators import linalg, reductions, selection
-from . import keys, ops
+from . import keys, ops, portable
 
 __all__ = [
     "VALUE",
@@ -167,6 +167,9 @@ class MapSpec(_Spec):
         self.row_shape = tuple(row_shape)
         self.device = device
         self.kwargs = kwargs
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "fn": portable.by_value(self.fn)}
 
     def _fields(self) -> tuple[Any, ...]:
         # The device is not part of the key: the result is the same wherever it runs.
@@ -400,6 +403,13 @@ class UserSpec(_ReduceSpec):
         self.reduction = reduction
         self.fns = fns
         self.needs_offset = reduction.with_offset
+
+    def __getstate__(self) -> Any:
+        # One cloudpickle for the reduction and fns: the functions they share stay shared.
+        return portable.by_value(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def _fields(self) -> tuple[Any, ...]:
         r = self.reduction

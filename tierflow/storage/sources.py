@@ -138,7 +138,8 @@ class FileSource:
     the first element) describe the data; ``kind`` is ``"npy"`` or ``"raw"``. Build one
     with :func:`open_npy`, :func:`open_raw` or :func:`as_source` rather than by hand:
     they validate the file. The mapping is created on first use and dropped by
-    :meth:`close`; views already handed out keep it alive until they are gone.
+    :meth:`close`; views already handed out keep it alive until they are gone. It
+    pickles as its description: another process maps the file on first use.
 
     ``sequential`` (default True) advises the kernel that the mapping is read in order
     (``MADV_SEQUENTIAL``). Without it a page fault that misses the page cache reads
@@ -185,6 +186,16 @@ class FileSource:
         """
         st = os.stat(self.path)
         return (self.path, st.st_size, st.st_mtime_ns, self.dtype.str, self.shape, self.offset)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The mapping and its lock belong to this process; a receiver maps on first use.
+        state = self.__dict__.copy()
+        state.pop("_map", None)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _map=None, _lock=threading.Lock())
 
     def _mapping(self) -> np.memmap[Any, Any]:
         with self._lock:
@@ -256,6 +267,10 @@ class ArraySource:
             )
         self.array = array
         self.file_backed = _shared_file_mapping(array)
+
+    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:
+        # ``file_backed`` is worked out again: what arrives may be a copy in RAM.
+        return ArraySource, (self.array,)
 
     @property
     def dtype(self) -> np.dtype[Any]:

@@ -383,6 +383,7 @@ class Store(MutableMapping[Any, Any]):
         self.disk_limit = int(disk_gb * GB)
         self.durable = bool(durable)
         self._signer = load_signer(key_file)
+        self._key_path = None if key_file is None else os.fspath(key_file)
         self._key_file = str(key_file) if key_file is not None else "the default store.key"
         self._lock = threading.RLock()
         self._ram = RamTier(self.ram_limit)
@@ -956,6 +957,14 @@ class Store(MutableMapping[Any, Any]):
                 _abandoned.append(self._h)
         pressure.unsubscribe(self)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Another process opens the same folder with the same settings (its own handles,
+        # its own RAM tier): what a lazy array marked with ``cache(store)`` carries.
+        return _reopen, (
+            str(self.path), self.ram_limit / MB, self.disk_limit / GB, self.durable,
+            self._key_path,
+        )  # fmt: skip
+
     def __enter__(self) -> Store:
         return self
 
@@ -973,6 +982,10 @@ class Store(MutableMapping[Any, Any]):
             f"<store {self.name}: {use.ram_entries} in RAM ({use.ram_bytes / MB:.1f} MB), "
             f"{use.ssd_entries} on SSD ({use.ssd_bytes / MB:.1f} MB)>"
         )
+
+
+def _reopen(path: str, ram_mb: float, disk_gb: float, durable: bool, key_file: str | None) -> Store:
+    return Store(path, ram_mb=ram_mb, disk_gb=disk_gb, durable=durable, key_file=key_file)
 
 
 def store(
