@@ -53,6 +53,10 @@ class SourceError(TierflowError, ValueError):
     """A file cannot be read as rows: bad ``.npy`` header, wrong size, unsupported layout."""
 
 
+class PortabilityError(TierflowError, TypeError):
+    """A task cannot travel to another process: its program does not pickle."""
+
+
 class BlockError(TierflowError, RuntimeError):
     """A function applied to one row block failed or returned a block of the wrong shape.
 

@@ -130,6 +130,7 @@ def test_a_resumed_pipeline_needs_no_value_below_a_cached_one(
     assert (tmp_path / "z.npy").read_bytes() == (tmp_path / "z2.npy").read_bytes()
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_a_compute_sharing_part_of_a_cached_graph_reads_it(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     x = tw.from_npy(src, rows=ROWS)
@@ -157,6 +158,7 @@ def test_unknown_row_counts_are_cached_per_block(
     assert info().hits == 10
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_a_marked_node_is_cached_without_caching_the_rest(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     x = tw.from_npy(src, rows=ROWS)
@@ -184,6 +186,7 @@ def test_values_under_a_marked_node_are_kept_with_it(src: Path, data: np.ndarray
     np.testing.assert_array_equal(first, again)
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_a_marked_reduction_keeps_its_value(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))
@@ -272,6 +275,7 @@ def test_a_store_filled_under_a_larger_limit_keeps_its_entries(
     assert got.ssd_limit >= 16_000
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_cache_reads_are_memory_maps_released_after_use(src: Path) -> None:
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(Calls()), dtype=np.float32, row_shape=(4,))
     y.compute(cache=True)

@@ -49,6 +49,7 @@ def test_memory_error_above_n_rows_gives_numpys_result() -> None:
 
 
 @pytest.mark.torch
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_torch_cuda_out_of_memory_is_halved_too() -> None:
     torch = pytest.importorskip("torch")
     message = (
@@ -103,6 +104,7 @@ def test_an_aggregate_cannot_be_split_and_says_so() -> None:
         r.compute()
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_other_errors_are_not_retried() -> None:
     calls: list[int] = []
 

@@ -34,6 +34,7 @@ def path(tmp_path: Path) -> str:
     return str(tmp_path / "x.npy")
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_mean_and_std_come_from_one_pass(path: str, reads: list[tuple[int, int]]) -> None:
     a = np.load(path)
     x = tw.from_npy(path, rows=700)
@@ -44,6 +45,7 @@ def test_mean_and_std_come_from_one_pass(path: str, reads: list[tuple[int, int]]
     assert top == a.max()
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_standardising_takes_a_second_stage(path: str, reads: list[tuple[int, int]]) -> None:
     a = np.load(path)
     x = tw.from_npy(path, rows=1000)
@@ -53,6 +55,7 @@ def test_standardising_takes_a_second_stage(path: str, reads: list[tuple[int, in
     np.testing.assert_allclose(result, (a - a.mean(0)) / a.std(0), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_the_same_computation_built_twice_runs_once(
     path: str, reads: list[tuple[int, int]]
 ) -> None:

@@ -88,6 +88,7 @@ def test_blocks_too_big_for_a_workers_share_are_cut_to_fit() -> None:
     assert 0 < rec.finished.peak_bytes <= 3 * MB
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_admission_keeps_projected_memory_within_a_tiny_budget() -> None:
     tw.memory.budget("3MB")
     fn = Concurrency()
@@ -112,6 +113,7 @@ def test_a_bigger_budget_lets_workers_run_together() -> None:
     assert rec.finished.peak_bytes <= 64 * MB
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_high_pressure_admits_one_task_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     tw.memory.budget("64MB")
     monkeypatch.setattr(pressure, "level_now", lambda: Level.HIGH)
@@ -159,6 +161,7 @@ def test_depth_first_order_appends_a_block_before_reading_the_next() -> None:
     assert all(appends[j] < blocks[j + 2] for j in range(8))
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_the_first_error_stops_the_compute_and_the_workers() -> None:
     calls: list[int] = []
 
@@ -180,6 +183,7 @@ def test_the_first_error_stops_the_compute_and_the_workers() -> None:
 
 
 @pytest.mark.parametrize("where", ["worker", "main"])
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_keyboard_interrupt_stops_workers_and_leaves_nothing(tmp_path: Path, where: str) -> None:
     tw.memory.budget("1MB")  # the output spills: its file must go too
     before = len(spill.live_files())
@@ -287,6 +291,8 @@ def test_callbacks_see_start_every_task_and_finish() -> None:
     assert worker_threads() == []
 
 
+# The first compute on processes starts the pool, which can outlast the bar's delay.
+@pytest.mark.executors("threads", "serial")
 def test_progress_bar_after_a_delay_or_at_once(capsys: pytest.CaptureFixture[str]) -> None:
     x = tw.from_array(np.ones((100, 2)), rows=10)
     x.sum().compute()

@@ -115,6 +115,7 @@ def test_a_full_disk_is_refused_before_any_work_with_the_numbers(
     assert calls == [] and leftovers(tmp_path) == []
 
 
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_an_interrupted_to_npy_leaves_nothing(tmp_path: Path) -> None:
     started = threading.Event()
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import cloudpickle
 
+from ..errors import PortabilityError
+
 __all__ = ["BlockResult", "BlockTask", "Runtime", "program_bytes", "run_task", "ship"]
 
 
@@ -70,7 +72,15 @@ def ship(program: Any) -> str:
         with _lock:
             wire = getattr(program, "_wire", None)
             if wire is None:
-                data = cloudpickle.dumps(program)
+                try:
+                    data = cloudpickle.dumps(program)
+                except Exception as exc:
+                    raise PortabilityError(
+                        f"{program.name} cannot be sent to worker processes: pickling it "
+                        f"failed ({type(exc).__name__}: {exc}). Functions it runs must "
+                        "pickle (no locks, open files or sockets in their closures); run "
+                        "it with executor='threads' instead"
+                    ) from exc
                 wire = (hashlib.sha256(data).hexdigest()[:32], data)
                 program._wire = wire
                 _shipped[wire[0]] = program
@@ -91,10 +101,17 @@ class Runtime:
     def __init__(self, keep: int = 32) -> None:
         self.keep = keep
         self._programs: OrderedDict[str, Any] = OrderedDict()
+        self._failed: dict[str, BaseException] = {}
 
     def add(self, key: str, data: bytes) -> None:
-        """Unpickle and keep program ``key``."""
-        self._programs[key] = cloudpickle.loads(data)
+        """Unpickle and keep program ``key``; a program that does not unpickle here
+        raises, now and for each of its tasks."""
+        try:
+            program = cloudpickle.loads(data)
+        except Exception as exc:
+            self._failed[key] = exc
+            raise
+        self._programs[key] = program
         self._programs.move_to_end(key)
         while len(self._programs) > self.keep:
             self._programs.popitem(last=False)
@@ -106,6 +123,9 @@ class Runtime:
         try:
             found = self._programs[key]
         except KeyError:
+            failed = self._failed.get(key)
+            if failed is not None:
+                raise failed from None
             raise KeyError(f"program {key} has not been shipped to this process") from None
         self._programs.move_to_end(key)
         return found

@@ -535,6 +535,13 @@ class _Scratch:
         self._lock = threading.Lock()
         self._by_thread: dict[int, _Held] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Buffers are this process's own: a kernel travels (to a worker process) bare.
+        return {"specs": self._specs, "max_rows": self._max_rows, "width": self._width}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["specs"], state["max_rows"], state["width"])  # type: ignore[misc]
+
     def get(self, rows: int) -> _Held:
         """This thread's registers with room for ``rows`` rows (grown when needed)."""
         ident = threading.get_ident()

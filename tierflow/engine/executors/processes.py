@@ -40,6 +40,7 @@ import pickle
 import signal
 import threading
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -58,6 +59,8 @@ __all__ = ["TRIES", "ProcessExecutor", "RemoteError", "WorkerDied", "shutdown_po
 log = logging.getLogger("tierflow.engine")
 
 TRIES = 3  # times a task is sent before the deaths of its workers fail it
+RUNTIME_KEEP = 64  # programs a worker keeps, least recently used dropped first
+KNOWN_PROGRAMS = 32  # programs the driver counts on a worker having (fewer: a margin)
 _SETTINGS = ("spill_dir", "store_dir", "proc_root")  # passed on to workers as they are
 
 
@@ -71,10 +74,16 @@ class RemoteError(TierflowError, RuntimeError):
 
 
 def _wire_error(exc: BaseException) -> tuple[bytes | None, str]:
-    """``exc`` pickled (None if it does not survive a round trip) and its traceback."""
+    """``exc`` and the causes chained to it, pickled (None if they do not survive a
+    round trip: pickling keeps no ``__cause__``), and the traceback."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and len(chain) < 8:
+        chain.append(link)
+        link = link.__cause__
     try:
-        data = cloudpickle.dumps(exc)
+        data = cloudpickle.dumps(chain)
         pickle.loads(data)
     except Exception:
         return None, text
@@ -84,7 +93,10 @@ def _wire_error(exc: BaseException) -> tuple[bytes | None, str]:
 def _unwire_error(data: bytes | None, text: str) -> BaseException:
     if data is not None:
         with contextlib.suppress(Exception):
-            exc: BaseException = pickle.loads(data)
+            chain: list[BaseException] = pickle.loads(data)
+            for outer, inner in itertools.pairwise(chain):
+                outer.__cause__ = inner
+            exc = chain[0]
             if hasattr(exc, "add_note"):
                 exc.add_note(f"raised in a tierflow worker process:\n{text}")
             return exc
@@ -94,7 +106,7 @@ def _unwire_error(data: bytes | None, text: str) -> BaseException:
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """A worker's loop: receive ``(tid, desc, program bytes, settings)``, run, reply."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runtime = tasks_module.Runtime()
+    runtime = tasks_module.Runtime(RUNTIME_KEEP)
     while True:
         try:
             message = conn.recv()
@@ -107,6 +119,9 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
         try:
             if settings is not None:
                 config.set(**dict(settings))
+        except Exception:
+            log.warning("a worker could not take the driver's settings", exc_info=True)
+        try:
             if data is not None:
                 runtime.add(desc.program, data)
             result = tasks_module.run_task(desc, runtime)
@@ -127,7 +142,9 @@ class _Worker:
         self.process.start()
         there.close()
         self.conn = here
-        self.programs: set[str] = set()  # program hashes it holds
+        # Hashes of the programs it holds, least recently used first: the worker's
+        # runtime keeps more (RUNTIME_KEEP) in the same order, so all of these are there.
+        self.programs: OrderedDict[str, None] = OrderedDict()
         self.settings: tuple[tuple[str, Any], ...] | None = None
         self.inflight: dict[int, _Pending] = {}
         self.send_lock = threading.Lock()
@@ -167,6 +184,7 @@ class _Pool:
         self._wake_r, self._wake_w = self._context.Pipe(duplex=False)
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.shipped = 0  # programs sent to workers (each once per worker)
 
     # -- workers ----------------------------------------------------------------------
 
@@ -205,16 +223,22 @@ class _Pool:
         desc = pending.desc
         settings = self._settings()
         with worker.send_lock:
+            known = worker.programs
             data = None
-            if desc.program not in worker.programs:
+            if desc.program not in known:
                 data = tasks_module.program_bytes(desc.program)
             changed = settings if settings != worker.settings else None
             try:
                 worker.conn.send((tid, desc, data, changed))
             except (OSError, ValueError):
                 return  # it died: the receiving thread sends the task again
-            worker.programs.add(desc.program)
+            known[desc.program] = None
+            known.move_to_end(desc.program)
+            while len(known) > KNOWN_PROGRAMS:
+                known.popitem(last=False)
             worker.settings = settings
+            if data is not None:
+                self.shipped += 1
 
     # -- receiving --------------------------------------------------------------------
 
@@ -368,6 +392,12 @@ class ProcessExecutor:
         if cancel:
             self._pool.cancel()
         self._local.shutdown(cancel=cancel)
+
+    @property
+    def shipped(self) -> int:
+        """How many times a program was sent to a worker (once per worker and program,
+        unless the worker was replaced or dropped it)."""
+        return self._pool.shipped
 
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes (none before the first block task)."""
