@@ -15,7 +15,7 @@ Two kinds of node:
   constants, and NumPy functions applied to other values. A value used by a chunked
   expression is a broadcast constant there, computed before the expression runs.
 
-Every node has a deterministic :attr:`Node.key` (see :mod:`tierflow.engine.keys`): a
+Every node has a deterministic :attr:`Node.key` (see :mod:`tierflow.storage.identity`): a
 digest of its type, its parameters and its inputs' keys, and for sources of the file's
 identity. Keys are computed on first use and remembered.
 """
@@ -31,7 +31,7 @@ import numpy as np
 
 from ..operators import elementwise as ew
 from ..operators import selection
-from . import keys
+from ..storage import identity
 
 __all__ = [
     "Apply",
@@ -79,7 +79,7 @@ class Node:
         """A 32-digit hex digest of what this node computes (stable across runs)."""
         if self._key is None:
             parts = [type(self).__name__, self.params(), *(i.key for i in self.inputs)]
-            self._key = keys.digest("|".join(parts))
+            self._key = identity.digest("|".join(parts))
         return self._key
 
     @property
@@ -261,7 +261,7 @@ class ElemOp:
         self.has_hi = has_hi
 
     def params(self) -> str:
-        return keys.token(
+        return identity.token(
             (
                 self.kind,
                 self.ufunc,
@@ -365,7 +365,7 @@ class Elementwise(Chunked):
         slots = [
             f"in{next(i for i, n in enumerate(self.inputs) if n is o)}"
             if isinstance(o, Node)
-            else keys.token(o)
+            else identity.token(o)
             for o in self.operands
         ]
         return self.op.params() + "|" + ",".join(slots)
@@ -482,7 +482,7 @@ class RowTake(Chunked):
         return int(lo), int(hi) + 1, picked - lo
 
     def params(self) -> str:
-        return keys.array_digest(self.positions)
+        return identity.array_digest(self.positions)
 
     def label(self) -> str:
         return f"rows[{len(self.positions):,} picked]"
@@ -512,7 +512,7 @@ class Filter(Chunked):
         self.mask_ndim = k
 
     def params(self) -> str:
-        return keys.token(self.fn) if self.fn is not None else "mask"
+        return identity.token(self.fn) if self.fn is not None else "mask"
 
     def label(self) -> str:
         if self.fn is not None:
@@ -582,7 +582,7 @@ class Const(Value):
         self.value = value
 
     def params(self) -> str:
-        return keys.token(self.value)
+        return identity.token(self.value)
 
     def label(self) -> str:
         return f"constant {self.shape} {self.dtype}"
@@ -677,7 +677,7 @@ class Apply(Value):
 
     def params(self) -> str:
         slots = substitute((self.args, self.kwargs), lambda n: f"in{self.inputs.index(n)}")
-        return keys.token(self.fn) + "|" + keys.token(slots)
+        return identity.token(self.fn) + "|" + identity.token(slots)
 
     def label(self) -> str:
         return str(self.name)
