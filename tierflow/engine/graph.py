@@ -23,6 +23,7 @@ identity. Keys are computed on first use and remembered.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -32,6 +33,7 @@ import numpy as np
 from ..operators import elementwise as ew
 from ..operators import selection
 from ..storage import identity
+from . import blocksize
 
 __all__ = [
     "Apply",
@@ -376,7 +378,11 @@ class Elementwise(Chunked):
 
 class BlockMap(Chunked):
     """A row-independent block operator built by ``spec`` (see :mod:`tierflow.engine.specs`)
-    on row-aligned chunked inputs, with value nodes as parameters."""
+    on row-aligned chunked inputs, with value nodes as parameters.
+
+    Its blocks are its first input's, cut where its output rows are wider than its
+    inputs' (:func:`tierflow.engine.blocksize.output_bounds`): the inputs are then
+    read by row ranges of the smaller blocks."""
 
     def __init__(
         self, spec: Any, chunked: tuple[Chunked, ...], values: tuple[Value, ...] = ()
@@ -387,11 +393,16 @@ class BlockMap(Chunked):
             [c.row_shape for c in chunked],
             [placeholder(v) for v in values],
         )
+        bounds = first.bounds
+        if bounds is not None:
+            in_row = sum(np.dtype(c.dtype).itemsize * math.prod(c.row_shape) for c in chunked)
+            out_row = np.dtype(op.out_dtype).itemsize * math.prod(op.out_row_shape)
+            bounds = blocksize.output_bounds(bounds, in_row, out_row)
         super().__init__(
             (*chunked, *values),
             op.out_dtype,
             (first.n_rows, *op.out_row_shape),
-            bounds=first.bounds,
+            bounds=bounds,
             nblocks=first.nblocks,
             origin=first.origin,
         )
