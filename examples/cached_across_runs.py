@@ -8,8 +8,9 @@ from the SSD::
     python examples/cached_across_runs.py            # 3 hits
     python examples/cached_across_runs.py --clear    # forget this function's results
 
-Edit the body of ``spectrum`` and run again: the function's code is part of the key, so
-the edited function misses instead of returning stale results.
+Edit the body of ``spectrum`` (or a function it calls) and run again: the function's
+code, the helpers it calls and the globals it reads are part of the key, so the edited
+function misses instead of returning stale results.
 
 The store and its signing key live under a temporary folder; ``--dir`` picks another.
 """
@@ -25,8 +26,8 @@ import numpy as np
 
 from tierflow import config, memory
 
-# How long the "expensive" part takes (s); a module global, so --seconds can change it
-# without changing the function's code (globals are not part of the key).
+# How long the "expensive" part takes (s). A global the function reads is part of its
+# key, like its code: a run with another --seconds has entries of its own.
 WORK_SECONDS = 1.0
 
 

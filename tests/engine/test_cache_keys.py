@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import keys
 
 ROWS = 50
 N = 200
@@ -179,31 +178,3 @@ def test_closure_values_defaults_and_globals_are_part_of_a_function(src: Path) -
     assert not hit(x.map_blocks(define(source.format(2.0), "<g1>")))
     assert hit(x.map_blocks(define(source.format(2.0), "<g2>")))
     assert not hit(x.map_blocks(define(source.format(3.0), "<g3>"))), "a global the helper uses"
-
-
-def test_keys_of_functions_and_objects() -> None:
-    def fact(n: int) -> int:
-        return 1 if n <= 1 else n * fact(n - 1)
-
-    assert keys.function_token(fact) == keys.function_token(fact)  # recursion terminates
-    rng_a = np.random.default_rng(1)
-    rng_b = np.random.default_rng(2)
-    assert keys.token(rng_a) != keys.token(rng_b), "objects by state, not by repr"
-    assert keys.token({"b", "a"}) == keys.token({"a", "b"})
-    lock = __import__("threading").Lock()
-    assert keys.token(lock) != keys.token(__import__("threading").Lock()), "by identity"
-    assert keys.token(lock, loose=True) == keys.token(__import__("threading").Lock(), loose=True), (
-        "in globals: by type"
-    )
-
-
-@pytest.mark.torch
-def test_torch_weights_are_part_of_a_key() -> None:
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    a = torch.nn.Linear(4, 2)
-    b = torch.nn.Linear(4, 2)
-    assert keys.token(a) != keys.token(b)
-    b.load_state_dict(a.state_dict())
-    assert keys.token(a) == keys.token(b), "the same weights in another object"
-    assert keys.token(torch.arange(4.0)) == keys.token(torch.arange(4.0).clone())

@@ -22,7 +22,8 @@ import tierflow as tw
 from tierflow import config
 from tierflow.engine import cache as cache_module
 from tierflow.engine.cache import CacheWarning
-from tierflow.engine.sinks import _own_token, sweep_temps
+from tierflow.engine.sinks import sweep_temps
+from tierflow.system import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 24_000
@@ -223,7 +224,7 @@ def test_two_processes_compute_one_cached_graph_at_once(
 def test_temporary_files_of_writers_that_are_gone_are_swept(tmp_path: Path) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
-    pid, start_time = (int(v) for v in _own_token().split("-"))
+    pid, start_time = (int(v) for v in processes.token().split("-"))
     names = {
         "dead": f".out.npy.tf{gone.pid}-12345-abcd1234.tmp",
         "reused pid": f".out.npy.tf{pid}-{start_time + 1}-abcd1234.tmp",

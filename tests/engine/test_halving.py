@@ -11,6 +11,7 @@ import pytest
 import tierflow as tw
 from tierflow.engine import halving
 from tierflow.errors import OutOfMemoryError
+from tierflow.storage import oom
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +62,25 @@ def test_torch_cuda_out_of_memory_is_halved_too() -> None:
     y = tw.from_array(a, rows=400).map_blocks(fn, dtype=np.float64, row_shape=(3,))
     np.testing.assert_array_equal(y.compute(), np.sqrt(a) + 1)
     assert sizes[:3] == [400, 200, 100]
+
+
+@pytest.mark.torch
+def test_each_attempt_is_recovered_as_fit_batch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    steps: list[str] = []
+    figures = oom.CudaFigures(
+        device=0, requested=2 << 30, total=24 << 30, free=256 << 20,
+        allocated=12 << 30, reserved=23 << 30,
+    )  # fmt: skip
+    monkeypatch.setattr(oom, "cuda_figures", lambda exc: steps.append("figures") or figures)
+    monkeypatch.setattr(oom, "empty_gpu_caches", lambda: steps.append("empty"))
+    fn, sizes = limited(0, lambda: torch.cuda.OutOfMemoryError("CUDA out of memory."))
+    y = tw.from_array(np.ones((4, 2)), rows=4).map_blocks(fn, dtype=np.float64, row_shape=(2,))
+    with pytest.raises(OutOfMemoryError, match=r"GPU 0: 24\.00 GB total.*fragmentation"):
+        y.compute(executor="serial")
+    assert sizes == [4, 2, 1]
+    # The figures are read before the caches are emptied, on the last attempt too.
+    assert steps == ["figures", "empty"] * 3
 
 
 def test_a_reduction_chunk_is_halved_and_its_halves_combined() -> None:

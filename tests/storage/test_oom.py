@@ -409,3 +409,65 @@ def test_bad_sizes() -> None:
     with pytest.raises(ValueError, match=r"min_batch must be at least 1, got 0"):
         fit_batch(fn, 4, min_batch=0)
     assert fn.calls == []
+
+
+# -- recover: the one recovery sequence ---------------------------------------------------
+
+
+def _never_give_up(figures: CudaFigures | None) -> OutOfMemoryError:
+    raise AssertionError("gave up on an attempt that was not the last")
+
+
+def test_recover_leaves_other_errors_and_our_own_verdict_to_the_caller() -> None:
+    assert oom.recover(ValueError("bad"), last=False, give_up=_never_give_up) is False
+    verdict = OutOfMemoryError("already tried down to one row")
+    assert oom.recover(verdict, last=True, give_up=_never_give_up) is False
+
+
+def test_recover_reads_figures_then_frees_then_empties_the_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    steps: list[str] = []
+    figures = CudaFigures(device=0, total=8 * GiB, free=0)
+    monkeypatch.setattr(oom, "cuda_figures", lambda exc: steps.append("figures") or figures)
+    monkeypatch.setattr(oom, "empty_gpu_caches", lambda: steps.append("empty"))
+
+    class Big:
+        pass
+
+    ref: list[weakref.ref[Big]] = []
+
+    def attempt() -> None:
+        big = Big()  # held by this frame when the error is raised
+        ref.append(weakref.ref(big))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    try:
+        attempt()
+    except Exception as exc:
+        assert oom.recover(exc, last=False, give_up=_never_give_up) is True
+        steps.append("freed" if ref[0]() is None else "still held")
+    assert steps == ["figures", "empty", "freed"]
+
+    given: list[CudaFigures | None] = []
+
+    def give_up(f: CudaFigures | None) -> OutOfMemoryError:
+        given.append(f)
+        return OutOfMemoryError("gave up")
+
+    error = torch.cuda.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(OutOfMemoryError, match="gave up") as info:
+        oom.recover(error, last=True, give_up=give_up)
+    assert given == [figures] and info.value.__cause__ is error
+
+
+def test_a_nested_verdict_is_not_retried_by_fit_batch() -> None:
+    calls: list[int] = []
+
+    def fn(n: int) -> None:
+        calls.append(n)
+        raise OutOfMemoryError("inner fit_batch gave up")
+
+    with pytest.raises(OutOfMemoryError, match="inner fit_batch gave up"):
+        fit_batch(fn, 64)
+    assert calls == [64]

@@ -18,6 +18,7 @@ import pytest
 from tierflow import config
 from tierflow.errors import SpillError, TierflowError
 from tierflow.storage import spill
+from tierflow.system import processes
 
 MB = 1 << 20
 
@@ -73,7 +74,7 @@ def test_file_is_reserved_in_a_private_process_folder() -> None:
     record = spill.create(3 * MB + 5)
     try:
         folder = os.path.dirname(record.path)
-        assert os.path.basename(folder) == f"{os.getpid()}-{spill._start_time(os.getpid())}"
+        assert os.path.basename(folder) == f"{os.getpid()}-{processes.start_time(os.getpid())}"
         assert os.path.dirname(folder) == spill.spill_root()
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(record.path).st_mode) == 0o600
@@ -289,11 +290,11 @@ def test_clean_stale_removes_dead_and_reused_pids_only(tmp_path: Path) -> None:
     root.mkdir()
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     me = os.getpid()
-    my_start = spill._start_time(me)
+    my_start = processes.start_time(me)
     assert my_start is not None
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        sleeper_start = spill._start_time(sleeper.pid)
+        sleeper_start = processes.start_time(sleeper.pid)
         assert sleeper_start is not None
         dead = root / f"{pid_max + 1}-12345"
         reused = root / f"{me}-{int(my_start) + 1}"
@@ -324,10 +325,6 @@ def test_first_use_in_a_process_cleans_stale_folders(tmp_path: Path) -> None:
     config.set(spill_dir=str(root))
     spill.process_dir()
     assert not stale.exists()
-
-
-def test_start_time_of_a_missing_process_is_none() -> None:
-    assert spill._start_time(int(Path("/proc/sys/kernel/pid_max").read_text()) + 1) is None
 
 
 # -- exit -------------------------------------------------------------------------------

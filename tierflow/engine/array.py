@@ -36,7 +36,7 @@ from ..operators import selection
 from ..storage import sources as storage_sources
 from ..storage import stream
 from ..system import devices
-from . import graph, ops, specs
+from . import blocksize, graph, ops, specs
 from .graph import Chunked, ElemOp, Node, Value
 from .sources import ArrayReader, FileReader, FilesReader
 
@@ -45,39 +45,6 @@ __all__ = ["Array", "from_array", "from_files", "from_npy", "from_raw"]
 # A lazy operand that is not row-aligned is held whole in memory as a broadcast constant;
 # above this share of the RAM budget that is refused rather than risked.
 CONSTANT_SHARE = 8
-
-
-def _workers() -> int:
-    try:
-        return max(1, devices.cpu_cores())
-    except Exception:
-        return max(1, os.cpu_count() or 1)
-
-
-# Default block size: at most this many bytes, and small enough that every worker gets
-# several blocks (cache-sized sub-blocks do the work inside a block, so a bigger block
-# buys nothing but a longer wait at the start and the end of a pass).
-MAX_DEFAULT_BLOCK = 32 << 20
-MIN_DEFAULT_BLOCK = 1 << 20
-BLOCKS_PER_WORKER = 4
-
-
-def _default_rows(row_nbytes: int, n_rows: int | None = None) -> int:
-    """Rows per block: the budget's share (``memory.chunks`` rules), at most 32 MB, and
-    at most ``1 / (4 x workers)`` of the array (but at least 1 MB of rows)."""
-    workers = _workers()
-    rows = int(stream.default_rows(row_nbytes, share=max(16, 4 * workers)))
-    rows = min(rows, max(1, MAX_DEFAULT_BLOCK // max(1, row_nbytes)))
-    if n_rows:
-        spread = math.ceil(n_rows / (BLOCKS_PER_WORKER * workers))
-        floor = max(1, MIN_DEFAULT_BLOCK // max(1, row_nbytes))
-        rows = min(rows, max(spread, floor))
-    return max(1, rows)
-
-
-def _bounds(n_rows: int, rows: int | None, row_nbytes: int) -> tuple[int, ...]:
-    step = stream.check_rows(rows) or _default_rows(row_nbytes, n_rows)
-    return (0, *(stop for _, stop in selection.block_bounds(n_rows, step)))
 
 
 def _take_below(
@@ -131,10 +98,11 @@ def _wrap(node: Node) -> Array:
 def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
     """A lazy array over a ``.npy`` file, in blocks of ``rows`` rows.
 
-    Nothing is read but the header. ``rows`` defaults from the RAM budget (a block is
-    ``budget / max(16, 4 x cores)`` bytes, clamped to [1 MB, 256 MB]). Blocks are views
-    of a read-only memory map: reading one faults in exactly its bytes, and finished
-    blocks are dropped from the process.
+    Nothing is read but the header. ``rows`` defaults from the RAM budget: a block is
+    ``budget / max(16, 4 x cores)`` bytes, clamped to [1 MB, 32 MB], and small enough
+    that every core gets four blocks (:mod:`tierflow.engine.blocksize`). Blocks are
+    views of a read-only memory map: reading one faults in exactly its bytes, and
+    finished blocks are dropped from the process.
 
     Raises :class:`~tierflow.errors.SourceError` for a file that is not a readable
     C-order ``.npy`` (naming the file and the numbers), ``FileNotFoundError`` if there
@@ -142,7 +110,7 @@ def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
     """
     source = storage_sources.open_npy(path)
     reader = FileReader(source, "from_npy")
-    return _wrap(graph.Source(reader, _bounds(source.n_rows, rows, reader.row_nbytes)))
+    return _wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
 
 
 def from_raw(
@@ -155,21 +123,23 @@ def from_raw(
     """A lazy array over a raw binary file of C-order ``dtype`` elements at ``offset``.
 
     ``shape`` is the full shape, or a row shape with the row count taken from the file
-    size (``(-1, 8)``); see :func:`tierflow.storage.sources.open_raw`. Raises
-    :class:`~tierflow.errors.SourceError` when the size is not a whole number of rows.
+    size (``(-1, 8)``); see :func:`tierflow.storage.sources.open_raw`. ``rows`` defaults
+    as in :func:`from_npy`. Raises :class:`~tierflow.errors.SourceError` when the size is
+    not a whole number of rows.
     """
     source = storage_sources.open_raw(path, dtype, shape, offset)
     if len(source.shape) == 0:
         raise SourceError(f"{path}: a 0-d raw array has no rows")
     reader = FileReader(source, "from_raw")
-    return _wrap(graph.Source(reader, _bounds(source.n_rows, rows, reader.row_nbytes)))
+    return _wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
 
 
 def from_array(a: Any, rows: int | None = None) -> Array:
     """A lazy array over an in-memory array, ``np.memmap`` or ``memory.array`` (no copy).
 
-    A 0-d array or scalar becomes a constant. The array must not change while lazy
-    arrays built on it are in use: its key is a digest of its contents, taken once.
+    A 0-d array or scalar becomes a constant. ``rows`` defaults as in :func:`from_npy`.
+    The array must not change while lazy arrays built on it are in use: its key is a
+    digest of its contents, taken once.
     """
     if isinstance(a, Array):
         return a
@@ -182,7 +152,7 @@ def from_array(a: Any, rows: int | None = None) -> Array:
     if array.ndim == 0:
         return _wrap(graph.Const(array[()]))
     reader = ArrayReader(array)
-    return _wrap(graph.Source(reader, _bounds(array.shape[0], rows, reader.row_nbytes)))
+    return _wrap(graph.Source(reader, blocksize.bounds(array.shape[0], rows, reader.row_nbytes)))
 
 
 def from_files(
@@ -230,9 +200,8 @@ def from_files(
     shape_t = tuple(int(n) for n in row_shape)
     row_nbytes = dt.itemsize * math.prod(shape_t)
     per_file = rows_per_file or 1
-    spread = max(1, math.ceil(len(names) / (4 * _workers())))
     if rows is None:
-        files = max(1, min(spread, _default_rows(row_nbytes * per_file)))
+        files = blocksize.files_per_block(len(names), row_nbytes * per_file)
     else:
         files = max(1, (stream.check_rows(rows) or 1) // per_file)
     reader = FilesReader(names, load, rows_per_file, dt, shape_t, files)
@@ -1157,7 +1126,7 @@ class Array:
         # Blocks of the default size for the output's rows: the source's mapping is
         # released once a block, whatever the picks touched.
         row_bytes = max(1, np.dtype(node.dtype).itemsize * math.prod(node.row_shape))
-        below = _take_below(node, positions, _default_rows(row_bytes, len(positions)), {})
+        below = _take_below(node, positions, blocksize.default_rows(row_bytes, len(positions)), {})
         if below is not None:
             return _wrap(below)
         order = np.argsort(positions, kind="stable")

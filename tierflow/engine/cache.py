@@ -25,7 +25,7 @@ Keys
 ----
 An entry's key is ``("tierflow", FORMAT, kind, node key, extent)``: ``kind`` is
 ``"block"``, ``"partial"`` or ``"value"``; the node key covers what is computed (see
-:mod:`tierflow.engine.keys`: sources by path, size, mtime, inode, dtype and shape;
+:mod:`tierflow.storage.identity`: sources by path, size, mtime, inode, dtype and shape;
 functions by code, constants, closure and global values; operators by parameters); the
 extent is the block's rows ``(start, stop)``, or for rows unknown until computed (after
 a mask) the block's index and a digest of the block boundaries it derives from. So a
@@ -93,12 +93,12 @@ import numpy as np
 
 from .. import config
 from ..config import GB, format_bytes
-from ..storage import pages, spill
+from ..storage import identity, pages, spill
 from ..storage.store import Store, store
 from ..storage.store.tiers import resolve_path
 from ..system import pressure
 from ..system.types import Level
-from . import graph, keys
+from . import graph
 from .graph import Chunked, Node
 
 __all__ = [
@@ -321,7 +321,7 @@ def _entry_key(kind: str, node_key: str, extent: tuple[Any, ...]) -> tuple[Any, 
 def _partition_token(node: Node) -> str:
     """The block boundaries block ``j`` of ``node`` follows, when its rows are unknown."""
     if isinstance(node, Chunked) and node.bounds is not None:
-        return "rows:" + keys.digest(",".join(map(str, node.bounds)))
+        return "rows:" + identity.digest(",".join(map(str, node.bounds)))
     if isinstance(node, graph.Source):
         return f"files:{getattr(node.reader, 'files_per_block', 1)}"
     if isinstance(node, graph.Concat):
@@ -353,7 +353,7 @@ class Entry:
             return (int(req[1]), int(req[2]))
         if self._partition is None:
             of = self.node.inputs[0] if isinstance(self.node, graph.Reduce) else self.node
-            self._partition = keys.digest(_partition_token(of))
+            self._partition = identity.digest(_partition_token(of))
         return ("b", int(req[1]), self._partition)
 
     def _key(self, kind: str, req: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
@@ -655,7 +655,7 @@ def _adopt_cached(roots: Sequence[Node], handles: dict[str, _Handle], handle: _H
         if node.bounds is not None:
             extent: tuple[Any, ...] = (node.bounds[0], node.bounds[1])
         else:
-            extent = ("b", 0, keys.digest(_partition_token(node)))
+            extent = ("b", 0, identity.digest(_partition_token(node)))
         try:
             found = _entry_key("block", node.key, extent) in handle.store
         except Exception:  # the compute finds out, and warns, when it reads

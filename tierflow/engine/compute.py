@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..system import budget as budget_module
+from . import blocksize, graph, scheduler
 from . import cache as cache_module
-from . import graph, scheduler
 from .executors import make_executor
 from .graph import Chunked
 from .plan import Request, build_plan, describe
@@ -124,7 +124,7 @@ def compute(
 def persist(array: Any, **options: Any) -> Any:
     """Compute ``array`` now and return an Array over the result (in RAM or on the SSD)
     with the same key; options as :func:`compute`."""
-    from .array import Array, _bounds
+    from .array import Array
 
     node = array._node
     (result,) = compute(array, **options)
@@ -133,7 +133,7 @@ def persist(array: Any, **options: Any) -> Any:
         if node.bounds is not None:
             bounds = node.bounds
         else:
-            bounds = _bounds(result.shape[0], None, reader.row_nbytes)
+            bounds = blocksize.bounds(result.shape[0], None, reader.row_nbytes)
         return Array(graph.Source(reader, bounds, key=node.key))
     const = graph.Const(result)
     const._key = node.key

@@ -15,7 +15,7 @@ Two kinds of node:
   constants, and NumPy functions applied to other values. A value used by a chunked
   expression is a broadcast constant there, computed before the expression runs.
 
-Every node has a deterministic :attr:`Node.key` (see :mod:`tierflow.engine.keys`): a
+Every node has a deterministic :attr:`Node.key` (see :mod:`tierflow.storage.identity`): a
 digest of its type, its parameters and its inputs' keys, and for sources of the file's
 identity. Keys are computed on first use and remembered.
 """
@@ -23,6 +23,7 @@ identity. Keys are computed on first use and remembered.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -31,7 +32,8 @@ import numpy as np
 
 from ..operators import elementwise as ew
 from ..operators import selection
-from . import keys, portable
+from ..storage import identity
+from . import blocksize, portable
 
 __all__ = [
     "Apply",
@@ -79,7 +81,7 @@ class Node:
         """A 32-digit hex digest of what this node computes (stable across runs)."""
         if self._key is None:
             parts = [type(self).__name__, self.params(), *(i.key for i in self.inputs)]
-            self._key = keys.digest("|".join(parts))
+            self._key = identity.digest("|".join(parts))
         return self._key
 
     @property
@@ -268,7 +270,7 @@ class ElemOp:
         self.has_hi = has_hi
 
     def params(self) -> str:
-        return keys.token(
+        return identity.token(
             (
                 self.kind,
                 self.ufunc,
@@ -372,7 +374,7 @@ class Elementwise(Chunked):
         slots = [
             f"in{next(i for i, n in enumerate(self.inputs) if n is o)}"
             if isinstance(o, Node)
-            else keys.token(o)
+            else identity.token(o)
             for o in self.operands
         ]
         return self.op.params() + "|" + ",".join(slots)
@@ -383,7 +385,11 @@ class Elementwise(Chunked):
 
 class BlockMap(Chunked):
     """A row-independent block operator built by ``spec`` (see :mod:`tierflow.engine.specs`)
-    on row-aligned chunked inputs, with value nodes as parameters."""
+    on row-aligned chunked inputs, with value nodes as parameters.
+
+    Its blocks are its first input's, cut where its output rows are wider than its
+    inputs' (:func:`tierflow.engine.blocksize.output_bounds`): the inputs are then
+    read by row ranges of the smaller blocks."""
 
     def __init__(
         self, spec: Any, chunked: tuple[Chunked, ...], values: tuple[Value, ...] = ()
@@ -394,11 +400,16 @@ class BlockMap(Chunked):
             [c.row_shape for c in chunked],
             [placeholder(v) for v in values],
         )
+        bounds = first.bounds
+        if bounds is not None:
+            in_row = sum(np.dtype(c.dtype).itemsize * math.prod(c.row_shape) for c in chunked)
+            out_row = np.dtype(op.out_dtype).itemsize * math.prod(op.out_row_shape)
+            bounds = blocksize.output_bounds(bounds, in_row, out_row)
         super().__init__(
             (*chunked, *values),
             op.out_dtype,
             (first.n_rows, *op.out_row_shape),
-            bounds=first.bounds,
+            bounds=bounds,
             nblocks=first.nblocks,
             origin=first.origin,
         )
@@ -489,7 +500,7 @@ class RowTake(Chunked):
         return int(lo), int(hi) + 1, picked - lo
 
     def params(self) -> str:
-        return keys.array_digest(self.positions)
+        return identity.array_digest(self.positions)
 
     def label(self) -> str:
         return f"rows[{len(self.positions):,} picked]"
@@ -524,7 +535,7 @@ class Filter(Chunked):
         return state
 
     def params(self) -> str:
-        return keys.token(self.fn) if self.fn is not None else "mask"
+        return identity.token(self.fn) if self.fn is not None else "mask"
 
     def label(self) -> str:
         if self.fn is not None:
@@ -594,7 +605,7 @@ class Const(Value):
         self.value = value
 
     def params(self) -> str:
-        return keys.token(self.value)
+        return identity.token(self.value)
 
     def label(self) -> str:
         return f"constant {self.shape} {self.dtype}"
@@ -694,7 +705,7 @@ class Apply(Value):
 
     def params(self) -> str:
         slots = substitute((self.args, self.kwargs), lambda n: f"in{self.inputs.index(n)}")
-        return keys.token(self.fn) + "|" + keys.token(slots)
+        return identity.token(self.fn) + "|" + identity.token(slots)
 
     def label(self) -> str:
         return str(self.name)

@@ -2,11 +2,14 @@
 
 The policy (stated with the scheduler's, :mod:`tierflow.engine.scheduler`):
 
-* An operator call that raises an out-of-memory error — ``MemoryError``, torch's or
-  cupy's — (:func:`tierflow.storage.oom.is_oom`) is retried on rows ``[0, n/2)`` and
+* Every operator call goes through :func:`call` (a block operator) or
+  :func:`call_chunk` (a reduction's chunk). Each tries the call once, directly, and
+  only when it raises an out-of-memory error — ``MemoryError``, torch's or cupy's
+  (:func:`tierflow.storage.oom.is_oom`) — retries it on rows ``[0, n/2)`` and
   ``[n/2, n)`` of its input blocks, recursively, down to one row. Before a retry the
-  failed attempt's frames are cleared, garbage is collected and the GPU caches are
-  emptied, so the retry can reuse that memory.
+  failed attempt's memory is reclaimed by :func:`tierflow.storage.oom.recover` (the
+  one recovery sequence, shared with ``memory.fit_batch``): frames cleared, garbage
+  collected, GPU caches emptied.
 * The pieces are stitched: a block operator writes each half into its half of the
   output block (no second copy when the output is given), a reduction combines the
   halves' partials (the right half's first row is the block's first row plus the
@@ -21,10 +24,9 @@ The policy (stated with the scheduler's, :mod:`tierflow.engine.scheduler`):
 
 from __future__ import annotations
 
-import gc
+import functools
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,24 +35,12 @@ import numpy as np
 from ..errors import OutOfMemoryError
 from ..storage import oom
 
-__all__ = [
-    "block_halves",
-    "chunk_halves",
-    "first_failure",
-    "forget",
-    "remembered",
-    "run_block",
-    "run_chunk",
-    "sizes",
-]
+__all__ = ["call", "call_chunk", "forget", "remembered", "retries"]
 
 log = logging.getLogger("tierflow.engine")
 
 _lock = threading.Lock()
 _sizes: dict[str, int] = {}  # node key -> rows per call that last worked; _lock
-# Read-only outside this module: a caller's first attempt at an operator whose key is
-# not in it needs no halving machinery (see first_failure).
-sizes = _sizes
 _retries = 0  # halvings since the process started; _lock
 
 
@@ -83,40 +73,26 @@ def _remember(key: str, rows: int) -> None:
             _sizes[key] = rows
 
 
-def _recover(exc: BaseException) -> None:
-    # The traceback's frames hold the failed attempt's arrays and tensors.
-    traceback.clear_frames(exc.__traceback__)
-    gc.collect()
-    oom.empty_gpu_caches()
-
-
-def _give_up(label: str, where: Any, tried: list[int], exc: BaseException) -> OutOfMemoryError:
+def _give_up(
+    label: str, where: Any, tried: list[int], exc: BaseException, figures: oom.CudaFigures | None
+) -> OutOfMemoryError:
     where = where() if callable(where) else where
     sizes = ", ".join(str(n) for n in tried)
     text = str(exc).split("\n")[0][:300]
     return OutOfMemoryError(
         f"{label} ran out of memory on {where} at every size tried, down to one row "
-        f"({sizes} rows): {type(exc).__name__}: {text}. " + oom.explain_oom(exc)
+        f"({sizes} rows): {type(exc).__name__}: {text}. " + oom.explain_oom(exc, figures)
     )
 
 
-def first_failure(
-    label: str, where: Any, rows: int, exc: Exception, tried: Sequence[int] = ()
-) -> bool:
-    """Called in the ``except`` clause of an attempt on ``rows`` rows (``tried``: the
-    sizes that failed before it): whether ``exc`` is an out-of-memory error to retry on
-    halves (then the failed attempt's memory is reclaimed first; see
-    :func:`block_halves` and :func:`chunk_halves`). False for any other error, which
-    the caller re-raises.
-
-    Raises :class:`~tierflow.errors.OutOfMemoryError` when one row ran out of memory.
-    """
-    if not oom.is_oom(exc) or isinstance(exc, OutOfMemoryError):
-        return False
-    if rows <= 1:
-        raise _give_up(label, where, [*tried, rows], exc) from exc
-    _recover(exc)
-    return True
+def _retry(label: str, where: Any, rows: int, exc: Exception, tried: Sequence[int]) -> bool:
+    """In the ``except`` clause of an attempt on ``rows`` rows (``tried``: the sizes that
+    failed before it): whether to retry on halves, after
+    :func:`~tierflow.storage.oom.recover` reclaimed the attempt's memory. False for any
+    other error, which the caller re-raises. Raises
+    :class:`~tierflow.errors.OutOfMemoryError` when one row ran out of memory."""
+    give_up = functools.partial(_give_up, label, where, [*tried, rows], exc)
+    return oom.recover(exc, last=rows <= 1, give_up=give_up)
 
 
 def _pieces(rows: int, limit: int | None) -> list[tuple[int, int]]:
@@ -125,7 +101,7 @@ def _pieces(rows: int, limit: int | None) -> list[tuple[int, int]]:
     return [(i, min(i + limit, rows)) for i in range(0, rows, limit)]
 
 
-def run_block(
+def call(
     key: str,
     label: str,
     where: Any,
@@ -135,17 +111,21 @@ def run_block(
 ) -> np.ndarray:
     """``fn(*blocks, out=out)`` with out-of-memory halving (see the module docstring).
 
-    ``label`` names the operator and ``where`` the block in the final error.
+    ``key`` is the operator's node key (what a working size is remembered by);
+    ``label`` names the operator and ``where`` the block (a string, or a callable that
+    gives one) in the final error. The halves write into their halves of ``out`` when
+    it is given, else their results are concatenated.
     """
-    rows = blocks[0].shape[0] if blocks else 0
     if key not in _sizes:
         # The common case: one call, nothing remembered, nothing to split.
         try:
             return fn(*blocks, out=out)
         except Exception as exc:
-            if not first_failure(label, where, rows, exc):
+            rows = blocks[0].shape[0] if blocks else 0
+            if not _retry(label, where, rows, exc, ()):
                 raise
         return _halves(key, label, where, fn, blocks, out, rows, [rows])
+    rows = blocks[0].shape[0] if blocks else 0
     pieces = _pieces(rows, remembered(key))
     if len(pieces) == 1:
         return _block(key, label, where, fn, blocks, out, rows, [])
@@ -169,7 +149,7 @@ def _block(
     try:
         return fn(*blocks, out=out)
     except Exception as exc:
-        if not first_failure(label, where, rows, exc, tried):
+        if not _retry(label, where, rows, exc, tried):
             raise
     return _halves(key, label, where, fn, blocks, out, rows, [*tried, rows])
 
@@ -200,7 +180,7 @@ def _halves(
     return np.concatenate([left, right])
 
 
-def run_chunk(
+def call_chunk(
     key: str,
     label: str,
     where: Any,
@@ -208,16 +188,19 @@ def run_chunk(
     blocks: Sequence[np.ndarray],
     row_offset: int,
 ) -> Any:
-    """``op.chunk(*blocks, row_offset=...)`` with out-of-memory halving; halves' partials
-    are combined left before right."""
-    rows = blocks[0].shape[0] if blocks else 0
+    """``op.chunk(*blocks, row_offset=row_offset)`` with out-of-memory halving; the
+    halves' partials are combined left before right (``op.combine``). The arguments
+    are :func:`call`'s."""
     if key not in _sizes:
+        # The common case: one call, nothing remembered, nothing to split.
         try:
             return op.chunk(*blocks, row_offset=row_offset)
         except Exception as exc:
-            if not first_failure(label, where, rows, exc):
+            rows = blocks[0].shape[0] if blocks else 0
+            if not _retry(label, where, rows, exc, ()):
                 raise
         return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [rows])
+    rows = blocks[0].shape[0] if blocks else 0
     partial: Any = None
     for a, b in _pieces(rows, remembered(key)):
         piece = _chunk(key, label, where, op, [x[a:b] for x in blocks], row_offset + a, b - a, [])
@@ -238,7 +221,7 @@ def _chunk(
     try:
         return op.chunk(*blocks, row_offset=row_offset)
     except Exception as exc:
-        if not first_failure(label, where, rows, exc, tried):
+        if not _retry(label, where, rows, exc, tried):
             raise
     return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [*tried, rows])
 
@@ -261,31 +244,3 @@ def _chunk_halves(
         key, label, where, op, [b[half:] for b in blocks], row_offset + half, rows - half, tried
     )
     return op.combine(left, right)
-
-
-def block_halves(
-    key: str,
-    label: str,
-    where: Any,
-    fn: Callable[..., np.ndarray],
-    blocks: Sequence[np.ndarray],
-    out: np.ndarray | None,
-) -> np.ndarray:
-    """After :func:`first_failure` said True for ``fn(*blocks, out=out)``: the call on
-    the halves of the blocks, stitched (see :func:`run_block`)."""
-    rows = blocks[0].shape[0] if blocks else 0
-    return _halves(key, label, where, fn, blocks, out, rows, [rows])
-
-
-def chunk_halves(
-    key: str,
-    label: str,
-    where: Any,
-    op: Any,
-    blocks: Sequence[np.ndarray],
-    row_offset: int,
-) -> Any:
-    """After :func:`first_failure` said True for ``op.chunk``: the chunk of each half,
-    combined left before right (see :func:`run_chunk`)."""
-    rows = blocks[0].shape[0] if blocks else 0
-    return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [rows])

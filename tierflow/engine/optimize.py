@@ -54,7 +54,6 @@ __all__ = ["Accumulator", "CachedStep", "Context", "Lowering", "Program"]
 
 Request = tuple[Any, ...]
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
-_SIZES = halving.sizes  # operators that ran out of memory before: run through halving
 
 
 class _Skipped:
@@ -204,18 +203,10 @@ class KernelStep(Step):
 
     def _run(self, ctx: Context, req: Request, out: np.ndarray | None) -> np.ndarray:
         blocks = [s.eval(ctx, req) for s in self.inputs]
-        key = self.node.ident
         try:
-            if key in _SIZES:
-                return halving.run_block(key, self._label, ctx.describe, self.op.apply, blocks, out)
-            # The common case, without halving's wrapper: one call, nothing to split.
-            try:
-                return self.op.apply(*blocks, out=out)
-            except Exception as exc:
-                rows = blocks[0].shape[0] if blocks else 0
-                if not halving.first_failure(self._label, ctx.describe, rows, exc):
-                    raise
-            return halving.block_halves(key, self._label, ctx.describe, self.op.apply, blocks, out)
+            return halving.call(
+                self.node.ident, self._label, ctx.describe, self.op.apply, blocks, out
+            )
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:
@@ -560,25 +551,10 @@ class ReduceRoot:
                 return cached
         blocks = [s.eval(ctx, req) for s in self.inputs]
         offset = req[1] if req[0] == "r" else 0
-        key = self.node.ident
-        chunker = self.chunker
         try:
-            if key in _SIZES:
-                partial = halving.run_chunk(key, self.label, ctx.describe, chunker, blocks, offset)
-            else:
-                # The common case, without halving's wrapper: one call, nothing to split.
-                halve = False
-                try:
-                    partial = chunker.chunk(*blocks, row_offset=offset)
-                except Exception as exc:
-                    rows = blocks[0].shape[0] if blocks else 0
-                    if not halving.first_failure(self.label, ctx.describe, rows, exc):
-                        raise
-                    halve = True
-                if halve:
-                    partial = halving.chunk_halves(
-                        key, self.label, ctx.describe, chunker, blocks, offset
-                    )
+            partial = halving.call_chunk(
+                self.node.ident, self.label, ctx.describe, self.chunker, blocks, offset
+            )
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:

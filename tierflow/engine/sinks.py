@@ -19,9 +19,10 @@ removes the temporary file; nothing is ever written under the final name but by 
 rename.
 
 A process killed while writing (SIGKILL, a machine that lost power) cannot remove its
-temporary file. Its name holds the writer's pid and start time (``/proc/<pid>/stat``
-field 22), so the next ``to_npy`` into the same folder removes the temporary files of
-writers that are gone (:func:`sweep_temps`), never one a live process is writing.
+temporary file. Its name holds the writer's pid and start time
+(:func:`tierflow.system.processes.token`), so the next ``to_npy`` into the same folder
+removes the temporary files of writers that are gone (:func:`sweep_temps`), never one a
+live process is writing, nor one whose writer cannot be told apart from a live one.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from numpy.lib.format import dtype_to_descr
 from ..config import format_bytes
 from ..storage import pages, placement
 from ..system import budget as budget_module
-from ..system import pressure
+from ..system import pressure, processes
 from ..system.types import Level
 from .graph import Chunked
 
@@ -60,35 +61,10 @@ _TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})
 _TEMP_RE = re.compile(r"\..+\.tf(\d+)-(\d+)-[A-Za-z0-9_]+\.tmp")
 
 
-def _start_time(pid: int) -> int | None:
-    """Start time of process ``pid`` (clock ticks since boot); None if there is none,
-    0 if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return 0
-    # The command name (field 2) is in parentheses and may hold spaces or ')'.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
-
-
-_OWN_TOKEN: tuple[int, str] | None = None  # (pid, "pid-start") of this process
-
-
-def _own_token() -> str:
-    global _OWN_TOKEN
-    pid = os.getpid()
-    if _OWN_TOKEN is None or _OWN_TOKEN[0] != pid:  # a forked child is another writer
-        _OWN_TOKEN = (pid, f"{pid}-{_start_time(pid) or 0}")
-    return _OWN_TOKEN[1]
-
-
 def temp_file(path: str) -> tuple[int, str]:
     """A new temporary file next to ``path`` named for this process: ``(fd, name)``."""
     folder, base = os.path.split(path)
-    return tempfile.mkstemp(prefix=f".{base}.tf{_own_token()}-", suffix=".tmp", dir=folder)
+    return tempfile.mkstemp(prefix=f".{base}.tf{processes.token()}-", suffix=".tmp", dir=folder)
 
 
 def sweep_temps(folder: str) -> list[str]:
@@ -96,8 +72,6 @@ def sweep_temps(folder: str) -> list[str]:
     docstring); the paths removed. A file whose writer may still run is kept, and
     nothing that does not follow the temporary name's pattern is touched."""
     removed: list[str] = []
-    if not os.path.isdir("/proc/self"):
-        return removed  # no way to tell a live writer from a gone one
     try:
         entries = list(os.scandir(folder))
     except OSError:
@@ -106,10 +80,8 @@ def sweep_temps(folder: str) -> list[str]:
         match = _TEMP_RE.fullmatch(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
             continue
-        pid, start = int(match.group(1)), int(match.group(2))
-        now = _start_time(pid)
-        if now is not None and (now == start or now == 0 or start == 0):
-            continue  # its writer (or a process we cannot tell from it) still runs
+        if processes.may_be_running(int(match.group(1)), int(match.group(2))):
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
             removed.append(entry.path)

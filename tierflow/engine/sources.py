@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, SourceError
+from ..storage import identity
 from ..storage.sources import ArraySource, FileSource
-from . import keys, portable
+from . import portable
 
 __all__ = ["COSTLY_BYTES", "ArrayReader", "FileReader", "FilesReader", "Reader"]
 
@@ -193,7 +194,7 @@ class ArrayReader(Reader):
         # Hashing reads the whole array once; it happens the first time the key is
         # needed and is remembered (the array must not change while it is in use).
         if self._token is None:
-            self._token = f"array({keys.array_digest(self.array)})"
+            self._token = f"array({identity.array_digest(self.array)})"
         return self._token
 
 
@@ -315,7 +316,7 @@ class FilesReader(Reader):
                 except OSError:
                     stats.append(f"{p!r}:missing")
             self._token = (
-                f"files({keys.digest(','.join(stats))},{keys.function_token(self.load)},"
+                f"files({identity.digest(','.join(stats))},{identity.function_token(self.load)},"
                 f"{self.rows_per_file},{self.dtype.str},{self.row_shape})"
             )
         return self._token

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..operators import linalg, reductions, selection
-from . import keys, ops, portable
+from ..storage import identity
+from . import ops, portable
 
 __all__ = [
     "VALUE",
@@ -57,7 +58,7 @@ class _Spec:
     device: str | None = None
 
     def params(self) -> str:
-        return keys.token(self._fields())
+        return identity.token(self._fields())
 
     def _fields(self) -> tuple[Any, ...]:
         return ()

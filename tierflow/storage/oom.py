@@ -24,9 +24,11 @@ the CUDA context) is over 1 GB and over 5 % of the device; otherwise the work is
 big** for what is left. For ``MemoryError`` the RAM figures of
 :func:`tierflow.system.limits.read_memory`.
 
-:func:`fit_batch` (``memory.fit_batch``) calls a function with a batch size, halving
-it on out-of-memory errors. The engine's block halving reuses :func:`is_oom`,
-:func:`empty_gpu_caches` and :func:`explain_oom`.
+:func:`recover` is the one recovery sequence after an out-of-memory error: read the GPU
+figures, drop the failed attempt's frames, collect garbage, empty the GPU caches, then
+retry smaller or give up with the diagnosis. :func:`fit_batch` (``memory.fit_batch``),
+which calls a function with a batch size and halves it, and the engine's block halving
+(:mod:`tierflow.engine.halving`) both follow it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "is_cuda_oom",
     "is_oom",
     "parse_cuda_oom",
+    "recover",
 ]
 
 log = logging.getLogger("tierflow.storage")
@@ -381,6 +384,36 @@ def explain_oom(exc: BaseException, figures: CudaFigures | None = None) -> str:
     return explain_cuda_oom(exc, figures) if is_cuda_oom(exc) else explain_ram_oom(exc)
 
 
+def recover(
+    exc: Exception, *, last: bool, give_up: Callable[[CudaFigures | None], OutOfMemoryError]
+) -> bool:
+    """The out-of-memory recovery sequence, called in the ``except`` clause of an attempt.
+
+    Returns False when ``exc`` is not an out-of-memory error (:func:`is_oom`), or is
+    tierflow's own :class:`~tierflow.errors.OutOfMemoryError` (the verdict of a nested
+    attempt that already tried down to its smallest size): the caller re-raises it.
+    Otherwise, in this order:
+
+    1. the GPU figures are read (:func:`cuda_figures`), before emptying the caches
+       changes them;
+    2. the traceback's frames are cleared: they hold the failed attempt's arrays and
+       tensors;
+    3. garbage is collected and the GPU caches are emptied (:func:`empty_gpu_caches`),
+       so a retry can reuse that memory;
+    4. when the attempt was the ``last`` (its size was the smallest allowed), raises
+       ``give_up(figures)`` chained to ``exc``; else returns True: retry smaller.
+    """
+    if not is_oom(exc) or isinstance(exc, OutOfMemoryError):
+        return False
+    figures = cuda_figures(exc) if is_cuda_oom(exc) else None
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    empty_gpu_caches()
+    if last:
+        raise give_up(figures) from exc
+    return True
+
+
 def _key(fn: Callable[..., Any]) -> tuple[str, ...]:
     """Which definition ``fn`` comes from: what ``fit_batch`` remembers sizes by."""
     target: Any = fn
@@ -402,11 +435,13 @@ class _FitBatch:
 
     ``fn(n)`` is called with ``n = batch`` first. When it raises an out-of-memory error
     (``MemoryError``, ``torch.cuda.OutOfMemoryError``, a ``RuntimeError`` with "CUDA out
-    of memory", cupy's ``OutOfMemoryError``), the GPU caches are emptied
-    (``torch.cuda.empty_cache()`` when torch is imported and CUDA initialised, cupy's
-    default pools) and ``fn`` is called again with half the size; the last try is
-    ``min_batch`` itself. Any other error is raised as is, without a retry. Returns
-    ``fn``'s result and the size that worked.
+    of memory", cupy's ``OutOfMemoryError``), the failed attempt's memory is reclaimed
+    and the GPU caches are emptied (``torch.cuda.empty_cache()`` when torch is imported
+    and CUDA initialised, cupy's default pools; see :func:`recover`) and ``fn`` is
+    called again with half the size; the last try is ``min_batch`` itself. Any other
+    error, and tierflow's own ``OutOfMemoryError`` from a nested ``fit_batch`` or
+    compute that already gave up, is raised as is, without a retry. Returns ``fn``'s
+    result and the size that worked.
 
     When ``min_batch`` fails too it raises :class:`~tierflow.errors.OutOfMemoryError`
     (a ``MemoryError``), chained to the last error, whose message lists the sizes
@@ -454,34 +489,26 @@ class _FitBatch:
         tried: list[int] = []
         while True:
             tried.append(size)
-            failure: BaseException | None = None
-            figures: CudaFigures | None = None
             try:
                 result = fn(size)
             except Exception as exc:
-                if not is_oom(exc):
+                last = size <= min_batch
+                give_up = functools.partial(self._give_up, fn, tried, min_batch, exc)
+                if not recover(exc, last=last, give_up=give_up):
                     raise
-                failure = exc
-                figures = cuda_figures(exc) if is_cuda_oom(exc) else None
-                # The traceback's frames hold the tensors and arrays of the failed
-                # attempt; clear them so the retry (and empty_cache) can reuse that memory.
-                traceback.clear_frames(exc.__traceback__)
-            if failure is None:
-                if remember and len(tried) > 1:
-                    with self._lock:
-                        self._sizes[key] = size
-                return result, size
-            gc.collect()
-            empty_gpu_caches()
-            if size <= min_batch:
-                raise self._give_up(fn, tried, min_batch, failure, figures) from failure
-            log.info(
-                "%s ran out of memory at batch size %d; retrying with %d",
-                getattr(fn, "__name__", fn),
-                size,
-                max(min_batch, size // 2),
-            )
-            size = max(min_batch, size // 2)
+                smaller = max(min_batch, size // 2)
+                log.info(
+                    "%s ran out of memory at batch size %d; retrying with %d",
+                    getattr(fn, "__name__", fn),
+                    size,
+                    smaller,
+                )
+                size = smaller
+                continue
+            if remember and len(tried) > 1:
+                with self._lock:
+                    self._sizes[key] = size
+            return result, size
 
     @staticmethod
     def _give_up(

@@ -37,10 +37,10 @@ import weakref
 from typing import Any
 
 import numpy as np
-import psutil
 
 from ..config import MB, format_bytes
 from ..errors import SharedMemoryError
+from ..system import processes
 from . import sharing
 from .placement import request
 
@@ -51,7 +51,7 @@ MARGIN_MIN = 1 * MB  # bytes kept spare on any mount
 MARGIN_FRACTION = 1 / 64  # and this share of the mount's size, if larger
 
 PREFIX = "tierflow-shm-"
-# tierflow-shm-<pid>-<start time in 1/100 s>-<random>.bin
+# tierflow-shm-<pid>-<start time in clock ticks since boot>-<random>.bin
 _NAME_RE = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-.+\.bin")
 _swept: set[str] = set()  # folders this process has cleared of stale files
 
@@ -119,7 +119,7 @@ def shared_array(shape: Any, dtype: Any = "float64", *, directory: str | None = 
     check_room(nbytes, what=what, directory=folder)
     _sweep(folder)
     me = os.getpid()
-    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{me}-{_start(me)}-", suffix=".bin", dir=folder)
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{processes.token()}-", suffix=".bin", dir=folder)
     try:
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -166,16 +166,6 @@ def share_tensor(t: Any) -> Any:
 # -- files of processes that died --------------------------------------------------------
 
 
-def _start(pid: int) -> int | None:
-    """Start time of process ``pid`` in hundredths of a second, None if there is none."""
-    try:
-        return round(psutil.Process(pid).create_time() * 100)
-    except psutil.NoSuchProcess:
-        return None
-    except psutil.Error:
-        return -1  # exists, but cannot be inspected
-
-
 def _unlink(path: str, owner: int) -> None:
     """Finalizer: delete ``path``, only in the process that made it (not a fork child)."""
     if os.getpid() == owner:
@@ -202,7 +192,6 @@ def _sweep(folder: str) -> None:
         match = _NAME_RE.fullmatch(name)
         if match is None:
             continue
-        now = _start(int(match.group(1)))
-        if now is None or (now != -1 and abs(now - int(match.group(2))) > 1):
+        if not processes.may_be_running(int(match.group(1)), int(match.group(2))):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))

@@ -6,8 +6,9 @@ Layout::
         <pid>-<start>/            one folder per process, mode 0700
             tmpk3j9x2ab.bin       one file per array: raw bytes, C order, no header
 
-``<start>`` is the process start time (``/proc/<pid>/stat`` field 22, in clock ticks
-since boot), so a folder whose pid was reused by a new process is recognised as stale.
+``<pid>-<start>`` is the process's :func:`tierflow.system.processes.token` (its start
+time in clock ticks since boot), so a folder whose pid was reused by a new process is
+recognised as stale.
 Folders tierflow creates, the root's missing parents included, are mode 0700. A file
 name is random (``mkstemp``), never derived from shape or dtype: two arrays of the same
 size never share a file. The file holds the array's bytes from offset 0, so byte ``k``
@@ -32,8 +33,10 @@ view of it is garbage-collected (a ``weakref.finalize`` on the ``mmap`` object t
 every view keeps alive), and at interpreter exit. The first spill file a process makes
 under a root removes the folders of processes that are gone (no such pid, or the pid
 now belongs to a process with another start time) and never touches the folder of a
-live process. Pids are only comparable within one pid namespace: containers that share
-a spill folder should each use their own ``TIERFLOW_SPILL_DIR``.
+live process, nor one whose start time cannot be read (the rule is
+:func:`tierflow.system.processes.may_be_running`). Pids are only comparable within
+one pid namespace: containers that share a spill folder should each use their own
+``TIERFLOW_SPILL_DIR``.
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ import weakref
 from typing import Any
 
 import numpy as np
-import psutil
 
 from .. import config
 from ..config import format_bytes
 from ..errors import SpillError
+from ..system import processes
 
 __all__ = [
     "SUFFIX",
@@ -159,43 +162,6 @@ def spill_root() -> str:
     return os.path.abspath(os.path.expanduser(config.get("spill_dir")))
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` as a string of digits; None if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # The command name (field 2) is in parentheses and may hold spaces or ')'.
-        return stat[stat.rindex(b")") + 2 :].split()[19].decode()
-    except FileNotFoundError:
-        if os.path.isdir("/proc/self"):
-            return None
-    except (OSError, ValueError, IndexError):
-        pass
-    # No /proc (not Linux): psutil measures in seconds; hundredths keep it an integer.
-    try:
-        return str(round(psutil.Process(pid).create_time() * 100))
-    except psutil.NoSuchProcess:
-        return None
-    except psutil.Error:
-        return "unknown"
-
-
-def _is_live(pid: int, start: str) -> bool:
-    """Whether the folder of (pid, start) may belong to a running process."""
-    now = _start_time(pid)
-    if now == "unknown":
-        return True  # cannot tell: keep it
-    if now is not None:
-        return now == start
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, but we may not look at it
-    return True
-
-
 def clean_stale(root: str | None = None) -> list[str]:
     """Remove the folders of processes that are gone; returns the folders removed.
 
@@ -214,7 +180,7 @@ def clean_stale(root: str | None = None) -> list[str]:
         match = _DIR_RE.fullmatch(entry.name)
         if not match or not entry.is_dir(follow_symlinks=False):
             continue
-        if _is_live(int(match.group(1)), match.group(2)):
+        if processes.may_be_running(int(match.group(1)), int(match.group(2))):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         if not os.path.exists(entry.path):
@@ -264,7 +230,7 @@ def process_dir() -> str:
         return folder
     with _dir_lock:
         first = key not in _dirs
-        folder = os.path.join(root, f"{os.getpid()}-{_start_time(os.getpid())}")
+        folder = os.path.join(root, processes.token())
         try:
             _make_dirs(root)
             if first:

@@ -27,9 +27,34 @@ def module_level_square(x: int) -> int:
     return x * x
 
 
-def make_counted(source: str, **decorator: Any) -> tuple[Any, list[int]]:
+class CallLog:
+    """The arguments a function was called with. It pickles without them, so the
+    function's identity (which covers the globals it names) does not follow the log."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def append(self, item: Any) -> None:
+        self.items.append(item)
+
+    def __eq__(self, other: object) -> bool:
+        return self.items == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.items)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.items = []
+
+
+def make_counted(source: str, **decorator: Any) -> tuple[Any, CallLog]:
     """Compile ``def f`` from source into module 'demo', decorated; and its call log."""
-    calls: list[int] = []
+    calls = CallLog()
     namespace: dict[str, Any] = {"__name__": "demo", "calls": calls, "np": np}
     exec(compile(textwrap.dedent(source), "<demo>", "exec"), namespace)
     fn = namespace["f"]
@@ -95,6 +120,43 @@ def test_an_edited_body_misses_and_clears_apart() -> None:
     assert new.cache_info() == CacheInfo(0, 0, 0)
     assert old.cache_info().entries == 1  # the other function's entries stay
     assert old(5) == {"v": 25} and old_calls == [5]
+
+
+HELPED = """
+from tierflow import memory
+
+
+@memory.cached(store={store!r})
+def f(x):
+    return helper(x) + 1
+
+
+def helper(x):
+    return x * {factor}
+"""
+
+
+def test_an_edited_helper_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "tierflow_cached_helper_demo"
+    source = tmp_path / f"{name}.py"
+    store = str(tmp_path / "store")
+    source.write_text(HELPED.format(store=store, factor=2))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an edit within the same second
+    try:
+        mod = importlib.import_module(name)
+        assert (mod.f(5), mod.f(5)) == (11, 11)
+        assert mod.f.cache_info() == CacheInfo(hits=1, misses=1, entries=1)
+        source.write_text(HELPED.format(store=store, factor=3))
+        mod = importlib.reload(mod)
+        assert mod.f(5) == 16, "the edited helper must miss"
+        assert mod.f.cache_info() == CacheInfo(hits=0, misses=1, entries=1)
+        source.write_text(HELPED.format(store=store, factor=2))
+        mod = importlib.reload(mod)
+        assert mod.f(5) == 11
+        assert mod.f.cache_info().hits == 1, "the helper as it was hits again"
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_unsupported_arguments_are_refused_before_the_call() -> None:

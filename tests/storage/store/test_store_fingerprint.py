@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from tierflow.storage import identity
 from tierflow.storage.store.fingerprint import call_digest, function_identity, value_digest
 
 
@@ -65,6 +66,37 @@ def test_wrapped_functions_are_looked_through() -> None:
     a = deco(compile_function("def f(x):\n    return x + 1\n"))
     b = deco(compile_function("def f(x):\n    return x + 2\n"))
     assert function_identity(a) != function_identity(b)
+
+
+HELPED = "SCALE = {}\ndef helper(x):\n    return x * SCALE\ndef f(x):\n    return helper(x) + 1\n"
+
+
+def test_identity_follows_helpers_and_the_globals_they_read() -> None:
+    base = function_identity(compile_function(HELPED.format(2)))
+    assert function_identity(compile_function(HELPED.format(2))) == base, "defined again"
+    edited_helper = HELPED.format(2).replace("x * SCALE", "x * SCALE * SCALE")
+    assert function_identity(compile_function(edited_helper)) != base
+    assert function_identity(compile_function(HELPED.format(3))) != base
+
+
+def test_identity_follows_closures_and_defaults() -> None:
+    def make(k: float) -> Any:
+        def f(x: float, offset: float = 0.0) -> float:
+            return x * k + offset
+
+        return f
+
+    assert function_identity(make(1.0)) == function_identity(make(1.0))
+    assert function_identity(make(1.0)) != function_identity(make(2.0))
+    other_default = make(1.0)
+    other_default.__defaults__ = (1.0,)
+    assert function_identity(other_default) != function_identity(make(1.0))
+
+
+def test_identity_is_the_engine_cache_rule() -> None:
+    f = compile_function(HELPED.format(2))
+    expected = identity.digest(identity.function_token(f))[:16]
+    assert function_identity(f) == f"demo.f@{expected}"
 
 
 def test_callables_without_code_are_refused() -> None:

@@ -24,7 +24,7 @@ from tierflow.storage.store import Store, StoreWarning
 from tierflow.storage.store import tiers as tiers_mod
 from tierflow.storage.store.index import Index
 from tierflow.storage.store.keys import encode_key, name_of, relative_path
-from tierflow.system import pressure
+from tierflow.system import pressure, processes
 from tierflow.system.types import Level
 
 MakeStore = Callable[..., Store]
@@ -694,7 +694,7 @@ def test_leftover_temp_files_of_dead_processes_are_removed_on_open(tmp_path: Pat
     assert proc.returncode == 0
     dead = tmp_path / "s" / "tmp" / "999999999-12345-0.tmp"
     dead.write_bytes(b"torn")
-    live = tmp_path / "s" / "tmp" / f"{tiers_mod._process_token()}-7.tmp"
+    live = tmp_path / "s" / "tmp" / f"{processes.token()}-7.tmp"
     live.write_bytes(b"being written")
     foreign = tmp_path / "s" / "tmp" / "notes.txt"
     foreign.write_bytes(b"not ours")

@@ -1,10 +1,11 @@
 """``@cached``: a function's results kept in a two-tier store, across runs.
 
 The key of a call is ``(identity, digest)``: the function's identity
-(``module.qualname@<code digest>``, so an edited body misses) and a digest of its
-arguments by value, bound with its signature (see :mod:`.fingerprint`). Every entry is
-tagged with the identity, which is how :meth:`CachedFunction.cache_clear` removes this
-function's entries and no others.
+(``module.qualname@<digest>`` of its code, defaults, closure, and the globals and helper
+functions it uses, taken at each call: an edited body or helper misses) and a digest of
+its arguments by value, bound with its signature (see :mod:`.fingerprint`). Every entry
+is tagged with the identity, which is how :meth:`CachedFunction.cache_clear` removes
+this function's entries and no others (those of its current identity).
 
 A hit returns what the store returns: arrays memory-mapped read-only, other values as
 stored (shared between hits in one process: do not modify them). A miss calls the
@@ -66,7 +67,7 @@ def _shared_store(spec: str | os.PathLike[str], ram_mb: float, disk_gb: float) -
 class CachedFunction(Generic[R]):
     """A function whose results are kept in a store. Call it like the function.
 
-    ``identity`` is the function's fingerprint; ``store`` the store (opened on first
+    ``identity`` is the function's fingerprint now; ``store`` the store (opened on first
     use); :meth:`cache_info` and :meth:`cache_clear` work like ``functools.lru_cache``'s.
     """
 
@@ -91,7 +92,7 @@ class CachedFunction(Generic[R]):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._signature = inspect.signature(fn)
-        self.identity = function_identity(fn)
+        function_identity(fn)  # refuses a callable without Python code now
         self._label = getattr(fn, "__qualname__", repr(fn))
         self._spec = store
         self._limits = (ram_mb, disk_gb)
@@ -99,6 +100,12 @@ class CachedFunction(Generic[R]):
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
+
+    @property
+    def identity(self) -> str:
+        """The function's fingerprint (:func:`.fingerprint.function_identity`), as of now:
+        it changes when the function, a helper it calls or a global it reads changes."""
+        return function_identity(self._fn)
 
     @property
     def store(self) -> Store:
@@ -117,7 +124,8 @@ class CachedFunction(Generic[R]):
             bound = self._signature.bind(*args, **kwargs)
         except TypeError:
             return self._fn(*args, **kwargs)  # the call is wrong: let the function say how
-        key = (self.identity, call_digest(bound, self._label))
+        identity = function_identity(self._fn)
+        key = (identity, call_digest(bound, self._label))
         st = self.store
         value = st.get(key, _MISS)
         if value is not _MISS:
@@ -128,7 +136,7 @@ class CachedFunction(Generic[R]):
             self._misses += 1
         result = self._fn(*args, **kwargs)
         try:
-            st.set(key, result, tag=self.identity)
+            st.set(key, result, tag=identity)
         except Exception as exc:
             warnings.warn(
                 StoreWarning(f"@cached {self._label}(): the result was not stored: {exc}"),

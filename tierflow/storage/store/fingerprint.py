@@ -1,12 +1,17 @@
 """Fingerprints for ``@cached``: a function's identity, and its arguments by value.
 
-A function's identity is ``module.qualname@<digest of its code>``. The digest covers
-the bytecode, the names it uses, its constants (nested functions, lambdas and
-comprehensions recursively) and the flags of its code object, so editing the body
-misses and moving it down the file does not. Defaults are covered by the arguments
-(they are bound and hashed with them). Not covered: the values of globals and closure
-variables, and functions it calls; a new Python version changes bytecode, so its cache
-starts empty.
+A function's identity is ``module.qualname@<16 hex digits>``, a digest of the function's
+:func:`~tierflow.storage.identity.function_token`: the rule the engine's cache keys
+follow too. It covers the bytecode, constants (nested functions, lambdas and
+comprehensions recursively), names and argument layout, the values of defaults and
+closure cells, and the values of the globals the code names, following helper
+functions of the user's own code recursively. So editing the body, or a helper it
+calls, or a global it reads, misses; moving it down the file does not. Functions of
+installed libraries enter by name and code only; a new Python version changes
+bytecode, so its cache starts empty. The identity is taken at each call (about 10 us
+for a function with a few helpers), so a helper redefined in a notebook is seen at the
+next call. A global the function changes (a list it appends to, a counter) changes its
+identity too, so such a function misses every time: keep that state out of its globals.
 
 Arguments are bound with the function's signature (``f(1, b=2)`` and ``f(1, 2)`` are
 one call) and hashed by value with BLAKE2b: ``None``, ``bool``, ``int``, ``float``
@@ -32,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import identity
+
 __all__ = ["SUPPORTED", "call_digest", "function_identity", "value_digest"]
 
 SUPPORTED = (
@@ -46,54 +53,21 @@ _PIECE = 16 << 20
 
 
 def function_identity(fn: Any) -> str:
-    """``module.qualname@<16 hex digits>`` for a Python function.
+    """``module.qualname@<16 hex digits>`` for a Python function (see the module docstring).
 
-    Decorators made with ``functools.wraps`` are looked through (the wrapped body is
-    what counts). Raises ``TypeError`` for callables without Python code (builtins,
+    A callable that is not a plain function but wraps one (``functools.wraps``) is
+    looked through. Raises ``TypeError`` for callables without Python code (builtins,
     C extensions, objects with ``__call__``).
     """
-    target = inspect.unwrap(fn)
-    code = getattr(target, "__code__", None)
-    if not isinstance(code, types.CodeType):
+    target = fn if isinstance(fn, types.FunctionType) else inspect.unwrap(fn)
+    if not isinstance(getattr(target, "__code__", None), types.CodeType):
         raise TypeError(
             f"@cached needs a Python function to fingerprint; {fn!r} has no Python code "
             "(wrap the call in a def)"
         )
-    h = hashlib.blake2b(digest_size=8)
-    _feed_code(h, code)
     module = getattr(target, "__module__", None) or "?"
     qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", "?")
-    return f"{module}.{qualname}@{h.hexdigest()}"
-
-
-def _feed_code(h: Any, code: types.CodeType) -> None:
-    h.update(b"code")
-    _put(h, code.co_code)
-    for names in (code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
-        _put(h, "\0".join(names).encode())
-    h.update(
-        _LEN.pack(code.co_argcount)
-        + _LEN.pack(code.co_posonlyargcount)
-        + _LEN.pack(code.co_kwonlyargcount)
-        + _LEN.pack(code.co_flags)
-    )
-    h.update(_LEN.pack(len(code.co_consts)))
-    for const in code.co_consts:
-        _feed_const(h, const)
-
-
-def _feed_const(h: Any, const: Any) -> None:
-    if isinstance(const, types.CodeType):
-        _feed_code(h, const)
-    elif isinstance(const, (tuple, frozenset)):
-        items = list(const)
-        if isinstance(const, frozenset):
-            items.sort(key=repr)
-        h.update(b"(" + _LEN.pack(len(items)))
-        for item in items:
-            _feed_const(h, item)
-    else:  # None, Ellipsis, bool, int, float, complex, str, bytes
-        _put(h, f"{type(const).__name__}:{const!r}".encode())
+    return f"{module}.{qualname}@{identity.digest(identity.function_token(target))[:16]}"
 
 
 def _put(h: Any, data: bytes) -> None:

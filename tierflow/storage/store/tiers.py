@@ -106,7 +106,7 @@ from typing import Any
 from ... import config
 from ...config import GB, MB, format_bytes
 from ...errors import StoreError
-from ...system import pressure
+from ...system import pressure, processes
 from ...system.types import Level
 from .index import Index, IndexDamaged, is_damage
 from .keys import Key, decode_key, encode_key, name_of, relative_path
@@ -130,58 +130,21 @@ _TEMP_RE = re.compile(r"(\d+)-(\d+)-\d+\.tmp")
 
 _MISSING: Any = object()
 
-# -- processes: temporary-file names, liveness, forks ----------------------------------
+# -- processes: temporary-file counter, forks ------------------------------------------
 
 _fork_generation = 0
 _counter = itertools.count()
-_token: str | None = None
 # Connections and lock files inherited over a fork: never used again, never closed (closing
 # a SQLite connection in a child can disturb the parent's locks).
 _abandoned: list[object] = []
 
 
 def _after_fork_in_child() -> None:
-    global _fork_generation, _token
+    global _fork_generation
     _fork_generation += 1
-    _token = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _start_time(pid: int) -> int | None:
-    """The start time (clock ticks since boot) of process ``pid``, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return 0
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return int(fields[19])
-
-
-def _process_token() -> str:
-    global _token
-    if _token is None:
-        pid = os.getpid()
-        _token = f"{pid}-{_start_time(pid) or 0}"
-    return _token
-
-
-def _alive(pid: int, start: int) -> bool:
-    """Whether the process that named a temporary file ``<pid>-<start>-...`` still runs."""
-    if os.path.isdir("/proc/self"):
-        now = _start_time(pid)
-        return now is not None and (start == 0 or now == start)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(path: str | os.PathLike[str]) -> bool:
@@ -499,7 +462,7 @@ class Store(MutableMapping[Any, Any]):
         with os.scandir(self._tmp) as entries:
             for entry in entries:
                 match = _TEMP_RE.fullmatch(entry.name)
-                if match and not _alive(int(match.group(1)), int(match.group(2))):
+                if match and not processes.may_be_running(int(match.group(1)), int(match.group(2))):
                     _unlink(entry.path)
 
     def rebuild(self) -> int:
@@ -616,7 +579,7 @@ class Store(MutableMapping[Any, Any]):
         if self._closed or self._h.generation != _fork_generation:
             with self._lock:
                 self._check_usable()
-        tmp = f"{self._tmp}/{_process_token()}-{next(_counter)}.tmp"
+        tmp = f"{self._tmp}/{processes.token()}-{next(_counter)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:

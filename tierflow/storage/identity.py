@@ -1,7 +1,9 @@
-"""Deterministic content keys: the same computation gets the same key in every run.
+"""What identifies a value or a function: the same computation, the same key, every run.
 
-A key is a 32-digit hex digest (BLAKE2b, 16 bytes) of a canonical text of the value.
-What enters it:
+One rule for both users of it: the engine keys its graph nodes with :func:`token` (its
+persistent cache), and ``@memory.cached`` names a function by :func:`function_token`
+(see :mod:`.store.fingerprint`). A key is a 32-digit hex digest (BLAKE2b, 16 bytes) of
+a canonical text of the value. What enters it:
 
 * scalars by type and value (``1`` and ``1.0`` and ``np.float32(1)`` differ: they
   promote differently under NEP 50);
@@ -42,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
+from . import pages
+
 __all__ = ["PIECE_BYTES", "array_digest", "digest", "function_token", "token"]
 
-log = logging.getLogger("tierflow.engine")
+log = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20  # bytes hashed per piece of a big array (bounds a strided copy)
 _PROCESS = uuid.uuid4().hex  # salt of keys that cannot be stable across runs
@@ -70,8 +74,6 @@ def digest(text: str | bytes) -> str:
 
 def _file_identity(x: np.ndarray) -> str | None:
     """``path, size, mtime, inode, byte range`` of a memory-mapped array, else None."""
-    from ..storage import pages
-
     try:
         where = pages.file_range(x)
     except (ValueError, TypeError, OSError):
