@@ -1,0 +1,243 @@
+"""The processes executor: block tasks as data on spawned worker processes.
+
+Functions here are module-level (or closures over plain values) so they pickle; what
+happens in a worker is observed through what the workers return or write to files,
+never through this process's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow.engine import tasks
+from tierflow.engine.executors import ProcessExecutor, WorkerDied, make_executor
+from tierflow.engine.executors.processes import TRIES
+from tierflow.errors import BlockError, PortabilityError
+
+pytestmark = pytest.mark.executors("processes")
+
+
+def _pid_rows(block: np.ndarray) -> np.ndarray:
+    out = np.empty((len(block), 1), np.int64)
+    total = 0.0
+    for row in block:  # plain Python: holds the GIL
+        total += float(row[0])
+    out[:] = os.getpid()
+    return out
+
+
+def test_blocks_run_in_worker_processes_not_in_the_driver() -> None:
+    x = tw.from_array(np.arange(40.0).reshape(20, 2), rows=2)
+    pids = x.map_blocks(_pid_rows, dtype=np.int64, row_shape=(1,)).compute(workers=2)
+    found = set(pids[:, 0].tolist())
+    assert os.getpid() not in found
+    assert 1 <= len(found) <= 2
+    assert found <= set(ProcessExecutor(2).worker_pids())
+
+
+def test_a_program_travels_once_per_worker(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(3000.0).reshape(1000, 3))
+    x = tw.from_npy(tmp_path / "a.npy", rows=10)  # 100 blocks
+    executor = ProcessExecutor(2)
+    before = executor.shipped
+    total = np.sqrt(x * 2 + 1).sum(axis=0).compute(executor=executor)
+    np.testing.assert_allclose(total, np.sqrt(np.arange(3000.0).reshape(1000, 3) * 2 + 1).sum(0))
+    assert 1 <= executor.shipped - before <= 2  # one program, at most once per worker
+
+
+def test_a_block_task_is_small_data(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.ones((100, 3)))
+    program_of = {}
+
+    class Keep:  # a custom executor that records the block tasks it is given
+        name, workers = "keep", 1
+
+        def __init__(self) -> None:
+            self.inner = ProcessExecutor(1)
+
+        def submit(self, fn, done):  # type: ignore[no-untyped-def]
+            self.inner.submit(fn, done)
+
+        def submit_task(self, desc, done):  # type: ignore[no-untyped-def]
+            program_of[desc] = len(pickle.dumps(desc))
+            self.inner.submit_task(desc, done)
+
+        def shutdown(self, *, cancel: bool = False) -> None:
+            self.inner.shutdown(cancel=cancel)
+
+    x = tw.from_npy(tmp_path / "a.npy", rows=10)
+    assert (x + 1).sum().compute(executor=Keep()) == 600
+    assert len(program_of) == 10
+    assert all(isinstance(d, tasks.BlockTask) for d in program_of)
+    assert max(program_of.values()) < 300  # a hash, a block number and two row numbers
+
+
+def _double(block: np.ndarray) -> np.ndarray:
+    return block * 2
+
+
+def test_to_npy_rows_are_written_in_place_by_the_workers(tmp_path: Path) -> None:
+    a = np.random.default_rng(0).random((5000, 3))
+    x = tw.from_array(a, rows=700)
+    x.map_blocks(_double).to_npy(tmp_path / "out.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), a * 2)
+    x[x[:, 0] > 0.5].to_npy(tmp_path / "masked.npy")  # unknown rows: by value, appended
+    np.testing.assert_array_equal(np.load(tmp_path / "masked.npy"), a[a[:, 0] > 0.5])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["masked.npy", "out.npy"]
+
+
+def _budget(block: np.ndarray) -> np.ndarray:
+    return np.full((len(block), 1), tw.memory.budget(), np.int64)
+
+
+def test_each_worker_runs_with_its_share_of_the_budget() -> None:
+    tw.memory.budget("64MB")
+    x = tw.from_array(np.zeros((8, 1)), rows=1)
+    shares = x.map_blocks(_budget, dtype=np.int64, row_shape=(1,)).compute(workers=2)
+    assert set(shares[:, 0].tolist()) == {32 << 20}
+
+
+def _fails_on_block_3(block: np.ndarray) -> np.ndarray:
+    if block[0, 0] == 300:
+        raise ValueError("block 3 is bad")
+    return block
+
+
+def test_an_error_in_a_worker_comes_back_with_its_block_and_cause() -> None:
+    x = tw.from_array(np.arange(1000.0).reshape(1000, 1), rows=100)
+    with pytest.raises(BlockError, match="block 3 of 10") as info:
+        x.map_blocks(_fails_on_block_3).compute()
+    assert (info.value.index, info.value.start, info.value.stop) == (3, 300, 400)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "block 3 is bad" in str(info.value.__cause__)
+
+
+def test_a_function_that_does_not_pickle_is_refused_clearly() -> None:
+    lock = threading.Lock()
+
+    def locked(block: np.ndarray) -> np.ndarray:
+        with lock:
+            return block
+
+    x = tw.from_array(np.zeros((10, 1)), rows=5)
+    with pytest.raises(PortabilityError, match=r"cannot be sent to worker processes.*'threads'"):
+        x.map_blocks(locked).compute()
+    np.testing.assert_array_equal(x.map_blocks(locked).compute(executor="threads"), 0)
+
+
+def _kill_once(flag: str) -> object:
+    def work(block: np.ndarray) -> np.ndarray:
+        if block[0, 0] == 30 and not os.path.exists(flag):
+            Path(flag).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return block + 1
+
+    return work
+
+
+def test_a_worker_killed_mid_task_is_replaced_and_its_task_sent_again(tmp_path: Path) -> None:
+    flag = str(tmp_path / "killed")
+    x = tw.from_array(np.arange(100.0).reshape(100, 1), rows=10)
+    pids_before = set(ProcessExecutor(2).worker_pids())
+    out = x.map_blocks(_kill_once(flag), dtype=np.float64, row_shape=(1,)).compute(workers=2)
+    np.testing.assert_array_equal(out, np.arange(100.0).reshape(100, 1) + 1)
+    assert os.path.exists(flag)  # a worker did die
+    assert set(ProcessExecutor(2).worker_pids()) != pids_before or not pids_before
+
+
+def _always_kill(block: np.ndarray) -> np.ndarray:
+    if block[0, 0] == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return block
+
+
+def test_a_task_that_kills_every_worker_fails_after_its_tries() -> None:
+    # dtype and row_shape given: map_blocks would otherwise call the function here once.
+    x = tw.from_array(np.arange(40.0).reshape(40, 1), rows=10)
+    with pytest.raises(WorkerDied, match=f"died \\(signal 9\\) each of the {TRIES} times"):
+        x.map_blocks(_always_kill, dtype=np.float64, row_shape=(1,)).compute(workers=2)
+    # The pool serves the next compute.
+    np.testing.assert_array_equal(
+        x.map_blocks(_double).compute(workers=2), np.arange(40.0)[:, None] * 2
+    )
+
+
+def _slow_until_stopped(started: str) -> object:
+    def work(block: np.ndarray) -> np.ndarray:
+        Path(started, str(os.getpid())).touch()
+        for _ in range(600):  # at most a minute: the interrupt kills the worker first
+            import time
+
+            time.sleep(0.1)
+        return block
+
+    return work
+
+
+def test_keyboard_interrupt_kills_the_busy_workers_and_leaves_no_file(tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    started.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    x = tw.from_array(np.zeros((40, 1)), rows=10).map_blocks(
+        _slow_until_stopped(str(started)), dtype=np.float64, row_shape=(1,)
+    )
+
+    def interrupt_once_running() -> None:
+        for _ in range(600):
+            if len(os.listdir(started)) >= 1:
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in a terminal
+                return
+            threading.Event().wait(0.05)
+
+    watcher = threading.Thread(target=interrupt_once_running)
+    watcher.start()
+    with pytest.raises(KeyboardInterrupt):
+        x.to_npy(out / "x.npy", workers=2)
+    watcher.join()
+    busy = [int(p) for p in os.listdir(started)]
+    for pid in busy:  # killed, not left computing
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert os.listdir(out) == []
+    np.testing.assert_array_equal(
+        tw.from_array(np.ones((4, 1)), rows=1).map_blocks(_double).compute(workers=2), 2
+    )
+
+
+def _raise_interrupt(block: np.ndarray) -> np.ndarray:
+    raise KeyboardInterrupt
+
+
+def test_a_keyboard_interrupt_raised_in_a_worker_stops_the_compute() -> None:
+    x = tw.from_array(np.zeros((40, 1)), rows=10)
+    with pytest.raises(KeyboardInterrupt):
+        x.map_blocks(_raise_interrupt, dtype=np.float64, row_shape=(1,)).compute(workers=2)
+
+
+def test_the_executor_is_made_by_name_and_the_pool_outlives_a_compute() -> None:
+    executor, owned = make_executor("processes", 2)
+    assert isinstance(executor, ProcessExecutor) and owned
+    x = tw.from_array(np.arange(20.0).reshape(10, 2), rows=2)
+    x.map_blocks(_double).compute(executor=executor)
+    pids = executor.worker_pids()
+    executor.shutdown()
+    assert ProcessExecutor(2).worker_pids() == pids
+
+
+def test_a_block_result_and_task_round_trip_through_pickle() -> None:
+    desc = tasks.BlockTask("ab" * 16, 3, ("r", 30, 40))
+    assert pickle.loads(pickle.dumps(desc)) == desc
+    result = tasks.BlockResult((np.float64(1.5),), (None, np.ones((2, 2))))
+    back = cloudpickle.loads(cloudpickle.dumps(result))
+    assert back.partials == result.partials and back.blocks[0] is None
+    np.testing.assert_array_equal(back.blocks[1], result.blocks[1])
