@@ -21,7 +21,7 @@ import pytest
 import tierflow as tw
 from tierflow.engine import cache as cache_module
 from tierflow.engine.graph import Chunked
-from tierflow.engine.plan import Request, build_plan, describe
+from tierflow.engine.plan import Target, build_plan, describe
 from tierflow.engine.sinks import ArraySink, NpySink
 
 GOLDEN = Path(__file__).parent / "golden" / "plans.txt"
@@ -33,9 +33,9 @@ def _plan_text(arrays: list[tw.Array], npy: Path | None = None, cache: object = 
     nodes = [a._node for a in arrays]
     if npy is not None:
         assert isinstance(nodes[0], Chunked)
-        requests = [Request(nodes[0], NpySink(nodes[0], npy))]
+        requests = [Target(nodes[0], NpySink(nodes[0], npy))]
     else:
-        requests = [Request(n, ArraySink(n) if isinstance(n, Chunked) else None) for n in nodes]
+        requests = [Target(n, ArraySink(n) if isinstance(n, Chunked) else None) for n in nodes]
     session = cache_module.session(cache, nodes)
     try:
         if session is not None:
@@ -124,5 +124,5 @@ def test_golden_file_covers_a_dozen_pipelines() -> None:
 def test_describe_without_tasks_is_one_line(tmp_path: Path, budget: int) -> None:
     np.save(tmp_path / "a.npy", np.ones((100, 2), np.float32))
     x = tw.from_npy(tmp_path / "a.npy", rows=50)
-    plan = build_plan([Request(x.sum(axis=0)._node)], workers=WORKERS, budget=budget)
+    plan = build_plan([Target(x.sum(axis=0)._node)], workers=WORKERS, budget=budget)
     assert describe(plan) == "3 tasks in 1 stage(s), 1 pass(es): 2 block, 1 finish"

@@ -21,6 +21,7 @@ import tierflow as tw
 from tierflow.engine import tasks
 from tierflow.engine.executors import ProcessExecutor, WorkerDied, make_executor
 from tierflow.engine.executors.processes import TRIES
+from tierflow.engine.types import RowRange
 from tierflow.errors import BlockError, PortabilityError
 
 pytestmark = pytest.mark.executors("processes")
@@ -75,7 +76,9 @@ def test_a_block_task_is_small_data(tmp_path: Path) -> None:
             self.inner.shutdown(cancel=cancel)
 
     x = tw.from_npy(tmp_path / "a.npy", rows=10)
-    assert (x + 1).sum().compute(executor=Keep()) == 600
+    keep = Keep()
+    assert (x + 1).sum().compute(executor=keep) == 600
+    keep.shutdown()
     assert len(program_of) == 10
     assert all(isinstance(d, tasks.BlockTask) for d in program_of)
     assert max(program_of.values()) < 300  # a hash, a block number and two row numbers
@@ -235,7 +238,7 @@ def test_the_executor_is_made_by_name_and_the_pool_outlives_a_compute() -> None:
 
 
 def test_a_block_result_and_task_round_trip_through_pickle() -> None:
-    desc = tasks.BlockTask("ab" * 16, 3, ("r", 30, 40))
+    desc = tasks.BlockTask("ab" * 16, 3, RowRange(30, 40))
     assert pickle.loads(pickle.dumps(desc)) == desc
     result = tasks.BlockResult((np.float64(1.5),), (None, np.ones((2, 2))))
     back = cloudpickle.loads(cloudpickle.dumps(result))

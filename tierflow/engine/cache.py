@@ -41,7 +41,7 @@ Where it hooks in
         resolve():   cached values found in the store become constants; the graph
                      below them is not planned (a cached mean is never recomputed)
         build_plan:  a cached chunked node is not fused into its consumers; its step
-                     is wrapped (optimize.CachedStep): a hit maps the block from the
+                     is wrapped (program.CachedStep): a hit maps the block from the
                      store, a miss computes and writes it; a cached reduction looks
                      up each block's partial first; finishing a value writes it
         scheduler:   unchanged; readahead skips blocks the store already has
@@ -100,6 +100,7 @@ from ..system import pressure
 from ..system.types import Level
 from . import graph
 from .graph import Chunked, Node
+from .types import Request, RowRange
 
 __all__ = [
     "DEFAULT_STORE",
@@ -348,15 +349,15 @@ class Entry:
 
     # -- keys --
 
-    def _extent(self, req: tuple[Any, ...]) -> tuple[Any, ...]:
-        if req[0] == "r":
-            return (int(req[1]), int(req[2]))
+    def _extent(self, req: Request) -> tuple[Any, ...]:
+        if isinstance(req, RowRange):
+            return (int(req.start), int(req.stop))
         if self._partition is None:
             of = self.node.inputs[0] if isinstance(self.node, graph.Reduce) else self.node
             self._partition = identity.digest(_partition_token(of))
-        return ("b", int(req[1]), self._partition)
+        return ("b", int(req.index), self._partition)
 
-    def _key(self, kind: str, req: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+    def _key(self, kind: str, req: Request | None = None) -> tuple[Any, ...]:
         return _entry_key(kind, self.key, () if req is None else self._extent(req))
 
     # -- store access --
@@ -388,7 +389,7 @@ class Entry:
 
     # -- blocks --
 
-    def get_block(self, req: tuple[Any, ...]) -> np.ndarray | None:
+    def get_block(self, req: Request) -> np.ndarray | None:
         """Block ``req`` of the node, memory-mapped read-only from the store; None on a
         miss (also for an entry whose dtype or shape is not the node's)."""
         found = self._get(self._key("block", req))
@@ -396,7 +397,7 @@ class Entry:
             isinstance(found, np.ndarray)
             and found.dtype == self.dtype
             and found.shape[1:] == self.row_shape
-            and (req[0] != "r" or found.shape[0] == req[2] - req[1])
+            and (not isinstance(req, RowRange) or found.shape[0] == req.stop - req.start)
         )
         if not usable:
             if found is not MISS:
@@ -411,11 +412,11 @@ class Entry:
         self.handle.count(hit=1, read=found.nbytes)
         return found
 
-    def has_block(self, req: tuple[Any, ...]) -> bool:
+    def has_block(self, req: Request) -> bool:
         """Whether the store has block ``req`` (a file check, for readahead)."""
         return self._has(self._key("block", req))
 
-    def put_block(self, req: tuple[Any, ...], block: np.ndarray) -> None:
+    def put_block(self, req: Request, block: np.ndarray) -> None:
         """Keep ``block``; a failure is recorded and warned about at the end."""
         key = self._key("block", req)
         if self._put(key, block, int(block.nbytes)) and block.nbytes:
@@ -434,7 +435,7 @@ class Entry:
 
     # -- partials of a reduction --
 
-    def get_partial(self, req: tuple[Any, ...]) -> Any:
+    def get_partial(self, req: Request) -> Any:
         """The partial result of block ``req``, or :data:`MISS`. Arrays come back as
         writable copies (a combine may update a partial in place)."""
         found = self._get(self._key("partial", req))
@@ -444,10 +445,10 @@ class Entry:
         self.handle.count(hit=1)
         return np.array(found) if isinstance(found, np.ndarray) else found
 
-    def has_partial(self, req: tuple[Any, ...]) -> bool:
+    def has_partial(self, req: Request) -> bool:
         return self._has(self._key("partial", req))
 
-    def put_partial(self, req: tuple[Any, ...], partial: Any) -> None:
+    def put_partial(self, req: Request, partial: Any) -> None:
         nbytes = int(partial.nbytes) if isinstance(partial, np.ndarray) else 0
         self._put(self._key("partial", req), partial, nbytes)
 

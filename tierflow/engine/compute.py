@@ -21,7 +21,7 @@ from . import blocksize, graph, scheduler
 from . import cache as cache_module
 from .executors import make_executor
 from .graph import Chunked
-from .plan import Request, build_plan, describe
+from .plan import Target, build_plan, describe
 from .progress import progress_callbacks
 from .sinks import ArraySink, NpySink, sweep_temps, temp_file
 from .sources import ArrayReader
@@ -33,7 +33,7 @@ log = logging.getLogger("tierflow.engine")
 
 
 def _run(
-    requests: list[Request],
+    requests: list[Target],
     *,
     progress: bool | None = None,
     executor: str | Executor | None = None,
@@ -107,8 +107,7 @@ def compute(
 
     items = [a if isinstance(a, Array) else from_array(a) for a in arrays]
     requests = [
-        Request(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None)
-        for a in items
+        Target(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None) for a in items
     ]
     outputs, _ = _run(
         requests,
@@ -149,7 +148,7 @@ def to_npy(
         (value,) = compute(array, **options)
         _save_atomic(np.asarray(value), os.fspath(path), fsync)
         return
-    _run([Request(node, NpySink(node, path, fsync=fsync))], **options)
+    _run([Target(node, NpySink(node, path, fsync=fsync))], **options)
 
 
 def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:

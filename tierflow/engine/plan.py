@@ -13,7 +13,7 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    and ``std`` of a file in one pass, then the standardised file in a second.
 3. **Passes.** In a stage, results over the same blocks form one *pass*: one task per
    block computes all of them from a single read of that block (see
-   :mod:`tierflow.engine.optimize`). Blocks whose projected memory exceeds a worker's
+   :mod:`tierflow.engine.lower`). Blocks whose projected memory exceeds a worker's
    share of the budget (``budget / (2 x workers)``) are cut into pieces first.
 4. **Tasks**, in depth-first order (the scheduler runs the lowest ready index first)::
 
@@ -27,7 +27,7 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    finish, so ``finish`` only aggregates.
 5. **Memory.** Each block task carries its projection (:class:`TaskMemory`: file pages
    it reads, blocks it makes, operators' scratch), computed by the pure function
-   :meth:`tierflow.engine.optimize.Program.memory`. A task whose single row exceeds
+   :meth:`tierflow.engine.program.Program.memory`. A task whose single row exceeds
    the whole budget is refused before anything runs, quoting the numbers.
 6. **Cache.** With a cache session (:mod:`tierflow.engine.cache`), values it found
    (``session.resolved``) are constants: nothing below them is planned. Its chunked
@@ -50,11 +50,12 @@ from ..errors import OutOfMemoryError
 from ..storage import oom
 from . import graph
 from .graph import Chunked, Node
-from .optimize import Accumulator, Lowering, Program, upper_rows
+from .lower import lower_pass
+from .program import Accumulator, BlockIndex, Program, Request, RowRange
 from .sinks import ArraySink, NpySink
 from .types import Task, TaskMemory
 
-__all__ = ["Plan", "Request", "build_plan"]
+__all__ = ["Plan", "Target", "build_plan", "describe"]
 
 log = logging.getLogger("tierflow.engine")
 
@@ -63,7 +64,7 @@ TASKS_PER_WORKER = 2
 
 
 @dataclass
-class Request:
+class Target:
     """One result a compute asks for: ``node`` computed into ``sink`` (None for a value)."""
 
     node: Node
@@ -133,31 +134,12 @@ class _Pass:
         return text
 
 
-def _lower(
-    p: _Pass, values: dict[str, Any], cache: Any = None
-) -> tuple[Program, dict[str, Accumulator]]:
-    results = {n.ident for n, _ in p.sinks}
-    lowering = Lowering(values, results, cache)
-    accs: dict[str, Accumulator] = {}
-
-    def acc_for(node: Node, op: Any) -> Accumulator:
-        acc = Accumulator(op)
-        accs[node.ident] = acc
-        return acc
-
-    from .optimize import SinkRoot
-
-    sinks = [SinkRoot(n, lowering.step(n), sink) for n, sink in p.sinks]
-    reduces = [lowering.reduce_root(r, acc_for) for r in p.reduces]
-    return Program(sinks, reduces), accs
-
-
-def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[tuple[Any, ...], int]]:
+def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[Request, int]]:
     """``(request, rows)`` of every block task of the pass, big blocks cut in pieces."""
     kind = p.partition[0]
     if kind == "rows":
         bounds = p.partition[1]
-        out: list[tuple[tuple[Any, ...], int]] = []
+        out: list[tuple[Request, int]] = []
         append = out.append
         # Rows per piece for each block length (blocks mostly share one length); 0 for
         # a block kept whole, which is the per-block path a compute of many small
@@ -171,16 +153,16 @@ def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[tuple[A
                 pieces = min(rows, math.ceil(need / task_limit)) if need > task_limit else 1
                 step = steps[rows] = 0 if pieces <= 1 else math.ceil(rows / pieces)
             if not step:
-                append((("r", a, b), rows))
+                append((RowRange(a, b), rows))
                 continue
             for start in range(a, b, step):
                 stop = min(start + step, b)
-                append((("r", start, stop), stop - start))
+                append((RowRange(start, stop), stop - start))
         return out
     root = p.roots()[0]
     node = root.inputs[0] if isinstance(root, graph.Reduce) else root
     assert isinstance(node, Chunked)
-    return [(("b", j), upper_rows(node, j)) for j in range(p.partition[2])]
+    return [(BlockIndex(j), upper_rows(node, j)) for j in range(p.partition[2])]
 
 
 def _check_fits(p: _Pass, program: Program, budget: int) -> None:
@@ -197,7 +179,7 @@ def _check_fits(p: _Pass, program: Program, budget: int) -> None:
         )
 
 
-def build_plan(requests: list[Request], *, workers: int, budget: int, cache: Any = None) -> Plan:
+def build_plan(requests: list[Target], *, workers: int, budget: int, cache: Any = None) -> Plan:
     """The plan of a compute of ``requests`` (see the module docstring).
 
     ``cache`` is the compute's cache session, or None. Opens the sinks (allocates
@@ -357,7 +339,7 @@ def _add_pass(
     values: dict[str, Any] = dict(const)
     values.update({v.ident: graph.placeholder(v) for v in bound})
     with graph._quiet():
-        planned, planned_accs = _lower(p, values, cache)
+        planned, planned_accs = lower_pass(p.sinks, p.reduces, values, cache)
     _check_fits(p, planned, budget)
     requests = _requests(p, planned, task_limit)
     n = len(requests)
@@ -370,7 +352,7 @@ def _add_pass(
         def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
             real = dict(const)
             real.update(zip(keys, results, strict=False))
-            program, accs = _lower(p, real, cache)
+            program, accs = lower_pass(p.sinks, p.reduces, real, cache)
             program.name, program.count = label, n
             return program, accs
 
@@ -385,7 +367,7 @@ def _add_pass(
     run = planned.run
     block_deps = (prepare,) if prepare is not None else ()
 
-    def block_task(j: int, req: tuple[Any, ...], rows: int) -> Task:
+    def block_task(j: int, req: Request, rows: int) -> Task:
         memory = memories.get(rows)
         if memory is None:
             memory = memories[rows] = planned.memory(rows)
@@ -449,7 +431,7 @@ def _add_pass(
         value_task[f"sink:{node.ident}"] = plan.add(task)
 
 
-def _run_prepared(j: int, req: tuple[Any, ...], prepared: tuple[Program, Any]) -> Any:
+def _run_prepared(j: int, req: Request, prepared: tuple[Program, Any]) -> Any:
     return prepared[0].run(j, req)
 
 
@@ -515,3 +497,20 @@ def describe(plan: Plan, *, tasks: bool = False) -> str:
             f"mem={m.inputs}/{m.outputs}/{m.temps}"
         )
     return "\n".join(lines)
+
+
+def upper_rows(node: Chunked, j: int) -> int:
+    """At most how many rows block ``j`` of ``node`` has (its exact count when known)."""
+    if node.bounds is not None:
+        return node.bounds[j + 1] - node.bounds[j]
+    if isinstance(node, graph.Source):
+        return int(getattr(node.reader, "files_per_block", 1))
+    if isinstance(node, graph.Concat):
+        k, jj = node.block_table[j]
+        return upper_rows(node.inputs[k], jj)  # type: ignore[arg-type]
+    source = node.inputs[0]
+    assert isinstance(source, Chunked)
+    scale = 1
+    if isinstance(node, graph.Filter) and node.mask_ndim > 1:
+        scale = math.prod(source.row_shape[: node.mask_ndim - 1])
+    return upper_rows(source, j) * scale

@@ -31,7 +31,7 @@ each hand-off between threads costs as much as such a task). A task is admitted 
 when
 
 * its projected bytes (inputs + outputs + scratch, see
-  :meth:`tierflow.engine.optimize.Program.memory`) fit what is left of the budget:
+  :meth:`tierflow.engine.program.Program.memory`) fit what is left of the budget:
   ``budget - RAM held by memory.array - projections of running tasks - held results``;
 * and the pressure level (:func:`tierflow.system.pressure.level_now`) is below ``high``.
 
@@ -66,7 +66,7 @@ Placement and release
 A result is held only while a task that takes it has not run; the last consumer
 releases it. Results the caller asked for are kept. Source pages a block task read are
 dropped from the process when it finishes (and from the page cache too at ``high``),
-inside the task (:meth:`tierflow.engine.optimize.Program.run`). Held results are
+inside the task (:meth:`tierflow.engine.program.Program.run`). Held results are
 counted against the budget; when they outgrow half of it, or the level reaches
 ``critical``, they are spilled — copied into spill files on the SSD, dropped from RAM —
 largest first. A spilled result's pages leave the process when its last consumer
@@ -403,7 +403,7 @@ class _Run:
 
     def _submit_remote(self, i: int, task: Task, args: tuple[Any, ...]) -> bool:
         """Send block task ``i`` to a worker process as data; False when its program
-        must run here (see :attr:`tierflow.engine.optimize.Program.remote_ok`). The
+        must run here (see :attr:`tierflow.engine.program.Program.remote_ok`). The
         worker's result is received (partials added, blocks placed) on the thread
         that reports it. Scheduler thread only."""
         program = task.program if task.program is not None else args[-1][0]

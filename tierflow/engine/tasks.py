@@ -1,28 +1,28 @@
 """A block task as data: what another process needs to run it, and how it runs there.
 
 A block task of a plan computes block ``index`` of one pass: it runs the pass's
-:class:`~tierflow.engine.optimize.Program` on the rows ``request`` names. In the
+:class:`~tierflow.engine.program.Program` on the rows ``request`` names. In the
 driver's own threads the task is a call of ``Program.run``. To run it in another
 process the task travels as a :class:`BlockTask`, a small frozen record::
 
-    BlockTask(program="3f9c…", index=7, request=("r", 7000, 8000))
+    BlockTask(program="3f9c…", index=7, request=RowRange(7000, 8000))
 
 * ``program`` is the content hash of the pickled program (cloudpickle). The program
   itself travels once per worker process and is cached there by hash
   (:class:`Runtime`): its steps, kernels and user functions, its sources by path and
   identity (an in-memory array by value), and where its sinks' rows go.
-* ``request`` names the rows: ``("r", a, b)`` for rows ``a:b``, ``("b", j)`` for block
-  ``j`` of rows counted only when computed.
+* ``request`` names the rows: ``RowRange(a, b)`` for rows ``a:b``, ``BlockIndex(j)``
+  for block ``j`` of rows counted only when computed (:mod:`tierflow.engine.types`).
 
 :func:`run_task` runs one in any process that sees the same paths and returns a
 :class:`BlockResult`: the reductions' partial results by value, and the blocks of sinks
 whose rows are not written in place. A ``.npy`` file's known rows are written by the
 worker at their offset in the file (by place); everything else comes back by value and
-the driver places it (:meth:`~tierflow.engine.optimize.Program.receive`). The driver
+the driver places it (:meth:`~tierflow.engine.program.Program.receive`). The driver
 keeps the order, admission, halving decisions and the combining of partials.
 
 Programs that use the compute's cache hold handles on its store and run in the
-driver's threads (:attr:`~tierflow.engine.optimize.Program.remote_ok` is False).
+driver's threads (:attr:`~tierflow.engine.program.Program.remote_ok` is False).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 import cloudpickle
 
 from ..errors import PortabilityError
+from .types import Request
 
 __all__ = ["BlockResult", "BlockTask", "Runtime", "program_bytes", "run_task", "ship"]
 
@@ -47,7 +48,7 @@ class BlockTask:
 
     program: str
     index: int
-    request: tuple[Any, ...]
+    request: Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "BlockIndex",
     "Callback",
     "ComputeFinished",
     "ComputeStarted",
     "Done",
     "Executor",
+    "Request",
+    "RowRange",
     "Task",
     "TaskExecutor",
     "TaskFinished",
@@ -72,6 +75,25 @@ class TaskExecutor(Executor, Protocol):
     def submit_task(self, desc: Any, done: Done) -> None:
         """Run the block task ``desc`` and then ``done((result, seconds), error)``."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class RowRange:
+    """Rows ``start:stop`` of a node whose row counts are known."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockIndex:
+    """Block ``index`` of a node whose row counts are known only once it is computed."""
+
+    index: int
+
+
+Request = RowRange | BlockIndex
+"""What a step is asked for: rows by position, or a block by number."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,8 +49,9 @@ class ThreadExecutor:
 
     name = "threads"
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, *, prefix: str = "tierflow-worker") -> None:
         self.workers = int(workers) if workers is not None else default_workers()
+        self.prefix = prefix
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Done] | None] = queue.SimpleQueue()
@@ -60,7 +61,7 @@ class ThreadExecutor:
 
     def _start(self) -> None:
         for k in range(self.workers):
-            thread = threading.Thread(target=self._work, name=f"tierflow-worker-{k}", daemon=True)
+            thread = threading.Thread(target=self._work, name=f"{self.prefix}-{k}", daemon=True)
             thread.start()
             self._threads.append(thread)
 

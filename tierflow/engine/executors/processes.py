@@ -379,7 +379,7 @@ class ProcessExecutor:
         self.workers = int(workers) if workers is not None else default_workers()
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        self._local = ThreadExecutor(1)
+        self._local = ThreadExecutor(1, prefix="tierflow-driver")
         self._pool = _pool(self.workers)
 
     def submit(self, fn: Callable[[], Any], done: Done) -> None:

@@ -1,36 +1,38 @@
-"""From the lazy graph to what one task runs: fusion into block programs.
+"""The block runtime: what one block task runs, in any process.
 
-A *program* computes, for one block, every result of a group of roots that share the
-same blocks (the sinks and reductions of one pass): block ``j`` is read once and every
-root takes what it needs from it. Inside a program:
+A :class:`Program` computes, for one block, every result of a group of roots that share
+the same blocks (the sinks and reductions of one pass, built by
+:mod:`tierflow.engine.lower`): block ``j`` is read once and every root takes what it
+needs from it. A program is a tree of *steps* under its roots::
 
-* A maximal tree of elementwise nodes becomes one
-  :class:`~tierflow.operators.fused.FusedKernel` over the nodes that feed it (sources,
-  block maps, selections), evaluated in cache-sized sub-blocks with reused buffers.
-  An elementwise node used by several roots is inlined into each (recomputing it from
-  L2-resident sub-blocks is cheaper than writing a block-sized intermediate), unless it
-  is itself a result (then the others read the result's block).
-* A reduction over the rows of an elementwise tree becomes a
-  :class:`~tierflow.operators.fused.FusedReduction`: no block-sized intermediate at all.
-  A trailing-axis reduction, ``@ w`` or a trailing index after an elementwise tree is the
-  kernel's epilogue.
-* Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step;
-  a node used twice in a block is computed once (the per-task memo).
-* A node the compute caches (:mod:`tierflow.engine.cache`) is never fused into its
-  consumers: its step is wrapped in a :class:`CachedStep`, which maps the block from
-  the cache when it is there and computes and writes it when it is not; a cached
-  reduction looks up each block's partial result before computing it.
+    Program
+      SinkRoot  divide -> NpySink          rows written to the sink's block
+        KernelStep  fused[divide ∘ subtract]
+          SourceStep  from_npy('x.npy')    a view of the memory map
+      ReduceRoot  mean(axis=0)             a partial per block, added to an Accumulator
+        SourceStep  from_npy('x.npy')      (the same step: read once, memoised)
 
-Rows are asked for in two ways: ``("r", a, b)``, rows ``a:b`` of a node whose row
-counts are known (any range can be computed: every step maps rows to rows), and
-``("b", j)``, block ``j`` of a node whose row counts are unknown until computed.
+A step evaluates its node for a *request*, memoised per task (:class:`Context`): a node
+used twice in a block is computed once. Requests are typed:
+
+* :class:`RowRange` ``(start, stop)``: rows ``start:stop`` of a node whose row counts
+  are known (any range can be computed: every step maps rows to rows);
+* :class:`BlockIndex` ``(index)``: block ``index`` of a node whose row counts are
+  unknown until computed (after a mask, files of varying rows).
+
+In the driver's threads :meth:`Program.run` computes a block and adds the reductions'
+partials to their accumulators. In a worker process :meth:`Program.run_remote` returns
+them by value (with the blocks of results the driver holds), and the driver's
+:meth:`Program.receive` adds them (see :mod:`tierflow.engine.tasks`). A
+:class:`CachedStep` maps a cached node's block from the compute's cache when it is
+there, and computes and writes it when it is not; a cached reduction looks up each
+block's partial result before computing it.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -38,8 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, OutOfMemoryError
-from ..operators import elementwise as ew
-from ..operators import fused, reductions, selection
+from ..operators import selection
 from ..operators.types import block_bytes
 from ..storage import pages
 from ..system import pressure
@@ -48,11 +49,23 @@ from . import graph, halving
 from .cache import MISS
 from .graph import Chunked, Node
 from .sources import FilesReader
-from .types import TaskMemory
+from .types import BlockIndex, Request, RowRange, TaskMemory
 
-__all__ = ["Accumulator", "CachedStep", "Context", "Lowering", "Program"]
+__all__ = [
+    "SKIPPED",
+    "Accumulator",
+    "BlockIndex",
+    "CachedStep",
+    "Context",
+    "Program",
+    "ReduceRoot",
+    "Request",
+    "RowRange",
+    "SinkRoot",
+    "Step",
+]
 
-Request = tuple[Any, ...]
+
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
 
 
@@ -83,7 +96,7 @@ class Context:
     def describe(self) -> str:
         """Which block this task computes, in words (made only for an error message)."""
         req, program = self.req, self.program
-        rows = f" (rows {req[1]}:{req[2]})" if req[0] == "r" else ""
+        rows = f" (rows {req.start}:{req.stop})" if isinstance(req, RowRange) else ""
         return f"block {self.index} of {program.count}{rows} of {program.name}"
 
     @property
@@ -93,8 +106,8 @@ class Context:
 
 
 def _where_of(ctx: Context, req: Request) -> tuple[int, int, int]:
-    if req[0] == "r":
-        return ctx.index, req[1], req[2]
+    if isinstance(req, RowRange):
+        return ctx.index, req.start, req.stop
     return ctx.index, -1, -1
 
 
@@ -135,8 +148,8 @@ class Step(abc.ABC):
         np.copyto(out, self.eval(ctx, req), casting="unsafe")
         return out
 
-    def children(self) -> list[tuple[Step, Request]]:
-        """Steps this one reads, for walking (requests are filled in by :meth:`sources`)."""
+    def children(self) -> list[Step]:
+        """Steps this one reads (for walking the program)."""
         return []
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
@@ -159,17 +172,17 @@ class SourceStep(Step):
         self.reader = node.reader
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
-        if req[0] == "r":
-            a, b = req[1], req[2]
+        if isinstance(req, RowRange):
+            a, b = req.start, req.stop
             block = self.reader.read(a, b)
             if self.reader.file_backed:
                 ctx.reads.append((self.reader, a, b))
             return block
-        return self.reader.read_block(req[1])
+        return self.reader.read_block(req.index)
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
-        if req[0] == "r" and self.reader.file_backed:
-            yield self.reader, req[1], req[2]
+        if isinstance(req, RowRange) and self.reader.file_backed:
+            yield self.reader, req.start, req.stop
 
     def memory(self, rows: int, into_sink: bool) -> TaskMemory:
         nbytes = rows * self.reader.row_nbytes
@@ -220,8 +233,8 @@ class KernelStep(Step):
     def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
         return self._run(ctx, req, out)
 
-    def children(self) -> list[tuple[Step, Request]]:
-        return [(s, ()) for s in self.inputs]
+    def children(self) -> list[Step]:
+        return list(self.inputs)
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         for s in self.inputs:
@@ -240,15 +253,16 @@ class SliceStep(Step):
         self.source = source
 
     def _map(self, req: Request) -> tuple[Request, slice]:
-        lo, hi, take = self.node.input_rows(req[1], req[2])
-        return ("r", lo, hi), take
+        assert isinstance(req, RowRange)
+        lo, hi, take = self.node.input_rows(req.start, req.stop)
+        return RowRange(lo, hi), take
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         inner, take = self._map(req)
         return self.source.eval(ctx, inner)[take]
 
-    def children(self) -> list[tuple[Step, Request]]:
-        return [(self.source, ())]
+    def children(self) -> list[Step]:
+        return [self.source]
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         yield from self.source.sources(self._map(req)[0])
@@ -268,7 +282,8 @@ class TakeStep(Step):
         self.source = source
 
     def _spans(self, req: Request) -> list[tuple[int, int, np.ndarray]]:
-        lo, hi, take = self.node.input_rows(req[1], req[2])
+        assert isinstance(req, RowRange)
+        lo, hi, take = self.node.input_rows(req.start, req.stop)
         if not self.node.ordered or hi - lo <= 2 * len(take) + self.GAP:
             return [(lo, hi, take)]  # out of order: a source's view, picked from anywhere
         cuts = np.flatnonzero(np.diff(take) > self.GAP) + 1
@@ -276,26 +291,26 @@ class TakeStep(Step):
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         spans = self._spans(req)
-        parts = [self.source.eval(ctx, ("r", a, b))[take] for a, b, take in spans]
+        parts = [self.source.eval(ctx, RowRange(a, b))[take] for a, b, take in spans]
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts)
 
-    def children(self) -> list[tuple[Step, Request]]:
-        return [(self.source, ())]
+    def children(self) -> list[Step]:
+        return [self.source]
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         if not self.node.ordered:
             return  # reading the span ahead would read what nobody picked
         for a, b, _ in self._spans(req):
-            yield from self.source.sources(("r", a, b))
+            yield from self.source.sources(RowRange(a, b))
 
 
 def _block_request(node: Chunked, j: int) -> Request:
     """The request for block ``j`` of ``node`` in its own terms."""
     if node.bounds is not None:
-        return ("r", node.bounds[j], node.bounds[j + 1])
-    return ("b", j)
+        return RowRange(node.bounds[j], node.bounds[j + 1])
+    return BlockIndex(j)
 
 
 class FilterStep(Step):
@@ -310,7 +325,8 @@ class FilterStep(Step):
         self.source_node: Chunked = source_node
 
     def _inner(self, req: Request) -> Request:
-        return _block_request(self.source_node, req[1])
+        assert isinstance(req, BlockIndex)
+        return _block_request(self.source_node, req.index)
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         inner = self._inner(req)
@@ -324,8 +340,8 @@ class FilterStep(Step):
         except Exception as exc:
             raise _user_error(self.node.label(), ctx, inner, exc) from exc
 
-    def children(self) -> list[tuple[Step, Request]]:
-        return [(self.source, ())] + ([(self.mask, ())] if self.mask is not None else [])
+    def children(self) -> list[Step]:
+        return [self.source] + ([self.mask] if self.mask is not None else [])
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         yield from self.source.sources(self._inner(req))
@@ -342,11 +358,12 @@ class ConcatStep(Step):
         self.inputs = inputs
 
     def _parts(self, req: Request) -> list[tuple[Step, Request]]:
-        if req[0] == "r":
+        if isinstance(req, RowRange):
             return [
-                (self.inputs[k], ("r", lo, hi)) for k, lo, hi in self.node.pieces(req[1], req[2])
+                (self.inputs[k], RowRange(lo, hi))
+                for k, lo, hi in self.node.pieces(req.start, req.stop)
             ]
-        k, j = self.node.block_table[req[1]]
+        k, j = self.node.block_table[req.index]
         child = self.node.inputs[k]
         assert isinstance(child, Chunked)
         return [(self.inputs[k], _block_request(child, j))]
@@ -360,8 +377,8 @@ class ConcatStep(Step):
             return np.empty((0, *self.node.row_shape), dtype)
         return np.concatenate(parts).astype(dtype, copy=False)
 
-    def children(self) -> list[tuple[Step, Request]]:
-        return [(s, ()) for s in self.inputs]
+    def children(self) -> list[Step]:
+        return list(self.inputs)
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         for step, inner in self._parts(req):
@@ -415,8 +432,8 @@ class CachedStep(Step):
         self.entry.put_block(req, out)
         return out
 
-    def children(self) -> list[tuple[Step, Request]]:
-        return [(self.inner, ())]
+    def children(self) -> list[Step]:
+        return [self.inner]
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         if not self.entry.has_block(req):  # a block in the cache reads no file
@@ -550,7 +567,7 @@ class ReduceRoot:
             if cached is not MISS:
                 return cached
         blocks = [s.eval(ctx, req) for s in self.inputs]
-        offset = req[1] if req[0] == "r" else 0
+        offset = req.start if isinstance(req, RowRange) else 0
         try:
             partial = halving.call_chunk(
                 self.node.ident, self.label, ctx.describe, self.chunker, blocks, offset
@@ -594,8 +611,8 @@ class SinkRoot:
         return state
 
     def run(self, ctx: Context, req: Request) -> Any:
-        if req[0] == "r" and self.sink.known:
-            a, b = req[1], req[2]
+        if isinstance(req, RowRange) and self.sink.known:
+            a, b = req.start, req.stop
             dest = self.sink.dest(a, b)
             self.step.eval_into(ctx, req, dest)
             self.sink.written(a, b, dest)
@@ -613,16 +630,16 @@ class SinkRoot:
     def run_remote(self, ctx: Context, req: Request) -> np.ndarray | None:
         """In a worker: write known rows to the sink's place, else return the block."""
         place = getattr(self, "place", None)
-        if place is not None and req[0] == "r":
-            place.write(req[1], self.step.eval(ctx, req))
+        if place is not None and isinstance(req, RowRange):
+            place.write(req.start, self.step.eval(ctx, req))
             return None
         return self._held(ctx, req)
 
     def receive(self, req: Request, block: np.ndarray | None) -> Any:
         """In the driver: place a block a worker returned; the held block, if any."""
-        if block is None or not (req[0] == "r" and self.sink.known):
+        if block is None or not (isinstance(req, RowRange) and self.sink.known):
             return block
-        a, b = req[1], req[2]
+        a, b = req.start, req.stop
         dest = self.sink.dest(a, b)
         np.copyto(dest, block, casting="unsafe")
         self.sink.written(a, b, dest)
@@ -742,7 +759,7 @@ class Program:
             if id(step) in found:
                 continue
             found[id(step)] = step
-            stack.extend(child for child, _ in step.children())
+            stack.extend(step.children())
         return list(found.values())
 
     def describe(self) -> str:
@@ -752,7 +769,7 @@ class Program:
 
         def walk(step: Step, depth: int) -> None:
             lines.append(f"{'  ' * depth}{type(step).__name__} {step.label()}")
-            for child, _ in step.children():
+            for child in step.children():
                 walk(child, depth + 1)
 
         for s in self.sinks:
@@ -780,182 +797,3 @@ class Program:
             total = total + r.memory(rows)
         self._memory[rows] = total
         return total
-
-
-# -- lowering ---------------------------------------------------------------------------
-
-
-class Lowering:
-    """Builds the steps of programs from graph nodes, with value nodes bound.
-
-    ``values`` maps a value node's key to its value (placeholders while planning);
-    ``results`` holds the keys of chunked nodes that are results of the same pass (read
-    from their sink block instead of being fused again). ``cache`` is the compute's
-    :class:`~tierflow.engine.cache.Session` (None without one): its chunked nodes get a
-    :class:`CachedStep` and are not fused, its reductions cache their partials.
-    """
-
-    def __init__(
-        self, values: dict[str, Any], results: set[str] | None = None, cache: Any = None
-    ) -> None:
-        self.values = values
-        self.results = results or set()
-        self.cache = cache
-        self._steps: dict[str, Step] = {}
-
-    def _entry(self, node: Node) -> Any:
-        return None if self.cache is None else self.cache.entry(node)
-
-    def value(self, node: Node) -> Any:
-        """The bound value of a value node, as a NumPy value of the node's dtype.
-
-        A Python number from a user's ``aggregate`` would be a *weak* scalar under NEP 50
-        and could change the result dtype the plan was built with; the declared dtype
-        keeps the kernels and the plan in agreement."""
-        value = self.values[node.ident]
-        dtype = node.dtype
-        if dtype is not None and (
-            not isinstance(value, (np.ndarray, np.generic)) or value.dtype != dtype
-        ):
-            value = np.asarray(value).astype(dtype)
-            if value.ndim == 0:
-                value = value[()]
-        return value
-
-    def step(self, node: Node) -> Step:
-        found = self._steps.get(node.ident)
-        if found is None:
-            found = self._lower(node)
-            entry = self._entry(node)
-            if entry is not None:
-                found = CachedStep(found, entry)
-            self._steps[node.ident] = found
-        return found
-
-    def _lower(self, node: Node) -> Step:
-        if isinstance(node, graph.Source):
-            return SourceStep(node)
-        if isinstance(node, graph.Elementwise):
-            expr, leaves = self._expression(node)
-            kernel = fused.FusedKernel(
-                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
-            )
-            return KernelStep(
-                node, kernel, [self.step(n) for n in leaves], label=_kernel_label(node)
-            )
-        if isinstance(node, graph.BlockMap):
-            chunked = [n for n in node.inputs[: node.n_chunked] if isinstance(n, Chunked)]
-            values = [self.value(v) for v in node.inputs[node.n_chunked :]]
-            op = node.spec.build([c.dtype for c in chunked], [c.row_shape for c in chunked], values)
-            source = chunked[0]
-            if node.spec.epilogue and self._fusable(source):
-                expr, leaves = self._expression(source)  # type: ignore[arg-type]
-                kernel = fused.FusedKernel(
-                    expr, [n.dtype for n in leaves], [n.row_shape for n in leaves], epilogue=op
-                )
-                label = f"{_kernel_label(source)} -> {node.label()}"
-                return KernelStep(node, kernel, [self.step(n) for n in leaves], label=label)
-            return KernelStep(node, op, [self.step(c) for c in chunked], user=node.spec.user)
-        if isinstance(node, graph.RowSlice):
-            return SliceStep(node, self.step(node.inputs[0]))
-        if isinstance(node, graph.RowTake):
-            return TakeStep(node, self.step(node.inputs[0]))
-        if isinstance(node, graph.Filter):
-            mask = self.step(node.inputs[1]) if len(node.inputs) > 1 else None
-            return FilterStep(node, self.step(node.inputs[0]), mask)
-        if isinstance(node, graph.Concat):
-            return ConcatStep(node, [self.step(i) for i in node.inputs])
-        raise TypeError(f"cannot lower {node!r}")
-
-    def _fusable(self, node: Node) -> bool:
-        return (
-            isinstance(node, graph.Elementwise)
-            and node.ident not in self.results
-            and self._entry(node) is None
-        )
-
-    def _expression(self, root: graph.Elementwise) -> tuple[ew.Expr, list[Chunked]]:
-        """The elementwise tree under ``root`` as one expression over its leaves."""
-        leaves: dict[str, int] = {}
-        leaf_nodes: list[Chunked] = []
-        exprs: dict[str, ew.Expr] = {}
-
-        def build(node: Chunked) -> ew.Expr:
-            found = exprs.get(node.ident)
-            if found is not None:
-                return found
-            if isinstance(node, graph.Elementwise) and (node is root or self._fusable(node)):
-                args: list[Any] = []
-                for o in node.operands:
-                    if isinstance(o, Chunked):
-                        args.append(build(o))
-                    elif isinstance(o, Node):
-                        args.append(ew.Const(self.value(o)))
-                    else:
-                        args.append(o)
-                expr = node.op.expr(args)
-            else:
-                if node.ident not in leaves:
-                    leaves[node.ident] = len(leaf_nodes)
-                    leaf_nodes.append(node)
-                expr = ew.Input(leaves[node.ident])
-            exprs[node.ident] = expr
-            return expr
-
-        return build(root), leaf_nodes
-
-    def reduce_root(self, node: graph.Reduce, acc_for: Any) -> ReduceRoot:
-        """The root of a reduction, fused with an elementwise tree under it when it is a
-        built-in reduction of one input."""
-        chunked = [n for n in node.inputs[: node.n_chunked] if isinstance(n, Chunked)]
-        values = [self.value(v) for v in node.inputs[node.n_chunked :]]
-        op = node.spec.build(
-            [c.dtype for c in chunked],
-            [c.row_shape for c in chunked],
-            chunked[0].n_rows,
-            values,
-        )
-        acc = acc_for(node, op)
-        source = chunked[0]
-        builtin = isinstance(op, reductions.RowReduction) or type(op).__name__ == "HistogramCounts"
-        if len(chunked) == 1 and builtin and self._fusable(source):
-            expr, leaves = self._expression(source)  # type: ignore[arg-type]
-            kernel = fused.FusedKernel(
-                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
-            )
-            fused_op = fused.FusedReduction(kernel, op)
-            return ReduceRoot(
-                node, op, [self.step(n) for n in leaves], acc, node.spec.user, fused_op,
-                cache=self._entry(node),
-            )  # fmt: skip
-        return ReduceRoot(
-            node, op, [self.step(c) for c in chunked], acc, node.spec.user,
-            cache=self._entry(node),
-        )  # fmt: skip
-
-
-def _kernel_label(node: Node) -> str:
-    """``sqrt(add(multiply))``-style label of an elementwise tree, shortened."""
-    names = []
-    for n in graph.walk([node]):
-        if isinstance(n, graph.Elementwise):
-            names.append(n.label())
-    text = " ∘ ".join(reversed(names))
-    return f"fused[{text}]" if len(names) > 1 else text
-
-
-def upper_rows(node: Chunked, j: int) -> int:
-    """At most how many rows block ``j`` of ``node`` has (its exact count when known)."""
-    if node.bounds is not None:
-        return node.bounds[j + 1] - node.bounds[j]
-    if isinstance(node, graph.Source):
-        return int(getattr(node.reader, "files_per_block", 1))
-    if isinstance(node, graph.Concat):
-        k, jj = node.block_table[j]
-        return upper_rows(node.inputs[k], jj)  # type: ignore[arg-type]
-    source = node.inputs[0]
-    assert isinstance(source, Chunked)
-    scale = 1
-    if isinstance(node, graph.Filter) and node.mask_ndim > 1:
-        scale = math.prod(source.row_shape[: node.mask_ndim - 1])
-    return upper_rows(source, j) * scale

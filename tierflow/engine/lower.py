@@ -1,0 +1,232 @@
+"""Lowering: from the lazy graph to block programs, with fusion.
+
+:class:`Lowering` turns the roots of one pass (its sinks and reductions, see
+:mod:`tierflow.engine.plan`) into the steps of a
+:class:`~tierflow.engine.program.Program`:
+
+* A maximal tree of elementwise nodes becomes one
+  :class:`~tierflow.operators.fused.FusedKernel` over the nodes that feed it (sources,
+  block maps, selections), evaluated in cache-sized sub-blocks with reused buffers.
+  An elementwise node used by several roots is inlined into each (recomputing it from
+  L2-resident sub-blocks is cheaper than writing a block-sized intermediate), unless it
+  is itself a result (then the others read the result's block)::
+
+      sqrt(x * 2 + 1).sum(0)   ->   ReduceRoot(FusedReduction(sqrt(add(multiply))))
+                                      SourceStep(x)
+
+* A reduction over the rows of an elementwise tree becomes a
+  :class:`~tierflow.operators.fused.FusedReduction`: no block-sized intermediate at all.
+  A trailing-axis reduction, ``@ w`` or a trailing index after an elementwise tree is the
+  kernel's epilogue.
+* Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step.
+* A node the compute caches (:mod:`tierflow.engine.cache`) is never fused into its
+  consumers: its step is wrapped in a :class:`~tierflow.engine.program.CachedStep`.
+
+Lowering builds; it runs nothing and opens nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..operators import elementwise as ew
+from ..operators import fused, reductions
+from . import graph
+from .graph import Chunked, Node
+from .program import (
+    Accumulator,
+    CachedStep,
+    ConcatStep,
+    FilterStep,
+    KernelStep,
+    Program,
+    ReduceRoot,
+    SinkRoot,
+    SliceStep,
+    SourceStep,
+    Step,
+    TakeStep,
+)
+
+__all__ = ["Lowering", "lower_pass"]
+
+
+def lower_pass(
+    sinks: list[tuple[Chunked, Any]],
+    reduces: list[graph.Reduce],
+    values: dict[str, Any],
+    cache: Any = None,
+) -> tuple[Program, dict[str, Accumulator]]:
+    """The program of a pass computing ``sinks`` (``(node, sink)``) and ``reduces``,
+    with value nodes bound to ``values``, and each reduction's accumulator by key."""
+    lowering = Lowering(values, {n.ident for n, _ in sinks}, cache)
+    accs: dict[str, Accumulator] = {}
+
+    def acc_for(node: Node, op: Any) -> Accumulator:
+        acc = Accumulator(op)
+        accs[node.ident] = acc
+        return acc
+
+    roots = [SinkRoot(n, lowering.step(n), sink) for n, sink in sinks]
+    return Program(roots, [lowering.reduce_root(r, acc_for) for r in reduces]), accs
+
+
+class Lowering:
+    """Builds the steps of programs from graph nodes, with value nodes bound.
+
+    ``values`` maps a value node's key to its value (placeholders while planning);
+    ``results`` holds the keys of chunked nodes that are results of the same pass (read
+    from their sink block instead of being fused again). ``cache`` is the compute's
+    :class:`~tierflow.engine.cache.Session` (None without one): its chunked nodes get a
+    :class:`CachedStep` and are not fused, its reductions cache their partials.
+    """
+
+    def __init__(
+        self, values: dict[str, Any], results: set[str] | None = None, cache: Any = None
+    ) -> None:
+        self.values = values
+        self.results = results or set()
+        self.cache = cache
+        self._steps: dict[str, Step] = {}
+
+    def _entry(self, node: Node) -> Any:
+        return None if self.cache is None else self.cache.entry(node)
+
+    def value(self, node: Node) -> Any:
+        """The bound value of a value node, as a NumPy value of the node's dtype.
+
+        A Python number from a user's ``aggregate`` would be a *weak* scalar under NEP 50
+        and could change the result dtype the plan was built with; the declared dtype
+        keeps the kernels and the plan in agreement."""
+        value = self.values[node.ident]
+        dtype = node.dtype
+        if dtype is not None and (
+            not isinstance(value, (np.ndarray, np.generic)) or value.dtype != dtype
+        ):
+            value = np.asarray(value).astype(dtype)
+            if value.ndim == 0:
+                value = value[()]
+        return value
+
+    def step(self, node: Node) -> Step:
+        found = self._steps.get(node.ident)
+        if found is None:
+            found = self._lower(node)
+            entry = self._entry(node)
+            if entry is not None:
+                found = CachedStep(found, entry)
+            self._steps[node.ident] = found
+        return found
+
+    def _lower(self, node: Node) -> Step:
+        if isinstance(node, graph.Source):
+            return SourceStep(node)
+        if isinstance(node, graph.Elementwise):
+            expr, leaves = self._expression(node)
+            kernel = fused.FusedKernel(
+                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
+            )
+            return KernelStep(
+                node, kernel, [self.step(n) for n in leaves], label=_kernel_label(node)
+            )
+        if isinstance(node, graph.BlockMap):
+            chunked = [n for n in node.inputs[: node.n_chunked] if isinstance(n, Chunked)]
+            values = [self.value(v) for v in node.inputs[node.n_chunked :]]
+            op = node.spec.build([c.dtype for c in chunked], [c.row_shape for c in chunked], values)
+            source = chunked[0]
+            if node.spec.epilogue and self._fusable(source):
+                expr, leaves = self._expression(source)  # type: ignore[arg-type]
+                kernel = fused.FusedKernel(
+                    expr, [n.dtype for n in leaves], [n.row_shape for n in leaves], epilogue=op
+                )
+                label = f"{_kernel_label(source)} -> {node.label()}"
+                return KernelStep(node, kernel, [self.step(n) for n in leaves], label=label)
+            return KernelStep(node, op, [self.step(c) for c in chunked], user=node.spec.user)
+        if isinstance(node, graph.RowSlice):
+            return SliceStep(node, self.step(node.inputs[0]))
+        if isinstance(node, graph.RowTake):
+            return TakeStep(node, self.step(node.inputs[0]))
+        if isinstance(node, graph.Filter):
+            mask = self.step(node.inputs[1]) if len(node.inputs) > 1 else None
+            return FilterStep(node, self.step(node.inputs[0]), mask)
+        if isinstance(node, graph.Concat):
+            return ConcatStep(node, [self.step(i) for i in node.inputs])
+        raise TypeError(f"cannot lower {node!r}")
+
+    def _fusable(self, node: Node) -> bool:
+        return (
+            isinstance(node, graph.Elementwise)
+            and node.ident not in self.results
+            and self._entry(node) is None
+        )
+
+    def _expression(self, root: graph.Elementwise) -> tuple[ew.Expr, list[Chunked]]:
+        """The elementwise tree under ``root`` as one expression over its leaves."""
+        leaves: dict[str, int] = {}
+        leaf_nodes: list[Chunked] = []
+        exprs: dict[str, ew.Expr] = {}
+
+        def build(node: Chunked) -> ew.Expr:
+            found = exprs.get(node.ident)
+            if found is not None:
+                return found
+            if isinstance(node, graph.Elementwise) and (node is root or self._fusable(node)):
+                args: list[Any] = []
+                for o in node.operands:
+                    if isinstance(o, Chunked):
+                        args.append(build(o))
+                    elif isinstance(o, Node):
+                        args.append(ew.Const(self.value(o)))
+                    else:
+                        args.append(o)
+                expr = node.op.expr(args)
+            else:
+                if node.ident not in leaves:
+                    leaves[node.ident] = len(leaf_nodes)
+                    leaf_nodes.append(node)
+                expr = ew.Input(leaves[node.ident])
+            exprs[node.ident] = expr
+            return expr
+
+        return build(root), leaf_nodes
+
+    def reduce_root(self, node: graph.Reduce, acc_for: Any) -> ReduceRoot:
+        """The root of a reduction, fused with an elementwise tree under it when it is a
+        built-in reduction of one input."""
+        chunked = [n for n in node.inputs[: node.n_chunked] if isinstance(n, Chunked)]
+        values = [self.value(v) for v in node.inputs[node.n_chunked :]]
+        op = node.spec.build(
+            [c.dtype for c in chunked],
+            [c.row_shape for c in chunked],
+            chunked[0].n_rows,
+            values,
+        )
+        acc = acc_for(node, op)
+        source = chunked[0]
+        builtin = isinstance(op, reductions.RowReduction) or type(op).__name__ == "HistogramCounts"
+        if len(chunked) == 1 and builtin and self._fusable(source):
+            expr, leaves = self._expression(source)  # type: ignore[arg-type]
+            kernel = fused.FusedKernel(
+                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
+            )
+            fused_op = fused.FusedReduction(kernel, op)
+            return ReduceRoot(
+                node, op, [self.step(n) for n in leaves], acc, node.spec.user, fused_op,
+                cache=self._entry(node),
+            )  # fmt: skip
+        return ReduceRoot(
+            node, op, [self.step(c) for c in chunked], acc, node.spec.user,
+            cache=self._entry(node),
+        )  # fmt: skip
+
+
+def _kernel_label(node: Node) -> str:
+    """``sqrt(add(multiply))``-style label of an elementwise tree, shortened."""
+    names = []
+    for n in graph.walk([node]):
+        if isinstance(n, graph.Elementwise):
+            names.append(n.label())
+    text = " ∘ ".join(reversed(names))
+    return f"fused[{text}]" if len(names) > 1 else text
