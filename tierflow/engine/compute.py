@@ -51,21 +51,20 @@ def _run(
             requests, workers=chosen.workers, budget=budget_module.budget_bytes(), cache=session
         )
         log.debug("plan of %s: %s", plan.what, describe(plan))
+        plan.open()
         try:
             results, stats = scheduler.run(
                 plan.tasks, chosen, keep=plan.kept(), callbacks=hooks, what=plan.what
             )
         except BaseException:
-            for sink in plan.sinks:
-                sink.abort()
+            plan.abort()
             raise
     finally:
         if owned:
             chosen.shutdown()
         if session is not None:
             session.finish()
-    outputs = [results[v] if kind == "task" else v for kind, v in plan.outputs]
-    return outputs, stats
+    return plan.results(results), stats
 
 
 def compute(

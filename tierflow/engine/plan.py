@@ -71,12 +71,32 @@ class Target:
     sink: ArraySink | NpySink | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TaskOutput:
+    """A result read from task ``task``'s result."""
+
+    task: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConstOutput:
+    """A result known without running anything (a constant, a cached value)."""
+
+    value: Any
+
+
+Output = TaskOutput | ConstOutput
+
+
 @dataclass
 class Plan:
-    """The tasks of a compute, in priority order, and how to read the results."""
+    """The tasks of a compute, in priority order, and how to read the results.
+
+    Planning opens nothing: :meth:`open` opens the sinks (allocates outputs, creates
+    temporary files) when the compute starts, and :meth:`abort` undoes that."""
 
     tasks: list[Task] = field(default_factory=list)
-    outputs: list[tuple[str, Any]] = field(default_factory=list)  # ("task", i) or ("const", v)
+    outputs: list[Output] = field(default_factory=list)  # one per target, in order
     sinks: list[Any] = field(default_factory=list)
     what: str = ""
     stages: int = 0
@@ -89,7 +109,25 @@ class Plan:
 
     def kept(self) -> set[int]:
         """Tasks whose results the caller reads."""
-        return {v for kind, v in self.outputs if kind == "task"}
+        return {o.task for o in self.outputs if isinstance(o, TaskOutput)}
+
+    def open(self) -> None:
+        """Open every sink; on a failure the ones opened are aborted."""
+        try:
+            for sink in self.sinks:
+                sink.open()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Free outputs and remove temporary files (sinks not opened do nothing)."""
+        for sink in self.sinks:
+            sink.abort()
+
+    def results(self, by_task: dict[int, Any]) -> list[Any]:
+        """The targets' results, given the kept tasks' results."""
+        return [by_task[o.task] if isinstance(o, TaskOutput) else o.value for o in self.outputs]
 
 
 def _chunked_part(roots: list[Node]) -> list[Node]:
@@ -179,117 +217,157 @@ def _check_fits(p: _Pass, program: Program, budget: int) -> None:
         )
 
 
-def build_plan(requests: list[Target], *, workers: int, budget: int, cache: Any = None) -> Plan:
-    """The plan of a compute of ``requests`` (see the module docstring).
+class Planner:
+    """Builds the :class:`Plan` of a compute of ``targets``, one method per stage (see
+    the module docstring): :meth:`nodes`, :meth:`stages`, :meth:`passes`,
+    :meth:`tasks`, :meth:`outputs`. Pure: it reads file headers' identities and
+    builds programs, but allocates and opens nothing."""
 
-    ``cache`` is the compute's cache session, or None. Opens the sinks (allocates
-    outputs, creates temporary files); the caller aborts them if anything after this
-    fails. Raises :class:`~tierflow.errors.SourceError` for a changed source file and
-    :class:`~tierflow.errors.OutOfMemoryError` for a task that cannot fit the budget
-    even on one row.
-    """
-    resolved: dict[str, Any] = cache.resolved if cache is not None else {}
-    nodes: dict[str, Node] = {}
-    for node in graph.walk([r.node for r in requests], stop=lambda n: n.ident in resolved):
-        nodes.setdefault(node.ident, node)
-    for node in nodes.values():
-        if isinstance(node, graph.Source):
-            node.reader.check()
+    def __init__(
+        self, targets: list[Target], *, workers: int, budget: int, cache: Any = None
+    ) -> None:
+        self.targets = targets
+        self.workers = max(1, workers)
+        self.budget = budget
+        self.cache = cache
+        self.resolved: dict[str, Any] = cache.resolved if cache is not None else {}
+        self.plan = Plan()
+        self.nodes_by_key: dict[str, Node] = {}
+        self.stage: dict[str, int] = {}  # chunked node and reduction -> stage it runs in
+        self.avail: dict[str, int] = {}  # value -> first stage it is known in
+        self.pass_of: dict[tuple[int, Any], _Pass] = {}
+        self.value_task: dict[str, int] = {}  # value node -> task computing it
+        self.sink_task: dict[str, int] = {}  # chunked target -> task finishing its sink
 
-    # -- stages --
-    avail: dict[str, int] = {}
-    stage: dict[str, int] = {}
-    for key, node in nodes.items():
-        if key in resolved:
-            avail[key] = 0
-            continue
-        deps = [stage[i.ident] if isinstance(i, Chunked) else avail[i.ident] for i in node.inputs]
-        level = max(deps, default=0)
-        if isinstance(node, graph.Reduce):
-            stage[key] = level
-            avail[key] = level + 1
-        elif isinstance(node, Chunked):
-            stage[key] = level
-        else:
-            avail[key] = level
+    def build(self) -> Plan:
+        """Every stage in turn; the plan."""
+        self.nodes()
+        self.stages()
+        self.passes()
+        self.tasks()
+        self.outputs()
+        return self.plan
 
-    # -- passes --
-    passes: dict[tuple[int, Any], _Pass] = {}
+    def nodes(self) -> None:
+        """Every node reachable from the targets, by key; file sources are checked."""
+        resolved = self.resolved
+        roots = [t.node for t in self.targets]
+        for node in graph.walk(roots, stop=lambda n: n.ident in resolved):
+            self.nodes_by_key.setdefault(node.ident, node)
+        for node in self.nodes_by_key.values():
+            if isinstance(node, graph.Source):
+                node.reader.check()
 
-    def pass_for(s: int, partition: Any) -> _Pass:
-        found = passes.get((s, partition))
+    def stages(self) -> None:
+        """The stage of each chunked node and reduction, and when each value is known."""
+        avail, stage = self.avail, self.stage
+        for key, node in self.nodes_by_key.items():
+            if key in self.resolved:
+                avail[key] = 0
+                continue
+            deps = [
+                stage[i.ident] if isinstance(i, Chunked) else avail[i.ident] for i in node.inputs
+            ]
+            level = max(deps, default=0)
+            if isinstance(node, graph.Reduce):
+                stage[key] = level
+                avail[key] = level + 1
+            elif isinstance(node, Chunked):
+                stage[key] = level
+            else:
+                avail[key] = level
+
+    def _pass_for(self, s: int, partition: Any) -> _Pass:
+        found = self.pass_of.get((s, partition))
         if found is None:
-            found = passes[(s, partition)] = _Pass(s, partition)
+            found = self.pass_of[(s, partition)] = _Pass(s, partition)
         return found
 
-    for node in nodes.values():
-        if isinstance(node, graph.Reduce) and node.ident not in resolved:
-            source = node.inputs[0]
-            assert isinstance(source, Chunked)
-            pass_for(stage[node.ident], source.partition()).reduces.append(node)
-    sink_of: dict[str, Any] = {}
-    plan = Plan()
-    for r in requests:
-        node = nodes[r.node.ident]
-        if r.sink is None or node.ident in sink_of:
-            continue
-        assert isinstance(node, Chunked)
-        sink_of[node.ident] = r.sink
-        pass_for(stage[node.ident], node.partition()).sinks.append((node, r.sink))
-        plan.sinks.append(r.sink)
-
-    # -- tasks --
-    value_task: dict[str, int] = {}
-    const: dict[str, Any] = {k: n.value for k, n in nodes.items() if isinstance(n, graph.Const)}
-    const.update(resolved)
-    task_limit = max(1, budget // (TASKS_PER_WORKER * max(1, workers)))
-    ahead = TASKS_PER_WORKER * max(1, workers)  # blocks computed ahead of their append
-    applies = [n for n in nodes.values() if isinstance(n, graph.Apply) and n.ident not in resolved]
-    made: set[str] = set()
-    n_stages = max([p.stage for p in passes.values()] + [0]) + 1
-
-    def add_applies(up_to: int) -> None:
-        for node in applies:
-            if node.ident in made or avail[node.ident] > up_to:
+    def passes(self) -> None:
+        """Group reductions and sinks by stage and blocks: one pass per group."""
+        for node in self.nodes_by_key.values():
+            if isinstance(node, graph.Reduce) and node.ident not in self.resolved:
+                source = node.inputs[0]
+                assert isinstance(source, Chunked)
+                self._pass_for(self.stage[node.ident], source.partition()).reduces.append(node)
+        seen: set[str] = set()
+        for t in self.targets:
+            node = self.nodes_by_key[t.node.ident]
+            if t.sink is None or node.ident in seen:
                 continue
-            if any(i.ident not in const and i.ident not in value_task for i in node.inputs):
-                continue
-            made.add(node.ident)
-            value_task[node.ident] = plan.add(_apply_task(node, const, value_task, cache))
+            assert isinstance(node, Chunked)
+            seen.add(node.ident)
+            self._pass_for(self.stage[node.ident], node.partition()).sinks.append((node, t.sink))
+            self.plan.sinks.append(t.sink)
 
-    try:
-        for sink in plan.sinks:
-            sink.open()
+    def tasks(self) -> None:
+        """The tasks, stage by stage: values computed from values as soon as their inputs
+        are known, then each pass of the stage."""
+        nodes = self.nodes_by_key.values()
+        const: dict[str, Any] = {
+            k: n.value for k, n in self.nodes_by_key.items() if isinstance(n, graph.Const)
+        }
+        const.update(self.resolved)
+        applies = [n for n in nodes if isinstance(n, graph.Apply) and n.ident not in self.resolved]
+        made: set[str] = set()
+        n_stages = max([p.stage for p in self.pass_of.values()] + [0]) + 1
+
+        def add_applies(up_to: int) -> None:
+            for node in applies:
+                if node.ident in made or self.avail[node.ident] > up_to:
+                    continue
+                if any(
+                    i.ident not in const and i.ident not in self.value_task for i in node.inputs
+                ):
+                    continue
+                made.add(node.ident)
+                self.value_task[node.ident] = self.plan.add(
+                    _apply_task(node, const, self.value_task, self.cache)
+                )
+
         for s in range(n_stages):
             add_applies(s)
-            for p in [p for p in passes.values() if p.stage == s]:
-                _add_pass(plan, p, const, value_task, task_limit, budget, ahead, cache)
-            plan.passes += sum(1 for p in passes.values() if p.stage == s)
+            stage_passes = [p for p in self.pass_of.values() if p.stage == s]
+            for p in stage_passes:
+                _PassTasks(self, p, const).add()
+            self.plan.passes += len(stage_passes)
         while len(made) < len(applies):  # values computed from values, in dependency order
             before = len(made)
             add_applies(n_stages + 1)
             if len(made) == before:
                 raise RuntimeError("a value depends on itself")
-    except BaseException:
-        for sink in plan.sinks:
-            sink.abort()
-        raise
-    plan.stages = n_stages
+        self.plan.stages = n_stages
 
-    for r in requests:
-        node = nodes[r.node.ident]
-        if node.ident in resolved:
-            plan.outputs.append(("const", resolved[node.ident]))
-        elif isinstance(node, graph.Const):
-            plan.outputs.append(("const", node.value))
-        elif isinstance(node, Chunked):
-            plan.outputs.append(("task", value_task[f"sink:{node.ident}"]))
-        else:
-            plan.outputs.append(("task", value_task[node.ident]))
-    plan.what = ", ".join(nodes[r.node.ident].label() for r in requests[:4]) + (
-        f" and {len(requests) - 4} more" if len(requests) > 4 else ""
-    )
-    return plan
+    def outputs(self) -> None:
+        """How each target's result is read, and the plan's name."""
+        plan, nodes = self.plan, self.nodes_by_key
+        for t in self.targets:
+            node = nodes[t.node.ident]
+            if node.ident in self.resolved:
+                plan.outputs.append(ConstOutput(self.resolved[node.ident]))
+            elif isinstance(node, graph.Const):
+                plan.outputs.append(ConstOutput(node.value))
+            elif isinstance(node, Chunked):
+                plan.outputs.append(TaskOutput(self.sink_task[node.ident]))
+            else:
+                plan.outputs.append(TaskOutput(self.value_task[node.ident]))
+        n = len(self.targets)
+        plan.what = ", ".join(nodes[t.node.ident].label() for t in self.targets[:4]) + (
+            f" and {n - 4} more" if n > 4 else ""
+        )
+
+
+def build_plan(targets: list[Target], *, workers: int, budget: int, cache: Any = None) -> Plan:
+    """The plan of a compute of ``targets`` (see the module docstring and
+    :class:`Planner`).
+
+    ``cache`` is the compute's cache session, or None. Opens nothing: the caller opens
+    the sinks with :meth:`Plan.open` when the compute starts. Raises
+    :class:`~tierflow.errors.SourceError` for a changed source file and
+    :class:`~tierflow.errors.OutOfMemoryError` for a task that cannot fit the budget
+    even on one row.
+    """
+    return Planner(targets, workers=workers, budget=budget, cache=cache).build()
 
 
 def _dep_values(
@@ -324,111 +402,139 @@ def _apply_task(
     return Task(f"{node.label()}", run, deps)
 
 
-def _add_pass(
-    plan: Plan,
-    p: _Pass,
-    const: dict[str, Any],
-    value_task: dict[str, int],
-    task_limit: int,
-    budget: int,
-    ahead: int,
-    cache: Any = None,
-) -> None:
-    bound = [v for v in _value_inputs(p.roots()) if v.ident not in const]
-    keys = [v.ident for v in bound]
-    values: dict[str, Any] = dict(const)
-    values.update({v.ident: graph.placeholder(v) for v in bound})
-    with graph._quiet():
-        planned, planned_accs = lower_pass(p.sinks, p.reduces, values, cache)
-    _check_fits(p, planned, budget)
-    requests = _requests(p, planned, task_limit)
-    n = len(requests)
-    label = p.label()
+class _PassTasks:
+    """Adds the tasks of one pass to the planner's plan: ``prepare`` (when the pass binds
+    computed values), the block tasks (with the appends of blocks of unknown size),
+    then the tasks that finish its reductions and sinks."""
 
-    prepare: int | None = None
-    if bound:
-        deps = tuple(value_task[k] for k in keys)
+    def __init__(self, planner: Planner, p: _Pass, const: dict[str, Any]) -> None:
+        self.planner = planner
+        self.plan = planner.plan
+        self.p = p
+        self.const = const
+        self.bound = [v for v in _value_inputs(p.roots()) if v.ident not in const]
+        values: dict[str, Any] = dict(const)
+        values.update({v.ident: graph.placeholder(v) for v in self.bound})
+        with graph._quiet():
+            self.program, self.accs = lower_pass(p.sinks, p.reduces, values, planner.cache)
+        _check_fits(p, self.program, planner.budget)
+        task_limit = max(1, planner.budget // (TASKS_PER_WORKER * planner.workers))
+        self.requests = _requests(p, self.program, task_limit)
+        self.program.name, self.program.count = p.label(), len(self.requests)
+        self.prepare: int | None = None
+        self.blocks: list[int] = []
+        self._memories: dict[int, TaskMemory] = {0: TaskMemory()}
+
+    def add(self) -> None:
+        self.plan.programs.append(self.program)
+        if self.bound:
+            self._add_prepare()
+        npy_held = [
+            (pos, sink)
+            for pos, (_, sink) in enumerate(self.p.sinks)
+            if not sink.known and isinstance(sink, NpySink)
+        ]
+        last_append = self._add_blocks_and_appends(npy_held) if npy_held else self._add_blocks()
+        self._add_finishes(last_append)
+
+    def _add_prepare(self) -> None:
+        keys = [v.ident for v in self.bound]
+        p, const, cache = self.p, self.const, self.planner.cache
+        label, count = self.program.name, self.program.count
 
         def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
             real = dict(const)
             real.update(zip(keys, results, strict=False))
             program, accs = lower_pass(p.sinks, p.reduces, real, cache)
-            program.name, program.count = label, n
+            program.name, program.count = label, count
             return program, accs
 
-        prepare = plan.add(Task(f"prepare {label}", prepare_fn, deps))
+        deps = tuple(self.planner.value_task[k] for k in keys)
+        self.prepare = self.plan.add(Task(f"prepare {label}", prepare_fn, deps))
 
-    files = planned.reads_files()
-    planned.name, planned.count = label, n
-    plan.programs.append(planned)
-    name = f" of {label}"
-
-    memories: dict[int, TaskMemory] = {0: TaskMemory()}
-    run = planned.run
-    block_deps = (prepare,) if prepare is not None else ()
-
-    def block_task(j: int, req: Request, rows: int) -> Task:
-        memory = memories.get(rows)
+    def _block_task(self, j: int, req: Request, rows: int) -> Task:
+        program = self.program
+        memory = self._memories.get(rows)
         if memory is None:
-            memory = memories[rows] = planned.memory(rows)
-        prefetch = functools.partial(planned.prefetch, req) if files else None
+            memory = self._memories[rows] = program.memory(rows)
+        prefetch = functools.partial(program.prefetch, req) if self._files else None
+        prepared = self.prepare is not None
         return Task(
-            f"block {j}{name}",
-            run if prepare is None else _run_prepared,
-            block_deps,
+            f"block {j} of {program.name}",
+            _run_prepared if prepared else program.run,
+            (self.prepare,) if self.prepare is not None else (),
             memory=memory,
             prefetch=prefetch,
             rows=rows,
             args=(j, req),
             block=True,
-            program=planned if prepare is None else None,
+            program=None if prepared else program,
         )
 
-    held = [(pos, node, sink) for pos, (node, sink) in enumerate(p.sinks) if not sink.known]
-    npy_held = [(pos, sink) for pos, _, sink in held if isinstance(sink, NpySink)]
-    blocks: list[int] = []
-    last_append: dict[int, int | None] = {pos: None for pos, _ in npy_held}
-    if npy_held:
+    @functools.cached_property
+    def _files(self) -> bool:
+        return self.program.reads_files()
+
+    def _add_blocks(self) -> dict[int, int | None]:
+        """Block tasks only, numbered in a row."""
+        tasks = self.plan.tasks
+        first = len(tasks)
+        tasks.extend(self._block_task(j, req, rows) for j, (req, rows) in enumerate(self.requests))
+        self.blocks = list(range(first, len(tasks)))
+        return {}
+
+    def _add_blocks_and_appends(self, npy_held: list[tuple[int, NpySink]]) -> dict[int, int | None]:
+        """Block tasks, each followed by the appends of its rows to ``.npy`` files of
+        unknown size; the last append task of each such sink (by position)."""
+        ahead = TASKS_PER_WORKER * self.planner.workers  # blocks computed ahead of appends
+        plan = self.plan
+        last_append: dict[int, int | None] = {pos: None for pos, _ in npy_held}
         appends: list[tuple[int, ...]] = []  # the append tasks of each block
-        for j, (req, rows) in enumerate(requests):
-            task = block_task(j, req, rows)
+        for j, (req, rows) in enumerate(self.requests):
+            task = self._block_task(j, req, rows)
             if j >= ahead:
                 # Appends run one after another and may fall behind blocks computed on
                 # every worker; a block held for its append costs RAM (and past half
                 # the budget a spill). Block j waits for the appends of j - ahead.
                 task.after = appends[j - ahead]
-            blocks.append(plan.add(task))
+            self.blocks.append(plan.add(task))
             for pos, sink in npy_held:
                 prev = last_append[pos]
-                last_append[pos] = plan.add(_append_task(sink, pos, j, blocks[-1], prev))
+                last_append[pos] = plan.add(_append_task(sink, pos, j, self.blocks[-1], prev))
             appends.append(tuple(a for a in last_append.values() if a is not None))
-    else:  # block tasks only, numbered in a row
-        first = len(plan.tasks)
-        plan.tasks.extend(block_task(j, req, rows) for j, (req, rows) in enumerate(requests))
-        blocks = list(range(first, len(plan.tasks)))
+        return last_append
 
-    for r in p.reduces:
-        entry = cache.entry(r) if cache is not None else None
-        value_task[r.ident] = plan.add(_finish_task(r, planned_accs, tuple(blocks), prepare, entry))
-    for pos, (node, sink) in enumerate(p.sinks):
-        if sink.known:
-            task = Task(f"commit {node.label()}", lambda s=sink: s.commit(), after=tuple(blocks))
-        elif isinstance(sink, NpySink):
-            prev = last_append[pos]
-            task = Task(
-                f"commit {node.label()}",
-                lambda *r, s=sink: s.commit(r[0] if r else 0),
-                () if prev is None else (prev,),
+    def _add_finishes(self, last_append: dict[int, int | None]) -> None:
+        plan, cache, blocks = self.plan, self.planner.cache, tuple(self.blocks)
+        for r in self.p.reduces:
+            entry = cache.entry(r) if cache is not None else None
+            self.planner.value_task[r.ident] = plan.add(
+                _finish_task(r, self.accs, blocks, self.prepare, entry)
             )
-        else:
-            task = Task(
-                f"assemble {node.label()}",
-                lambda *results, s=sink, k=pos: s.assemble(
-                    [r[k] for r in results if r is not None]
-                ),
-                tuple(blocks),
+        for pos, (node, sink) in enumerate(self.p.sinks):
+            self.planner.sink_task[node.ident] = plan.add(
+                _sink_task(node, sink, pos, blocks, last_append.get(pos))
             )
-        value_task[f"sink:{node.ident}"] = plan.add(task)
+
+
+def _sink_task(
+    node: Chunked, sink: Any, pos: int, blocks: tuple[int, ...], last_append: int | None
+) -> Task:
+    """The task that finishes ``sink`` (the ``pos``-th of its pass) once its blocks are
+    written: commit known rows, commit a file after its appends, or assemble held blocks."""
+    if sink.known:
+        return Task(f"commit {node.label()}", lambda: sink.commit(), after=blocks)
+    if isinstance(sink, NpySink):
+        return Task(
+            f"commit {node.label()}",
+            lambda *r: sink.commit(r[0] if r else 0),
+            () if last_append is None else (last_append,),
+        )
+    return Task(
+        f"assemble {node.label()}",
+        lambda *results: sink.assemble([r[pos] for r in results if r is not None]),
+        blocks,
+    )
 
 
 def _run_prepared(j: int, req: Request, prepared: tuple[Program, Any]) -> Any:

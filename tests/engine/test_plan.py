@@ -4,7 +4,7 @@ pipelines, compared with ``golden/plans.txt``.
 The text lists each pass's program (its roots and steps) and every task (name,
 dependencies, rows, projected bytes), so a change to planning, lowering or fusion that
 alters what runs shows here. After a deliberate change, regenerate the file with
-``TIERFLOW_REGOLD=1 python -m pytest tests/engine/test_plan_golden.py`` and review its
+``TIERFLOW_REGOLD=1 python -m pytest tests/engine/test_plan.py`` and review its
 diff.
 """
 
@@ -20,8 +20,8 @@ import pytest
 
 import tierflow as tw
 from tierflow.engine import cache as cache_module
-from tierflow.engine.graph import Chunked
-from tierflow.engine.plan import Target, build_plan, describe
+from tierflow.engine.graph import Chunked, Const
+from tierflow.engine.plan import ConstOutput, Target, TaskOutput, build_plan, describe
 from tierflow.engine.sinks import ArraySink, NpySink
 
 GOLDEN = Path(__file__).parent / "golden" / "plans.txt"
@@ -126,3 +126,29 @@ def test_describe_without_tasks_is_one_line(tmp_path: Path, budget: int) -> None
     x = tw.from_npy(tmp_path / "a.npy", rows=50)
     plan = build_plan([Target(x.sum(axis=0)._node)], workers=WORKERS, budget=budget)
     assert describe(plan) == "3 tasks in 1 stage(s), 1 pass(es): 2 block, 1 finish"
+
+
+def test_planning_opens_nothing_and_the_compute_opens_the_sinks(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.ones((100, 2), np.float32))
+    x = tw.from_npy(tmp_path / "a.npy", rows=50)
+    out = tmp_path / "out"
+    out.mkdir()
+    npy = NpySink((x * 2)._node, out / "y.npy")
+    held = ArraySink((x + 1)._node)
+    plan = build_plan(
+        [Target((x * 2)._node, npy), Target((x + 1)._node, held), Target(x.sum()._node)],
+        workers=WORKERS,
+        budget=BUDGET,
+    )
+    assert os.listdir(out) == [] and held.out is None  # nothing created or allocated
+    assert isinstance(plan.outputs[2], TaskOutput) and len(plan.kept()) == 3
+    plan.open()
+    assert len(os.listdir(out)) == 1 and held.out is not None
+    plan.abort()
+    assert os.listdir(out) == [] and held.out is None
+
+
+def test_a_constant_target_is_a_constant_output() -> None:
+    plan = build_plan([Target(Const(np.float64(3.5)))], workers=WORKERS, budget=BUDGET)
+    assert plan.outputs == [ConstOutput(np.float64(3.5))] and plan.tasks == []
+    assert plan.results({}) == [3.5]
