@@ -71,6 +71,15 @@ CASES: dict[str, Case] = {
         # Importing torch alone takes seconds on a small machine.
         marks=(pytest.mark.torch, pytest.mark.slow),
     ),
+    "plain_python_rows.py": Case(
+        args=("--rows", "40000"),
+        expect=(
+            r"^ +serial: +[\d.]+ s$",
+            r"^processes: +[\d.]+ s \(the first compute starts the worker pool\)$",
+            r"^the three executors agree: True$",
+            r"^scores\.npy: \(40000, 1\) float64, first rows match: True$",
+        ),
+    ),
     "explore.py": Case(
         args=("--rows", "200000", "--budget", "8MB"),
         expect=(
