@@ -102,6 +102,87 @@ def test_a_source_truncated_mid_compute_is_a_source_error_not_sigbus(
     assert sorted(os.listdir(path.parent)) == ["x.npy"]  # no temporary file left behind
 
 
+# The same with the cache: the second compute reads the cached blocks of ``emb`` from
+# the store (views of leased mappings). While it holds block 3, a process truncates the
+# entry files of blocks 12-15 (not read yet) and then of block 3. The last waits until
+# block 3's views are gone; the others are damaged when read, and computed again.
+CACHE_CHILD = r"""
+import os, subprocess, sys, threading, time, warnings
+import numpy as np
+import tierflow as tw
+from tierflow import memory
+from tierflow.engine import cache
+from tierflow.storage import leases
+from tierflow.storage.store.keys import encode_key, name_of
+
+folder, executor = sys.argv[1], sys.argv[2]
+rows, per = 1 << 19, 1 << 15  # 16 blocks of 1 MB
+path = os.path.join(folder, "x.npy")
+np.save(path, np.repeat(np.arange(rows, dtype=np.float32)[:, None], 8, axis=1))
+store = memory.store(os.path.join(folder, "store"), ram_mb=0)
+emb = tw.from_npy(path, rows=per).map_blocks(np.negative).cache(store)
+expected = emb.sum(axis=0, dtype=np.float64).compute()
+
+def entry(j):
+    key = cache._entry_key("block", emb.key, (j * per, (j + 1) * per))
+    return store._file(name_of(encode_key(key)))
+
+entries = {j: entry(j) for j in range(16)}
+assert all(os.path.exists(p) for p in entries.values()), entries
+truncater = []
+broken = threading.Event()
+
+def until(condition, what):
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+def fn(block):
+    j = int(-block[0, 0]) // per
+    if j == 3:
+        assert leases.held_by(block), "block 3 is not a view of a leased cache entry"
+        paths = [entries[k] for k in (12, 13, 14, 15, 3)]
+        truncater.append(subprocess.Popen([sys.executable, "-c",
+            f"import os\nfor p in {paths!r}: os.truncate(p, 4096)"]))
+        until(lambda: not leases.held_by(block), "the lease break")
+        broken.set()
+    elif j > 3:
+        broken.wait(30)
+    return block
+
+y = emb.map_blocks(fn, dtype=np.float32, row_shape=(8,)).sum(axis=0, dtype=np.float64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = y.compute(executor=executor)
+np.testing.assert_array_equal(got, expected)
+assert truncater[0].wait(30) == 0
+dropped = [str(w.message) for w in caught if "dropped the entry" in str(w.message)]
+assert len(dropped) == 4, dropped
+assert os.path.getsize(entries[3]) == 4096  # read while it waited, then truncated
+np.testing.assert_array_equal(emb.sum(axis=0, dtype=np.float64).compute(), expected)
+print("computed again:", len(dropped))
+"""
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_cache_entries_truncated_mid_compute_are_waited_for_or_computed_again(
+    tmp_path: Path, executor: str
+) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", CACHE_CHILD, str(tmp_path), executor],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert run.returncode not in (-signal.SIGBUS, 128 + signal.SIGBUS), run.stderr
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "computed again: 4" in run.stdout
+    assert _files_under(Path(os.environ["TIERFLOW_SPILL_DIR"])) == []
+
+
 # -- in this process: replaced by rename, and the copy path ---------------------------------
 
 

@@ -49,11 +49,11 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["POLL_S", "acquire", "held", "map_leased", "watch"]
+__all__ = ["POLL_S", "acquire", "held", "held_by", "map_leased", "read_into", "watch"]
 
 POLL_S = 0.01  # seconds between two looks of the watcher at the leases it holds
 _SIGNAL = signal.SIGURG  # sent on a break only in the instant before F_SETOWN 0
@@ -92,30 +92,68 @@ def map_leased(
     offset: int,
     *,
     sequential: bool = True,
+    mode: Literal["r", "c"] = "r",
+    order: Literal["C", "F"] = "C",
 ) -> np.memmap[Any, Any]:
     """A read-only ``np.memmap`` of ``lease``'s file that owns the descriptor.
 
     The mapping is of ``lease``'s own open file, and ``lease`` is closed (the lease let
     go) when the mapping is unmapped, i.e. once no view of it is left. ``path`` is only
     the name the memmap reports (used to drop its pages from the page cache).
-    ``sequential`` advises the kernel that it is read in order.
+    ``sequential`` advises the kernel that it is read in order; ``mode="c"`` maps it
+    copy-on-write (writes stay in this process).
     """
     fid = io.FileIO(lease, "rb", closefd=False)
     fid.name = path
     try:
-        m: np.memmap[Any, Any] = np.memmap(fid, dtype=dtype, mode="r", offset=offset, shape=shape)
+        m: np.memmap[Any, Any] = np.memmap(
+            fid, dtype=dtype, mode=mode, offset=offset, shape=shape, order=order
+        )
     except BaseException:
         os.close(lease)
         raise
-    weakref.finalize(m._mmap, _let_go, lease)  # type: ignore[attr-defined]
+    mapping = m._mmap  # type: ignore[attr-defined]
+    with _lock:
+        _by_mapping[id(mapping)] = lease
+    weakref.finalize(mapping, _let_go, lease, id(mapping))
     if sequential:
         m._mmap.madvise(mmap.MADV_SEQUENTIAL)  # type: ignore[attr-defined]
     return m
 
 
-def _let_go(lease: int) -> None:
+def read_into(fd: int, out: np.ndarray, offset: int) -> int:
+    """Fill the C- or F-contiguous ``out`` from ``fd`` at ``offset`` by ``pread``;
+    returns the bytes read, fewer than ``out.nbytes`` only when the file ended first."""
+    view = out.reshape(-1, order="A").view(np.uint8).data
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def held_by(x: np.ndarray) -> bool | None:
+    """Whether the lease under ``x``'s mapping still holds; None when ``x`` is not a
+    view of a mapping made by :func:`map_leased`."""
+    obj: Any = x
+    for _ in range(64):  # a base chain is short
+        mapping = getattr(obj, "_mmap", None) if isinstance(obj, np.memmap) else None
+        if mapping is not None or isinstance(obj, mmap.mmap):
+            with _lock:
+                lease = _by_mapping.get(id(mapping if mapping is not None else obj))
+                return None if lease is None else held(lease)
+        obj = getattr(obj, "base", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _let_go(lease: int, mapping_id: int) -> None:
     with _lock:
         _watched.pop(lease, None)
+        _by_mapping.pop(mapping_id, None)
         os.close(lease)
 
 
@@ -125,6 +163,7 @@ def _let_go(lease: int) -> None:
 # table before it is closed (under _lock), so a number reused by a later open is never
 # looked at as a lease.
 _watched: dict[int, Callable[[], None]] = {}
+_by_mapping: dict[int, int] = {}  # id(mmap) of a leased mapping -> its lease descriptor
 _lock = threading.RLock()
 _wake = threading.Condition(_lock)
 _thread: threading.Thread | None = None

@@ -286,16 +286,10 @@ class FileSource:
     def _read(self, i0: int, i1: int) -> np.ndarray:
         """Rows ``i0:i1`` read by copy (``pread``) into a new array."""
         out = np.empty((i1 - i0, *self.row_shape), dtype=self.dtype)
-        view = out.reshape(-1).view(np.uint8).data
         with self._lock:
             fd = self._opened()
-        start = self.offset + i0 * self.row_nbytes
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], start + done)
-            if got == 0:
-                raise self._shrunk(os.fstat(fd).st_size)
-            done += got
+        if leases.read_into(fd, out, self.offset + i0 * self.row_nbytes) < out.nbytes:
+            raise self._shrunk(os.fstat(fd).st_size)
         return out
 
     def block(self, i0: int, i1: int) -> np.ndarray:
