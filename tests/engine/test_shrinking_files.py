@@ -183,6 +183,68 @@ def test_cache_entries_truncated_mid_compute_are_waited_for_or_computed_again(
     assert _files_under(Path(os.environ["TIERFLOW_SPILL_DIR"])) == []
 
 
+# Spilled held blocks: under critical pressure a masked compute moves the blocks it
+# holds (until it can assemble them) to spill files. On a late block, one process per
+# spill file truncates it; the truncates wait until the blocks have been assembled and
+# their files discarded, and the result is right.
+SPILL_CHILD = r"""
+import os, subprocess, sys, time
+import numpy as np
+import tierflow as tw
+from tierflow.storage import leases, spill
+from tierflow.system import pressure
+from tierflow.system.types import Level
+
+executor = sys.argv[1]
+tw.memory.budget("64MB")
+levels = iter([Level.OK])
+pressure.level_now = lambda: next(levels, Level.CRITICAL)
+a = np.random.default_rng(0).normal(size=(40_000, 4))
+x = tw.from_array(a, rows=4000)
+truncaters = []
+
+def until(condition, what):
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+def fn(block):
+    if block[0, 1] == a[36_000, 1] and not truncaters:  # the last block
+        spilled = [(ref(), record) for ref, record in list(spill._maps.values())]
+        held = [(m, r) for m, r in spilled if m is not None and leases.held_by(m)]
+        assert held, "no leased spill file"
+        for _, record in held:
+            truncaters.append(subprocess.Popen(
+                [sys.executable, "-c", f"import os; os.truncate({record.path!r}, 0)"]))
+        until(lambda: not any(leases.held_by(m) for m, _ in held), "the lease breaks")
+    return block
+
+masked = x.map_blocks(fn, dtype=np.float64, row_shape=(4,))
+masked = masked[masked[:, 0] > 0]  # unknown sizes: blocks are held until assembled
+result = masked.compute(executor=executor)
+np.testing.assert_array_equal(result, a[a[:, 0] > 0])
+assert truncaters and all(t.wait(30) == 0 for t in truncaters)
+print("spilled files truncated:", len(truncaters))
+"""
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_spilled_blocks_truncated_mid_compute_are_waited_for(tmp_path: Path, executor: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", SPILL_CHILD, executor],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert run.returncode not in (-signal.SIGBUS, 128 + signal.SIGBUS), run.stderr
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "spilled files truncated" in run.stdout
+    assert _files_under(Path(os.environ["TIERFLOW_SPILL_DIR"])) == []
+
+
 # -- in this process: replaced by rename, and the copy path ---------------------------------
 
 

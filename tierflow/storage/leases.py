@@ -53,7 +53,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["POLL_S", "acquire", "held", "held_by", "map_leased", "read_into", "watch"]
+__all__ = [
+    "POLL_S",
+    "acquire",
+    "held",
+    "held_by",
+    "lease_of",
+    "let_go",
+    "map_leased",
+    "read_into",
+    "watch",
+]
 
 POLL_S = 0.01  # seconds between two looks of the watcher at the leases it holds
 _SIGNAL = signal.SIGURG  # sent on a break only in the instant before F_SETOWN 0
@@ -134,26 +144,55 @@ def read_into(fd: int, out: np.ndarray, offset: int) -> int:
     return done
 
 
-def held_by(x: np.ndarray) -> bool | None:
-    """Whether the lease under ``x``'s mapping still holds; None when ``x`` is not a
-    view of a mapping made by :func:`map_leased`."""
+def _mapping_of(x: np.ndarray | mmap.mmap) -> mmap.mmap | None:
     obj: Any = x
     for _ in range(64):  # a base chain is short
         mapping = getattr(obj, "_mmap", None) if isinstance(obj, np.memmap) else None
-        if mapping is not None or isinstance(obj, mmap.mmap):
-            with _lock:
-                lease = _by_mapping.get(id(mapping if mapping is not None else obj))
-                return None if lease is None else held(lease)
+        if isinstance(mapping, mmap.mmap):
+            return mapping
+        if isinstance(obj, mmap.mmap):
+            return obj
         obj = getattr(obj, "base", None)
         if obj is None:
             return None
     return None
 
 
-def _let_go(lease: int, mapping_id: int) -> None:
+def held_by(x: np.ndarray) -> bool | None:
+    """Whether the lease under ``x``'s mapping still holds; None when ``x`` is not a
+    view of a mapping made by :func:`map_leased` (or its lease was let go)."""
+    mapping = _mapping_of(x)
     with _lock:
+        lease = _by_mapping.get(id(mapping)) if mapping is not None else None
+        return None if lease is None else held(lease)
+
+
+def lease_of(x: np.ndarray) -> int | None:
+    """The lease descriptor under ``x``'s mapping, None when it has none (any more)."""
+    mapping = _mapping_of(x)
+    with _lock:
+        return _by_mapping.get(id(mapping)) if mapping is not None else None
+
+
+def let_go(x: np.ndarray | mmap.mmap) -> None:
+    """Let go of the lease under ``x``'s mapping now, for a caller that has taken the
+    file away from the mapping itself (a spill file being discarded)."""
+    mapping = _mapping_of(x)
+    if mapping is not None:
+        with _lock:
+            lease = _by_mapping.get(id(mapping))
+            if lease is not None:
+                _let_go(lease, id(mapping))
+
+
+def _let_go(lease: int, mapping_id: int) -> None:
+    """Close ``lease`` unless it was let go already (the descriptor number may have
+    been reused since)."""
+    with _lock:
+        if _by_mapping.get(mapping_id) != lease:
+            return
+        del _by_mapping[mapping_id]
         _watched.pop(lease, None)
-        _by_mapping.pop(mapping_id, None)
         os.close(lease)
 
 
