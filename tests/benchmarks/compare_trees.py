@@ -2,8 +2,8 @@
 
 Each tree is a checkout of tierflow (e.g. ``git archive <commit> | tar -x -C /tmp/old``).
 The contenders alternate, each in its own process with the tree on ``PYTHONPATH`` and
-the file's page cache warm; the best of ``--repeat`` runs is kept and every tree's
-speed is printed as a ratio to the first one::
+the file's page cache warm; every tree's best and median of ``--repeat`` runs are
+printed, with their ratios to the first tree's::
 
     python tests/benchmarks/compare_trees.py FILE.npy old=/tmp/old new=. \\
         --kinds tw-sum,tw-chain --repeat 3
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,23 +57,29 @@ def main() -> None:
         make_npy(args.path, args.make_rows, 8)
     trees = {name: Path(folder).resolve() for name, folder in (t.split("=", 1) for t in args.trees)}
     kinds = args.kinds.split(",")
-    best: dict[tuple[str, str], float] = {}
+    times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeat):
         for kind in kinds:
             for name, tree in trees.items():
                 ensure_warm(args.path)
                 seconds = run_child(tree, kind, args.path, args.timeout)
                 if seconds is not None:
-                    best[kind, name] = min(best.get((kind, name), float("inf")), seconds)
+                    times.setdefault((kind, name), []).append(seconds)
     size = os.path.getsize(args.path)
     first = next(iter(trees))
     for kind in kinds:
+        base = times.get((kind, first))
         for name in trees:
-            if (kind, name) not in best:
+            found = times.get((kind, name))
+            if not found or not base:
                 print(f"{kind:10} {name:8} failed")
                 continue
-            ratio = best[kind, first] / best[kind, name] if (kind, first) in best else float("nan")
-            print(f"{kind:10} {name:8} {size / best[kind, name] / 1e9:6.2f} GB/s  {ratio:.2f}x")
+            best, median = min(found), statistics.median(found)
+            print(
+                f"{kind:10} {name:8} best {size / best / 1e9:6.2f} GB/s "
+                f"({min(base) / best:.2f}x), median {size / median / 1e9:6.2f} GB/s "
+                f"({statistics.median(base) / median:.2f}x), {len(found)} runs"
+            )
 
 
 if __name__ == "__main__":
