@@ -241,16 +241,16 @@ class FileSource:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SourceError(
-                f"{self.path} was deleted or moved after tierflow opened it as "
-                f"{_describe(self.dtype, self.shape)}; open it again once the file is back"
+                f"{self.path} was deleted or moved after tierflow read its header "
+                f"({_describe(self.dtype, self.shape)}); open it again once the file is back"
             ) from None
         st = os.fstat(fd)
         if self._stat is not None and (st.st_ino, st.st_dev) != self._stat[1:]:
             os.close(fd)
             raise SourceError(
                 f"{self.path} was replaced by another file (new inode) after tierflow "
-                f"opened it as {_describe(self.dtype, self.shape)}; open it again to read "
-                "the new file"
+                f"read its header ({_describe(self.dtype, self.shape)}); open it again to "
+                "read the new file"
             )
         if st.st_size < self.offset + self.nbytes:
             os.close(fd)
