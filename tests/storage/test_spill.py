@@ -17,7 +17,7 @@ import pytest
 
 from tierflow import config
 from tierflow.errors import SpillError, TierflowError
-from tierflow.storage import spill
+from tierflow.storage import leases, spill
 from tierflow.system import processes
 
 MB = 1 << 20
@@ -379,3 +379,47 @@ def test_a_forked_child_never_deletes_its_parents_files() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+# -- write_array: written once, then read under a lease -----------------------------------
+
+
+def test_write_array_gives_a_read_only_leased_copy_deleted_with_it() -> None:
+    value = np.arange(100_000, dtype=np.float64).reshape(-1, 4)
+    x = spill.write_array(value)
+    record = spill.spill_file_of(x)
+    assert record is not None and os.path.exists(record.path)
+    np.testing.assert_array_equal(x, value)
+    assert not x.flags.writeable
+    assert leases.held_by(x) is True
+    with pytest.raises(BlockingIOError):  # a truncate or writer would have to wait
+        os.close(os.open(record.path, os.O_WRONLY | os.O_NONBLOCK))
+    del x
+    gc.collect()
+    assert record.deleted and not os.path.exists(record.path)
+
+
+def test_discarding_a_written_array_lets_go_of_its_lease_and_its_file() -> None:
+    x = spill.write_array(np.ones((1000, 8)))
+    record = spill.spill_file_of(x)
+    assert record is not None
+    spill.discard(record)
+    assert leases.lease_of(x) is None
+    assert not os.path.exists(record.path)
+    assert _open_descriptors_of(record.path) == []  # the disk space is back now
+
+
+def test_a_spill_file_shrunk_before_it_is_mapped_is_a_spill_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    acquire = leases.acquire
+
+    def truncated_first(fd: int) -> int | None:
+        os.truncate(f"/proc/self/fd/{fd}", 100)  # another process, in the instant before
+        return acquire(fd)
+
+    monkeypatch.setattr(leases, "acquire", truncated_first)
+    before = spill.live_files()
+    with pytest.raises(SpillError, match=r"tmp\w+\.bin shrank from 80000 to 100 bytes"):
+        spill.write_array(np.ones((1000, 10)))
+    assert spill.live_files() == before

@@ -69,7 +69,9 @@ dropped from the process when it finishes (and from the page cache too at ``high
 inside the task (:meth:`tierflow.engine.program.Program.run`). Held results are
 counted against the budget; when they outgrow half of it, or the level reaches
 ``critical``, they are spilled — copied into spill files on the SSD, dropped from RAM —
-largest first. A spilled result's pages leave the process when its last consumer
+largest first. A spilled result is mapped read-only under a read lease
+(:func:`tierflow.storage.spill.write_array`): another process truncating its file waits
+until the result's consumers are done, rather than making them fault. A spilled result's pages leave the process when its last consumer
 has run (they were read back through the mapping); its spill file is deleted when the
 scheduler returns, whatever happened::
 
@@ -560,8 +562,8 @@ class _Run:
         if isinstance(value, list):
             return [self._to_disk(v) for v in value]
         if isinstance(value, np.ndarray) and value.nbytes and _nbytes_in_ram(value):
-            mapped = spill.map_array(value.shape, value.dtype)
-            mapped[...] = value
+            # Read-only under a read lease: a truncated spill file cannot fault readers.
+            mapped = spill.write_array(np.ascontiguousarray(value))
             pages.release(mapped, drop_cache=True)
             self.spilled.append(mapped)
             return mapped

@@ -4,8 +4,9 @@ A reader gives rows ``[a, b)`` of its data (:meth:`read`) or, when row counts ar
 known before loading (``from_files`` with a varying number of rows per file), its
 ``j``-th block (:meth:`read_block`). ``.npy`` and raw files and arrays reuse the storage
 layer's sources (:mod:`tierflow.storage.sources`): a block is a view of the memory
-map, never a copy; ``readahead`` asks the kernel for the next block and ``release``
-drops a finished block's pages (:mod:`tierflow.storage.pages`).
+map (of a file, under a read lease; a copy where no lease can be had, see
+:mod:`tierflow.storage.leases`); ``readahead`` asks the kernel for the next block and
+``release`` drops a finished block's pages (:mod:`tierflow.storage.pages`).
 
 A file's identity (size, modification time, inode) is read when the array is built;
 :meth:`FileReader.check` runs before every compute and refuses a file that changed

@@ -4,10 +4,15 @@ A *source* is anything tierflow can cut into row blocks ``[i0:i1]`` along axis 0
 
 - :class:`FileSource`: a row-major file — a ``.npy`` file (:func:`open_npy`) or a raw
   binary file with a known dtype and shape (:func:`open_raw`). The whole data range is
-  mapped read-only once (a mapping costs address space, not RAM); a block is a view of
-  the mapping, so reading block ``i`` faults in exactly its byte range, and
-  :meth:`FileSource.readahead` / :meth:`FileSource.release` can ask the kernel to load
-  or drop that range (see :mod:`tierflow.storage.pages`).
+  mapped read-only once (a mapping costs address space, not RAM), under a read lease
+  that keeps the file from shrinking under the mapping (:mod:`tierflow.storage.leases`);
+  a block is a view of the mapping, so reading block ``i`` faults in exactly its byte
+  range, and :meth:`FileSource.readahead` / :meth:`FileSource.release` can ask the
+  kernel to load or drop that range (see :mod:`tierflow.storage.pages`). Where no
+  lease can be had, or once another process asks to write or truncate the file, blocks
+  are read by copy (``pread``); a file that shrank is a
+  :class:`~tierflow.errors.SourceError` naming it and both sizes, never SIGBUS. The
+  file is opened once: one renamed onto the path later is not read.
 - :class:`ArraySource`: an ``np.ndarray``, an ``np.memmap`` or a ``memory.array``. A
   block is a slice. Readahead and release act only on file-backed shared mappings;
   a RAM array, or a copy-on-write (``mode="c"``) memmap whose private pages would be
@@ -38,12 +43,13 @@ scattered over the whole file, which defeats readahead and release.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import math
-import mmap
 import os
 import struct
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Union, runtime_checkable
@@ -52,7 +58,7 @@ import numpy as np
 from numpy.lib.format import descr_to_dtype
 
 from ..errors import SourceError
-from . import pages
+from . import leases, pages
 
 __all__ = [
     "ArraySource",
@@ -137,9 +143,11 @@ class FileSource:
     ``path``, ``dtype``, ``shape`` and ``offset`` (bytes from the start of the file to
     the first element) describe the data; ``kind`` is ``"npy"`` or ``"raw"``. Build one
     with :func:`open_npy`, :func:`open_raw` or :func:`as_source` rather than by hand:
-    they validate the file. The mapping is created on first use and dropped by
-    :meth:`close`; views already handed out keep it alive until they are gone. It
-    pickles as its description: another process maps the file on first use.
+    they validate the file. The file is opened and mapped on first use (and refused
+    if another file has been put at the path since the source was made, or it is too
+    short) and dropped by :meth:`close`; views already handed out keep the mapping, and
+    its lease, alive until they are gone. It pickles as its description: another
+    process opens the file on first use.
 
     ``sequential`` (default True) advises the kernel that the mapping is read in order
     (``MADV_SEQUENTIAL``). Without it a page fault that misses the page cache reads
@@ -157,6 +165,15 @@ class FileSource:
     sequential: bool = True
     _map: np.memmap[Any, Any] | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    # (size, inode, device) when the source was made; see _opened.
+    _stat: tuple[int, int, int] | None = field(default=None, init=False, repr=False)
+    _fd: int | None = field(default=None, init=False, repr=False)
+    _lease: int | None = field(default=None, init=False, repr=False)
+    _closer: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        st = os.stat(self.path)
+        self._stat = (st.st_size, st.st_ino, st.st_dev)
 
     @property
     def n_rows(self) -> int:
@@ -179,6 +196,13 @@ class FileSource:
         """Bytes of the data (header and trailing bytes excluded)."""
         return self.n_rows * self.row_nbytes
 
+    @property
+    def leased(self) -> bool:
+        """Whether blocks are views of a mapping under a read lease right now (else
+        they are read by copy; see :mod:`tierflow.storage.leases`)."""
+        with self._lock:
+            return self._map is not None and self._lease is not None and leases.held(self._lease)
+
     def identity(self) -> tuple[object, ...]:
         """What identifies this data for caching: path, size, mtime, dtype, shape, offset.
 
@@ -188,38 +212,116 @@ class FileSource:
         return (self.path, st.st_size, st.st_mtime_ns, self.dtype.str, self.shape, self.offset)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The mapping and its lock belong to this process; a receiver maps on first use.
-        state = self.__dict__.copy()
-        state.pop("_map", None)
-        state.pop("_lock", None)
-        return state
+        # Descriptors, the mapping and its lock belong to this process; a receiver opens
+        # the file on first use and checks it is still the file described here.
+        return {k: v for k, v in self.__dict__.items() if k not in _PER_PROCESS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _map=None, _lock=threading.Lock())
+        self.__dict__.update(state, _lock=threading.Lock())
 
-    def _mapping(self) -> np.memmap[Any, Any]:
+    def _shrunk(self, size: int) -> SourceError:
+        built = self._stat[0] if self._stat is not None else "?"
+        return SourceError(
+            f"{self.path} shrank while tierflow read it: it had {built} bytes and now has "
+            f"{size} ({self.offset + self.nbytes} needed for {_describe(self.dtype, self.shape)} "
+            f"at offset {self.offset}). Another process truncated or rewrote it; build the "
+            "array again once the file is complete"
+        )
+
+    def _opened(self) -> int:
+        """This source's descriptor of its file, opened on first use (needs ``_lock``).
+
+        Opened once, it reads the same file to the end, even if another is renamed onto
+        the path meanwhile. Raises SourceError when the file at the path is not the one
+        this source was made from, or is too short now.
+        """
+        if self._fd is not None:
+            return self._fd
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise SourceError(
+                f"{self.path} was deleted or moved after tierflow read its header "
+                f"({_describe(self.dtype, self.shape)}); open it again once the file is back"
+            ) from None
+        st = os.fstat(fd)
+        if self._stat is not None and (st.st_ino, st.st_dev) != self._stat[1:]:
+            os.close(fd)
+            raise SourceError(
+                f"{self.path} was replaced by another file (new inode) after tierflow "
+                f"read its header ({_describe(self.dtype, self.shape)}); open it again to "
+                "read the new file"
+            )
+        if st.st_size < self.offset + self.nbytes:
+            os.close(fd)
+            raise self._shrunk(st.st_size)
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+        return fd
+
+    def _mapping(self) -> np.memmap[Any, Any] | None:
+        """The leased mapping of the data, mapped on first use; None while no lease can
+        be had (then blocks are read by copy)."""
         with self._lock:
-            if self._map is None:
-                m = np.memmap(
-                    self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape
-                )
-                if self.sequential:
-                    m._mmap.madvise(mmap.MADV_SEQUENTIAL)  # type: ignore[attr-defined]
-                self._map = m
-            return self._map
+            m = self._map
+            if m is not None:
+                if self._lease is not None and leases.held(self._lease):
+                    return m
+                self._map = None  # broken: views in flight keep it until they are done
+            fd = self._opened()
+            lease = leases.acquire(fd)
+            if lease is None:
+                return None
+            size = os.fstat(lease).st_size
+            if size < self.offset + self.nbytes:
+                os.close(lease)
+                raise self._shrunk(size)
+            m = leases.map_leased(
+                lease, self.path, self.dtype, self.shape, self.offset, sequential=self.sequential
+            )
+            self._map, self._lease = m, lease
+            leases.watch(lease, functools.partial(_drop_mapping, weakref.ref(self), weakref.ref(m)))
+            return m
+
+    def _read(self, i0: int, i1: int) -> np.ndarray:
+        """Rows ``i0:i1`` read by copy (``pread``) into a new array."""
+        out = np.empty((i1 - i0, *self.row_shape), dtype=self.dtype)
+        with self._lock:
+            fd = self._opened()
+        if leases.read_into(fd, out, self.offset + i0 * self.row_nbytes) < out.nbytes:
+            raise self._shrunk(os.fstat(fd).st_size)
+        return out
 
     def block(self, i0: int, i1: int) -> np.ndarray:
-        """A read-only view of rows ``i0:i1`` (no copy; pages fault in when read)."""
+        """Rows ``i0:i1``: a read-only view of the leased mapping (pages fault in when
+        read), or a copy while no lease can be had.
+
+        Raises :class:`~tierflow.errors.SourceError` naming the file and its sizes
+        when it shrank, and when another file was put at the path before this source
+        first opened it.
+        """
         _check_range(self.n_rows, i0, i1)
-        if self.nbytes == 0:
+        if self.nbytes == 0 or i0 == i1:
             # mmap refuses a zero-length range; an empty block needs no file at all.
             return np.empty((i1 - i0, *self.row_shape), dtype=self.dtype)
-        return self._mapping()[i0:i1]
+        m = self._mapping()
+        return m[i0:i1] if m is not None else self._read(i0, i1)
+
+    def _file_range(self, i0: int, i1: int) -> tuple[int, int]:
+        return self.offset + i0 * self.row_nbytes, (i1 - i0) * self.row_nbytes
 
     def readahead(self, i0: int, i1: int) -> None:
         """Ask the kernel to start reading rows ``i0:i1`` (returns at once)."""
-        if i1 > i0 and self.nbytes:
-            pages.readahead(self.block(i0, i1))
+        if i1 <= i0 or not self.nbytes:
+            return
+        _check_range(self.n_rows, i0, i1)
+        m = self._mapping()
+        if m is not None:
+            pages.readahead(m[i0:i1])
+            return
+        with self._lock:
+            fd = self._opened()
+        os.posix_fadvise(fd, *self._file_range(i0, i1), os.POSIX_FADV_WILLNEED)
 
     def release(self, i0: int, i1: int, *, drop_cache: bool = False, count: bool = True) -> int:
         """Drop rows ``i0:i1`` from this process; with ``drop_cache`` also from the page cache.
@@ -227,21 +329,33 @@ class FileSource:
         The range reaches :func:`behind_rows` rows before ``i0`` (see the module
         docstring). Views stay valid: their pages fault back in from the file. Returns
         the bytes that were resident (see :func:`tierflow.storage.pages.release`; 0
-        with ``count=False``).
+        with ``count=False``, and 0 for blocks read by copy). Maps nothing.
         """
         if i1 <= i0 or not self.nbytes:
             return 0
+        _check_range(self.n_rows, i0, i1)
         start = max(0, i0 - behind_rows(self.row_nbytes))
-        return pages.release(self.block(start, i1), drop_cache=drop_cache, count=count)
+        with self._lock:
+            m, fd = self._map, self._fd
+        if m is not None:
+            return pages.release(m[start:i1], drop_cache=drop_cache, count=count)
+        if drop_cache and fd is not None:
+            with contextlib.suppress(OSError):  # closed meanwhile: nothing to drop
+                os.posix_fadvise(fd, *self._file_range(start, i1), os.POSIX_FADV_DONTNEED)
+        return 0
 
     def close(self) -> None:
-        """Drop this source's reference to the mapping.
+        """Drop this source's mapping and descriptor.
 
-        The mapping is unmapped once no view of it is left; a later :meth:`block`
-        maps the file again.
+        The mapping is unmapped (and its lease let go) once no view of it is left; a
+        later :meth:`block` opens the file again, and refuses it if another file was
+        put at the path meanwhile. Not to be called while another thread reads blocks.
         """
         with self._lock:
-            self._map = None
+            self._map = self._lease = None
+            closer, self._closer, self._fd = self._closer, None, None
+        if closer is not None:
+            closer()
 
     def __enter__(self) -> FileSource:
         return self
@@ -325,6 +439,23 @@ class ArraySource:
     def __repr__(self) -> str:
         where = "file-backed" if self.file_backed else "in RAM"
         return f"ArraySource(shape={self.shape}, dtype={self.dtype}, {where})"
+
+
+_PER_PROCESS = frozenset({"_map", "_lock", "_fd", "_lease", "_closer"})
+
+
+def _drop_mapping(
+    source_ref: weakref.ref[FileSource], mapping_ref: weakref.ref[np.memmap[Any, Any]]
+) -> None:
+    """The lease under a mapping broke: hand it out no more (the watcher calls this).
+
+    Both by weak reference: the watcher must not keep the mapping (and so the lease)
+    alive, nor the source."""
+    source, mapping = source_ref(), mapping_ref()
+    if source is not None and mapping is not None:
+        with source._lock:
+            if source._map is mapping:
+                source._map = None
 
 
 def _shared_file_mapping(array: np.ndarray) -> bool:

@@ -62,6 +62,7 @@ from .. import config
 from ..config import format_bytes
 from ..errors import SpillError
 from ..system import processes
+from . import leases
 
 __all__ = [
     "SUFFIX",
@@ -74,6 +75,7 @@ __all__ = [
     "process_dir",
     "spill_file_of",
     "spill_root",
+    "write_array",
 ]
 
 logger = logging.getLogger(__name__)
@@ -335,13 +337,79 @@ def map_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.memmap[Any, An
                 f"could not map the spill file {record.path} ({format_bytes(nbytes, 3)}): {exc}",
             ) from exc
         raise
+    _register(array, record)
+    return array
+
+
+def write_array(value: np.ndarray) -> np.memmap[Any, Any]:
+    """A read-only copy of ``value`` (C-contiguous, not empty, no Python objects) in a
+    new spill file, mapped under a read lease.
+
+    For a block that is written once and then only read (a held result the scheduler
+    moves out of RAM). The bytes go in with ``pwrite``, so the file is never mapped
+    writable, and the mapping holds a read lease (:mod:`tierflow.storage.leases`): a
+    process that truncates the file waits until the array's last view is gone instead
+    of making its readers fault. Where no lease can be had, the file is mapped without
+    one. The file is deleted as :func:`map_array`'s are. Raises
+    :class:`~tierflow.errors.SpillError` as :func:`create` does, when writing fails,
+    and naming the file and both sizes when it shrank before it could be mapped.
+    """
+    nbytes = value.nbytes
+    record = create(nbytes)
+    lease: int | None = None
+    try:
+        data = value.reshape(-1).view(np.uint8).data
+        fd = os.open(record.path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            done = 0
+            while done < nbytes:
+                done += os.pwritev(fd, [data[done:]], done)
+        finally:
+            os.close(fd)  # a read lease needs the file open for writing nowhere
+        fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lease = leases.acquire(fd)
+        finally:
+            os.close(fd)
+        if lease is None:
+            array: np.memmap[Any, Any] = np.memmap(
+                record.path, dtype=value.dtype, mode="r", shape=value.shape
+            )
+        else:
+            size = os.fstat(lease).st_size
+            if size < nbytes:
+                os.close(lease)
+                raise SpillError(
+                    errno.EIO,
+                    f"the spill file {record.path} shrank from {nbytes} to {size} bytes "
+                    "before it was mapped: another process truncated it. Spill files "
+                    "live in a folder of their own (setting spill_dir); leave them alone "
+                    "while tierflow runs",
+                )
+            array = leases.map_leased(
+                lease, record.path, value.dtype, value.shape, 0, sequential=False
+            )
+    except BaseException as exc:
+        record.delete()
+        if isinstance(exc, OSError) and not isinstance(exc, SpillError):
+            raise SpillError(
+                exc.errno or errno.EIO,
+                f"could not write the spill file {record.path} ({format_bytes(nbytes, 3)}): {exc}",
+            ) from exc
+        raise
+    _register(array, record, exclude=lease)
+    return array
+
+
+def _register(array: np.memmap[Any, Any], record: SpillFile, exclude: int | None = None) -> None:
+    """Tie ``record`` to ``array``'s mapping: found by :func:`spill_file_of`, deleted
+    once the mapping is collected."""
     mapping = getattr(array, "_mmap", None)
     assert isinstance(mapping, mmap.mmap)
     record.address = int(array.__array_interface__["data"][0])
-    record._map_fd = _find_map_fd(record)
+    record._map_fd = _find_map_fd(record, exclude)
     _maps[id(mapping)] = (weakref.ref(mapping), record)
     weakref.finalize(mapping, _collected, id(mapping), record)
-    return array
 
 
 def _collected(key: int, record: SpillFile) -> None:
@@ -418,11 +486,12 @@ def _libc_mmap() -> Any:
     return _libc.mmap
 
 
-def _find_map_fd(record: SpillFile) -> int | None:
+def _find_map_fd(record: SpillFile, exclude: int | None = None) -> int | None:
     """The descriptor Python's mmap object duplicated for ``record`` (Linux), or None.
 
     The file was just created under a random name in a 0700 folder and our own
-    descriptors are closed, so exactly one open descriptor of this inode is expected.
+    descriptors are closed (but ``exclude``, a lease's), so exactly one open descriptor
+    of this inode is expected.
     """
     if not sys.platform.startswith("linux") or record._inode is None:
         return None
@@ -432,6 +501,8 @@ def _find_map_fd(record: SpillFile) -> int | None:
     except OSError:
         return None
     for name in names:
+        if name == str(exclude):
+            continue
         try:
             st = os.fstat(int(name))
         except (OSError, ValueError):
@@ -469,6 +540,13 @@ def _detach_mapping(record: SpillFile) -> bool:
     return True
 
 
+def _mapping_of(record: SpillFile) -> mmap.mmap | None:
+    for ref, found in list(_maps.values()):
+        if found is record:
+            return ref()
+    return None
+
+
 def discard(record: SpillFile) -> None:
     """Free a spill file now: unmap it from its array (views then read zeros) and delete it.
 
@@ -479,7 +557,10 @@ def discard(record: SpillFile) -> None:
     with record._lock:
         if record._deleted or os.getpid() != record._pid:
             return
+    mapping = _mapping_of(record)
     _detach_mapping(record)
+    if mapping is not None:
+        leases.let_go(mapping)  # the file left the mapping: nothing left to protect
     record.delete()
 
 

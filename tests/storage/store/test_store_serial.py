@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tierflow.errors import StoreError
+from tierflow.storage import leases
 from tierflow.storage.store import signing
 from tierflow.storage.store.keys import encode_key
 from tierflow.storage.store.serial import (
@@ -66,6 +67,29 @@ def test_arrays_round_trip_memory_mapped_and_read_only(tmp_path: Path, arr: np.n
     assert not back.flags.writeable
     if arr.size:
         assert isinstance(back, np.memmap)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_without_a_lease_an_array_entry_is_read_into_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    monkeypatch.setattr(leases, "acquire", lambda fd: None)
+    arr = np.asarray(np.arange(24, dtype=np.float32).reshape(4, 6), order=order)  # type: ignore[call-overload]
+    write(tmp_path / "e", arr)
+    back = read(tmp_path / "e")
+    assert not isinstance(back, np.memmap) and not back.flags.writeable
+    np.testing.assert_array_equal(back, arr)
+
+
+def test_an_array_entry_is_mapped_under_a_lease(tmp_path: Path) -> None:
+    write(tmp_path / "e", np.arange(1024.0))
+    back = read(tmp_path / "e")
+    assert leases.held_by(back) is True
+    with pytest.raises(BlockingIOError):  # an open for writing would have to wait
+        fd = os.open(tmp_path / "e", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+    del back
+    os.close(os.open(tmp_path / "e", os.O_WRONLY | os.O_NONBLOCK))  # the lease went with it
 
 
 def test_an_array_entry_is_a_valid_npy_file(tmp_path: Path) -> None:

@@ -8,7 +8,9 @@ Bodies by kind:
 
 - ``npy``: a NumPy array (no Python objects inside) as a complete ``.npy`` file;
   ``np.load`` reads it as is. It comes back memory-mapped read-only from the data
-  offset the signed meta gives: nothing is read until touched.
+  offset the signed meta gives: nothing is read until touched. The mapping holds a read
+  lease (:mod:`tierflow.storage.leases`), so the file cannot shrink under it; where
+  none can be had, the array is read into memory instead.
 - ``torch``: a strided torch tensor, as the ``.npy`` of its CPU data (dtypes NumPy
   lacks, such as bfloat16, are stored as same-size integers and viewed back). It comes
   back as a tensor over a copy-on-write mapping (writes stay private to the process),
@@ -47,6 +49,7 @@ from typing import Any, BinaryIO, Literal, NamedTuple
 import numpy as np
 
 from ...errors import missing_dependency
+from .. import leases
 from .signing import Signer
 
 __all__ = [
@@ -442,15 +445,19 @@ def _read_value(f: BinaryIO, st: os.stat_result, key: bytes, signer: Signer) -> 
         except Exception as exc:
             raise EntryDamaged(f"it is signed but cannot be unpickled here ({exc!r})") from exc
         return Loaded(value, "pickle", True, meta.body, ident)
-    arr = _map_npy(f, meta)
+    arr = _map_npy(f, meta, st.st_size)
     if meta.kind == "npy":
         return Loaded(arr, "npy", False, arr.nbytes, ident)
     return Loaded(_as_tensor(arr, meta), "torch", False, arr.nbytes, ident)
 
 
-def _map_npy(f: BinaryIO, meta: Meta) -> np.ndarray:
+def _map_npy(f: BinaryIO, meta: Meta, size: int) -> np.ndarray:
     """Map the array of a verified ``npy``/``torch`` entry: read-only for arrays,
-    copy-on-write for tensors (torch wants writable memory)."""
+    copy-on-write for tensors (torch wants writable memory).
+
+    Mapped under a read lease, so the file cannot shrink under the array's pages (see
+    :mod:`tierflow.storage.leases`); where no lease can be had, read into memory. A
+    file that is no longer ``size`` bytes is :class:`EntryDamaged`."""
     header = bytes(_read_exact(f.fileno(), meta.header, 0))
     if hashlib.blake2b(header, digest_size=32).hexdigest() != meta.digest:
         raise EntryDamaged("its .npy header does not match the signed digest")
@@ -467,7 +474,21 @@ def _map_npy(f: BinaryIO, meta: Meta) -> np.ndarray:
         arr = np.empty(shape, dtype=dtype, order=order)
         arr.flags.writeable = mode == "c"
         return arr
-    return np.memmap(f, dtype=dtype, mode=mode, offset=meta.header, shape=shape, order=order)
+    lease = leases.acquire(f.fileno())
+    if lease is None:
+        arr = np.empty(shape, dtype=dtype, order=order)
+        if leases.read_into(f.fileno(), arr, meta.header) < nbytes:
+            raise EntryDamaged(f"it shrank to {os.fstat(f.fileno()).st_size} bytes from {size}")
+        arr.flags.writeable = mode == "c"
+        return arr
+    now = os.fstat(lease).st_size
+    if now != size:
+        os.close(lease)
+        raise EntryDamaged(f"it changed size from {size} to {now} bytes while it was read")
+    name = str(getattr(f, "name", ""))
+    return leases.map_leased(
+        lease, name, dtype, shape, meta.header, sequential=False, mode=mode, order=order
+    )
 
 
 @functools.lru_cache(maxsize=512)
