@@ -211,15 +211,23 @@ class Lowering:
             kernel = fused.FusedKernel(
                 expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
             )
-            fused_op = fused.FusedReduction(kernel, op)
             return ReduceRoot(
-                node, op, [self.step(n) for n in leaves], acc, node.spec.user, fused_op,
+                node,
+                op,
+                [self.step(n) for n in leaves],
+                acc,
+                user=node.spec.user,
+                chunker=fused.FusedReduction(kernel, op),
                 cache=self._entry(node),
-            )  # fmt: skip
+            )
         return ReduceRoot(
-            node, op, [self.step(c) for c in chunked], acc, node.spec.user,
+            node,
+            op,
+            [self.step(c) for c in chunked],
+            acc,
+            user=node.spec.user,
             cache=self._entry(node),
-        )  # fmt: skip
+        )
 
 
 def _kernel_label(node: Node) -> str:

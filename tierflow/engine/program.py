@@ -35,6 +35,7 @@ import abc
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -527,27 +528,29 @@ class Accumulator:
             return first[1]
 
 
+@dataclass(eq=False)
 class ReduceRoot:
-    """A reduction root of a program: chunk each block, add to the accumulator."""
+    """A reduction root of a program: chunk each block, add to the accumulator.
 
-    def __init__(
-        self,
-        node: graph.Reduce,
-        op: Any,
-        inputs: list[Step],
-        acc: Accumulator,
-        user: bool,
-        fused_op: Any = None,
-        cache: Any = None,
-    ) -> None:
-        self.node = node
-        self.op = op
-        self.inputs = inputs
-        self.acc = acc
-        self.user = user
-        self.chunker = fused_op if fused_op is not None else op
-        self.label = node.label()
-        self.cache = cache  # the node's cache Entry: partials per block, or None
+    ``op`` is the reduction (its partials, combine and aggregate), ``chunker`` what
+    computes a block's partial from ``inputs`` (``op`` itself when None, or a
+    :class:`~tierflow.operators.fused.FusedReduction` over an elementwise tree); ``user``
+    marks a user's reduction (its errors name the block); ``cache`` is the node's cache
+    :class:`~tierflow.engine.cache.Entry` (partials per block) or None."""
+
+    node: graph.Reduce
+    op: Any
+    inputs: list[Step]
+    acc: Accumulator
+    user: bool = False
+    chunker: Any = None
+    cache: Any = None
+    label: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.chunker is None:
+            self.chunker = self.op
+        self.label = self.node.label()
 
     def __getstate__(self) -> dict[str, Any]:
         # Travels without its accumulator: partials go back to the driver, which adds
