@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -244,3 +246,19 @@ def test_a_block_result_and_task_round_trip_through_pickle() -> None:
     back = cloudpickle.loads(cloudpickle.dumps(result))
     assert back.partials == result.partials and back.blocks[0] is None
     np.testing.assert_array_equal(back.blocks[1], result.blocks[1])
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import numpy as np, tierflow as tw\n"
+        "def f(b):\n"
+        "    return b * 2\n"
+        "x = tw.from_array(np.arange(20.0).reshape(10, 2), rows=2)\n"
+        "print('result', x.map_blocks(f).sum().compute(executor='processes', progress=False))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["result 380.0"]  # the workers did not run it again

@@ -50,6 +50,9 @@ class BlockTask:
     index: int
     request: Request
 
+    def __reduce__(self) -> tuple[Any, ...]:  # one per task: a slotted dataclass is slow
+        return (BlockTask, (self.program, self.index, self.request))
+
 
 @dataclass(frozen=True, slots=True)
 class BlockResult:
@@ -59,6 +62,9 @@ class BlockResult:
 
     partials: tuple[Any, ...]
     blocks: tuple[Any, ...]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BlockResult, (self.partials, self.blocks))
 
 
 _lock = threading.Lock()

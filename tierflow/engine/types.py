@@ -84,12 +84,18 @@ class RowRange:
     start: int
     stop: int
 
+    def __reduce__(self) -> tuple[Any, ...]:  # a slotted dataclass pickles slowly
+        return (RowRange, (self.start, self.stop))
+
 
 @dataclass(frozen=True, slots=True)
 class BlockIndex:
     """Block ``index`` of a node whose row counts are known only once it is computed."""
 
     index: int
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BlockIndex, (self.index,))
 
 
 Request = RowRange | BlockIndex

@@ -38,6 +38,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import traceback
 from collections import OrderedDict
@@ -107,6 +108,7 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """A worker's loop: receive ``(tid, desc, program bytes, settings)``, run, reply."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     runtime = tasks_module.Runtime(RUNTIME_KEEP)
+    conn.send(("ready", None))
     while True:
         try:
             message = conn.recv()
@@ -139,8 +141,10 @@ class _Worker:
         self.process = context.Process(
             target=_worker_main, args=(there,), name=f"tierflow-worker-{number}", daemon=True
         )
-        self.process.start()
+        with _main_left_behind():
+            self.process.start()
         there.close()
+        self.ready = False  # it has said it is running
         self.conn = here
         # Hashes of the programs it holds, least recently used first: the worker's
         # runtime keeps more (RUNTIME_KEEP) in the same order, so all of these are there.
@@ -157,6 +161,36 @@ class _Worker:
         self.process.join(timeout=10)
         with contextlib.suppress(Exception):
             self.conn.close()
+
+
+_main_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_left_behind() -> Any:
+    """Start a spawned worker without running the driver's ``__main__`` in it.
+
+    ``multiprocessing`` re-runs the main script (or module) in a spawned child so that
+    functions defined there can be found by name. Workers do not need that: cloudpickle
+    sends ``__main__``'s functions by value. Running it could even start the user's
+    compute again in every worker (a script without ``if __name__ == "__main__"``), or
+    fail (``python -``, a notebook). So the main module hides its file and spec while
+    a worker starts."""
+    main = sys.modules.get("__main__")
+    with _main_lock:
+        if main is None:
+            yield
+            return
+        saved: dict[str, Any] = {
+            k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+        }
+        main.__dict__.pop("__file__", None)
+        main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 class _Pending:
@@ -230,8 +264,8 @@ class _Pool:
             changed = settings if settings != worker.settings else None
             try:
                 worker.conn.send((tid, desc, data, changed))
-            except (OSError, ValueError):
-                return  # it died: the receiving thread sends the task again
+            except (OSError, ValueError, TypeError):
+                return  # it died (or was closed): the receiving thread sends it again
             known[desc.program] = None
             known.move_to_end(desc.program)
             while len(known) > KNOWN_PROGRAMS:
@@ -269,6 +303,9 @@ class _Pool:
         except Exception as exc:  # a reply that does not unpickle here
             log.debug("a worker's reply could not be read", exc_info=True)
             message = ("error", None, None, f"{type(exc).__name__}: {exc}")
+        if message[0] == "ready":
+            worker.ready = True
+            return
         tid = message[1]
         with self._lock:
             pending = worker.inflight.pop(tid, None) if tid is not None else None
@@ -300,7 +337,15 @@ class _Pool:
         how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         log.warning("tierflow worker %s died (%s)", worker.process.name, how)
         for pending in orphans:
-            if pending.tries >= TRIES:
+            if not worker.ready:
+                pending.done(
+                    None,
+                    WorkerDied(
+                        f"a worker process could not start ({how}); its error is on this "
+                        "process's standard error. Run with executor='threads' meanwhile"
+                    ),
+                )
+            elif pending.tries >= TRIES:
                 pending.done(
                     None,
                     WorkerDied(
