@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tierflow.engine import cache as cache_module
+from tierflow.system import budget
 
 
 @pytest.fixture(autouse=True)
@@ -17,6 +18,13 @@ def _fresh_cache_handles() -> Iterator[None]:
     cache_module.close_all()
     yield
     cache_module.close_all()
+
+
+@pytest.fixture(autouse=True)
+def _budget_given_back() -> Iterator[None]:
+    """Every compute gives back what it admitted, whether it finished or failed."""
+    yield
+    assert (budget.ledger.running, budget.ledger.held) == (0, 0)
 
 
 @pytest.fixture
