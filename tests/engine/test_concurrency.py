@@ -27,9 +27,10 @@ def data() -> np.ndarray:
     return np.random.default_rng(11).random((N, 3))
 
 
-def run_together(jobs: list[Callable[[], Any]], timeout: float = 120) -> list[Any]:
+def run_together(jobs: list[Callable[[], Any]], timeout: float = 60) -> list[Any]:
     """Run ``jobs`` on threads of their own, started together; their results, or the
-    first error raised."""
+    first error raised. A job still running after ``timeout`` seconds fails the test
+    (its thread is a daemon: a deadlock does not hang the test run)."""
     barrier = threading.Barrier(len(jobs))
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException] = []
@@ -41,7 +42,7 @@ def run_together(jobs: list[Callable[[], Any]], timeout: float = 120) -> list[An
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=body, args=(k,)) for k in range(len(jobs))]
+    threads = [threading.Thread(target=body, args=(k,), daemon=True) for k in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
@@ -243,3 +244,28 @@ def test_a_compute_a_task_waits_for_on_another_thread_runs_after_a_while(
     with caplog.at_level("WARNING", logger="tierflow.engine"):
         np.testing.assert_allclose(y.compute(workers=2), expected_inner(data, rows))
     assert "waited 0 s for other computes' tasks" in caplog.text
+
+
+class Spilled:
+    """A callback keeping the bytes the run spilled."""
+
+    def __init__(self) -> None:
+        self.spilled = -1
+
+    def finish(self, event: types.ComputeFinished) -> None:
+        self.spilled = event.spilled_bytes
+
+
+def test_results_held_by_every_compute_together_are_spilled_past_half_the_budget() -> None:
+    tw.memory.budget("64MB")
+    rows = MB // 8
+    x = tw.from_array(np.ones((rows * 8, 1)), rows=rows)
+    picked = x[x[:, 0] > 0]  # its blocks are held until they are assembled
+    alone, beside = Spilled(), Spilled()
+    assert len(picked.compute(callbacks=alone, workers=2)) == rows * 8
+    budget.ledger.hold(30 * MB)  # what another compute holds now
+    try:
+        assert len(picked.compute(callbacks=beside, workers=2)) == rows * 8
+    finally:
+        budget.ledger.drop(30 * MB)
+    assert alone.spilled == 0 and beside.spilled > 0

@@ -104,9 +104,9 @@ A result is held only while a task that takes it has not run; the last consumer
 releases it. Results the caller asked for are kept. Source pages a block task read are
 dropped from the process when it finishes (and from the page cache too at ``high``),
 inside the task (:meth:`tierflow.engine.optimize.Program.run`). Held results are
-counted against the budget; when they outgrow half of it, or the level reaches
-``critical``, they are spilled — copied into spill files on the SSD, dropped from RAM —
-largest first. A spilled result's pages leave the process when its last consumer
+counted against the budget; when the results held by every compute together outgrow
+half of it, or the level reaches ``critical``, a run spills its own — copies them into
+spill files on the SSD, drops them from RAM — largest first. A spilled result's pages leave the process when its last consumer
 has run (they were read back through the mapping); its spill file is deleted when the
 scheduler returns, whatever happened::
 
@@ -566,7 +566,7 @@ class _Run:
         order = sorted((size, i) for i, size in self.sizes.items() if size and i not in self.keep)
         limit = budget_module.budget_bytes() // HELD_SHARE
         for size, i in reversed(order):
-            if why == "held" and self.held <= limit // 2:
+            if why == "held" and budget_module.ledger.held <= limit // 2:
                 break
             self.results[i] = self._to_disk(self.results[i])
             self.held -= size
@@ -594,7 +594,7 @@ class _Run:
             if level == Level.CRITICAL and self.held:
                 self._spill_held("critical pressure")
             self.level = level
-        if self.held and self.held > budget_module.budget_bytes() // HELD_SHARE:
+        if self.held and budget_module.ledger.held > budget_module.budget_bytes() // HELD_SHARE:
             self._spill_held("held")
 
     # -- the loop ---------------------------------------------------------------------
