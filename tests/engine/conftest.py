@@ -11,6 +11,7 @@ import pytest
 
 from tierflow.engine import cache as cache_module
 from tierflow.engine.executors import use_executor
+from tierflow.system import budget
 
 
 @pytest.fixture(autouse=True)
@@ -19,6 +20,13 @@ def _fresh_cache_handles() -> Iterator[None]:
     cache_module.close_all()
     yield
     cache_module.close_all()
+
+
+@pytest.fixture(autouse=True)
+def _budget_given_back() -> Iterator[None]:
+    """Every compute gives back what it admitted, whether it finished or failed."""
+    yield
+    assert (budget.ledger.running, budget.ledger.held) == (0, 0)
 
 
 @pytest.fixture

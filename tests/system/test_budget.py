@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,42 @@ def test_budget_bytes_reads_memory_only_once(
         budget_bytes()
     assert len(calls) == 1
     assert results == [int(10 * GB * 0.7)] * 8
+
+
+# -- the ledger of admitted bytes ----------------------------------------------------------
+
+
+def test_ledger_admits_what_fits_and_alone_whatever_it_is() -> None:
+    ledger = budget_module.Ledger()
+    assert ledger.admit(60, 100) and not ledger.admit(50, 100)
+    assert not ledger.admit(50, 100, alone=True)  # a task runs: alone is no excuse
+    ledger.hold(30)  # a held result: 60 running + 30 held
+    ledger.finish(60)
+    assert not ledger.admit(80, 100)
+    assert ledger.admit(200, 100, alone=True)  # nothing runs: admitted over the budget
+    ledger.force(10)
+    assert (ledger.running, ledger.held, ledger.admitted, ledger.peak) == (210, 30, 240, 240)
+    ledger.finish(210)
+    ledger.drop(30)
+    ledger.reset_peak()
+    assert (ledger.admitted, ledger.peak) == (0, 0)
+
+
+def test_ledger_wakes_a_waiter_when_a_task_gives_its_bytes_back() -> None:
+    ledger = budget_module.Ledger()
+    ledger.force(100)
+    woke = threading.Event()
+
+    def waiter() -> None:
+        ledger.wait_for_room(60)
+        woke.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not ledger._waiting and time.monotonic() < deadline:  # until it waits inside
+        threading.Event().wait(0.001)
+    ledger.finish(100)
+    assert woke.wait(10)
+    thread.join()
+    ledger.wait_for_room(60)  # nothing runs: returns at once

@@ -32,13 +32,50 @@ when
 
 * its projected bytes (inputs + outputs + scratch, see
   :meth:`tierflow.engine.program.Program.memory`) fit what is left of the budget:
-  ``budget - RAM held by memory.array - projections of running tasks - held results``;
+  ``budget - RAM held by memory.array - admitted``;
 * and the pressure level (:func:`tierflow.system.pressure.level_now`) is below ``high``.
 
-Readers therefore never run ahead of consumers. When nothing is running the best ready
-task is admitted whatever it projects (one task at a time always makes progress;
-out-of-memory halving covers a projection that was wrong). Tasks that project nothing
-(finishing a reduction, committing a file) are always admitted.
+``admitted`` is the process's, not the run's: the projections of running tasks and the
+held results of *every* compute, kept in one ledger (:data:`tierflow.system.budget.ledger`).
+A run reserves a task's bytes there before it submits the task (the check and the
+reservation are one step under the ledger's lock, so two computes cannot both take the
+last room), gives them back when the task finishes, and counts a result while it holds
+it. Whatever a run still has admitted when it ends — it finished, failed or was
+interrupted — it gives back. Two computes on two threads therefore share one budget::
+
+    budget 8 MB, tasks of 4.2 MB       admitted
+    compute A: block 0 admitted        4.2 MB
+    compute B: block 0 refused         (8.4 MB would not fit; B waits)
+    A: block 0 done -> block 1 ...     B runs when A's tasks leave room
+
+Readers therefore never run ahead of consumers. A run with nothing in flight admits its
+best ready task as above, and otherwise once no task of any compute is running, whatever
+it projects and whatever the level: one task at a time always makes progress, and this
+single task may exceed the budget (out-of-memory halving covers a projection that was
+wrong). At ``high`` that makes one task at a time in the whole process. Results that
+other computes hold do not make a run with nothing in flight wait (they leave only when
+those computes run more tasks); their running tasks finish and give their bytes back,
+and the ledger wakes the waiting run. A compute whose tasks do not fit beside another's runs after it rather
+than beside it. Tasks that project nothing (finishing a reduction, committing a file)
+are always admitted.
+
+One wait could have no end: a running task that waits for a compute it started on
+another thread, rather than in its own (see "Nested computes"). So a run that has
+waited :data:`STARVED_SECONDS` with nothing in flight logs a warning and, from then on,
+admits one task whenever it has nothing in flight, as a nested run does: at worst one
+task beyond the budget, never a deadlock.
+
+Nested computes
+---------------
+A compute started inside a task (a ``map_blocks`` function or a ``from_files`` loader
+that calls ``compute``) runs on the thread of that task with the serial executor,
+whatever executor it names (:func:`tierflow.engine.executors.in_task` tells): the
+workers are busy with the outer compute, one of them with the very task that waits,
+so queueing work for them could wait forever. Its first task is always admitted while
+it has nothing in flight, even when the outer compute — whose running task is the one
+waiting — holds the budget; so it runs one task at a time beyond the budget at worst,
+and never waits for the ledger. Its error stops only itself (it shuts down its own
+serial executor, not the outer compute's workers).
 
 Tiny tasks
 ----------
@@ -67,11 +104,12 @@ A result is held only while a task that takes it has not run; the last consumer
 releases it. Results the caller asked for are kept. Source pages a block task read are
 dropped from the process when it finishes (and from the page cache too at ``high``),
 inside the task (:meth:`tierflow.engine.program.Program.run`). Held results are
-counted against the budget; when they outgrow half of it, or the level reaches
-``critical``, they are spilled — copied into spill files on the SSD, dropped from RAM —
-largest first. A spilled result is mapped read-only under a read lease
-(:func:`tierflow.storage.spill.write_array`): another process truncating its file waits
-until the result's consumers are done, rather than making them fault. A spilled result's pages leave the process when its last consumer
+counted against the budget; when the results held by every compute together outgrow
+half of it, or the level reaches ``critical``, a run spills its own — copies them into
+spill files on the SSD, drops them from RAM — largest first. A spilled result is mapped
+read-only under a read lease (:func:`tierflow.storage.spill.write_array`): another
+process truncating its file waits until the result's consumers are done, rather than
+making them fault. A spilled result's pages leave the process when its last consumer
 has run (they were read back through the mapping); its spill file is deleted when the
 scheduler returns, whatever happened::
 
@@ -109,12 +147,14 @@ from typing import Any
 
 import numpy as np
 
+from ..config import format_bytes
 from ..storage import pages, placement, spill
 from ..system import budget as budget_module
 from ..system import pressure
 from ..system.types import Level
 from . import halving
 from . import tasks as tasks_module
+from .executors import SerialExecutor, in_task
 from .tasks import BlockTask
 from .types import (
     ComputeFinished,
@@ -143,6 +183,9 @@ TINY_TASK_SECONDS = 150e-6
 LANE_PROBE = 7  # tasks of a kind timed, one at a time, before the kind is judged
 HELD_SHARE = 2  # held results above budget / HELD_SHARE are spilled
 _WAIT = 0.05  # seconds between pressure re-readings while admission is refused
+# A run with nothing in flight that waited this long for other computes' tasks admits one
+# task anyway, from then on (module docstring, "Admission"): those tasks may wait for it.
+STARVED_SECONDS = 10.0
 # Level comparisons parse names; set membership is what a per-task check can afford.
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
 _NOBODY = 1 << 62  # the inbox's ``wanted`` while the scheduler is not waiting
@@ -314,12 +357,17 @@ class _Run:
         keep: set[int],
         callbacks: Sequence[Any],
         what: str,
+        nested: bool = False,
     ) -> None:
         self.tasks = tasks
         self.executor = executor
         self.keep = keep
         self.callbacks = callbacks
         self.what = what
+        # Admits one task whenever it has nothing in flight, whatever other computes
+        # run: a nested run, and one that starved (see the module docstring).
+        self.one_always = nested
+        self.waiting_since: float | None = None  # when it began waiting for others
         n = len(tasks)
         self.waiting = [len(t.deps) + len(t.after) for t in tasks]
         self.dependents: list[list[int]] = [[] for _ in range(n)]
@@ -440,13 +488,17 @@ class _Run:
     def _admit(self) -> bool:
         """Submit ready tasks while admission allows; False if the best one waits.
 
-        A task is admitted when nothing runs, when it projects nothing, or when the
-        level is below ``high`` and its projection fits the budget's room (see the
-        module docstring). Small tasks may queue deeper (:data:`SMALL_TASK`); tasks of
-        a kind on the lane are queued there, one at a time while the kind is probed."""
+        A task that projects nothing is admitted. One that projects bytes reserves them
+        in the process's ledger (:data:`tierflow.system.budget.ledger`): when the level
+        is below ``high`` and they fit the budget's room beside what every compute
+        admitted; when this run has nothing in flight, also when no task of any compute
+        runs; and always as the only task in flight of a nested run (see the module
+        docstring). Small tasks may queue deeper (:data:`SMALL_TASK`); tasks of a kind
+        on the lane are queued there, one at a time while the kind is probed."""
         ready, tasks, needs, limits, kinds = (
             self.ready, self.tasks, self.needs, self.limits, self.kinds,
         )  # fmt: skip
+        ledger = budget_module.ledger
         room: int | None = None
         lane: list[Any] = []
         admitted = True
@@ -455,26 +507,31 @@ class _Run:
             need = needs[i]
             if self.in_flight >= limits[i]:
                 break
-            if self.in_flight and need:
-                if self.level in _HIGH:
-                    admitted = False
-                    break
-                if room is None:
-                    room = budget_module.budget_bytes() - placement.ram_held()
-                if need > room - self.running - self.held:
-                    admitted = False
-                    break
             kind = kinds[i]
-            if kind is not None and kind.lane:
-                if kind.probing:
-                    if kind.admitted > len(kind.samples):
-                        break  # probed one at a time, so no other thread slows it down
-                    kind.admitted += 1
-                heapq.heappop(ready)
-                self._submit(i, tasks[i], need, lane)
-            else:
-                heapq.heappop(ready)
+            if kind is not None and not kind.lane:
+                kind = None  # runs on the workers
+            if kind is not None and kind.probing and kind.admitted > len(kind.samples):
+                break  # probed one at a time, so no other thread slows it down
+            if need:
+                if self.in_flight == 0 and self.one_always:
+                    ledger.force(need)
+                # Alone first: with no other compute running, no room to read.
+                elif not (self.in_flight == 0 and ledger.admit(need, -1, alone=True)):
+                    if self.level in _HIGH:
+                        admitted = False
+                        break
+                    if room is None:
+                        room = budget_module.budget_bytes() - placement.ram_held()
+                    if not ledger.admit(need, room):
+                        admitted = False
+                        break
+            heapq.heappop(ready)
+            if kind is None:
                 self._submit(i, tasks[i], need, None)
+            else:
+                if kind.probing:
+                    kind.admitted += 1
+                self._submit(i, tasks[i], need, lane)
         if lane:
             if self.lane.extend(lane):
                 self.executor.submit(self.lane.job, self.lane.done)
@@ -491,7 +548,10 @@ class _Run:
         stats = self.stats
         consumers = self.consumers
         self.in_flight -= 1
-        self.running -= self.needs[i]
+        need = self.needs[i]
+        if need:
+            self.running -= need
+            budget_module.ledger.finish(need)
         result, seconds = outcome
         if consumers[i] > 0:
             self.results[i] = result
@@ -499,6 +559,7 @@ class _Run:
             if size:
                 self.sizes[i] = size
                 self.held += size
+                budget_module.ledger.hold(size)
                 if self.running + self.held > stats.peak_bytes:
                     stats.peak_bytes = self.running + self.held
         for d in task.deps:
@@ -524,7 +585,9 @@ class _Run:
     def _release(self, i: int) -> None:
         value = self.results.pop(i, None)
         size = self.sizes.pop(i, 0)
-        self.held -= size
+        if size:
+            self.held -= size
+            budget_module.ledger.drop(size)
         if size == 0 and self.spilled and value is not None:
             self._unmap_spilled(value)
 
@@ -548,10 +611,11 @@ class _Run:
         order = sorted((size, i) for i, size in self.sizes.items() if size and i not in self.keep)
         limit = budget_module.budget_bytes() // HELD_SHARE
         for size, i in reversed(order):
-            if why == "held" and self.held <= limit // 2:
+            if why == "held" and budget_module.ledger.held <= limit // 2:
                 break
             self.results[i] = self._to_disk(self.results[i])
             self.held -= size
+            budget_module.ledger.drop(size)
             self.sizes[i] = 0
             self.stats.spilled_bytes += size
             log.info("spilled a held result of %d bytes (%s)", size, why)
@@ -575,7 +639,7 @@ class _Run:
             if level == Level.CRITICAL and self.held:
                 self._spill_held("critical pressure")
             self.level = level
-        if self.held and self.held > budget_module.budget_bytes() // HELD_SHARE:
+        if self.held and budget_module.ledger.held > budget_module.budget_bytes() // HELD_SHARE:
             self._spill_held("held")
 
     # -- the loop ---------------------------------------------------------------------
@@ -586,6 +650,11 @@ class _Run:
             self._pressure()
             all_admitted = self._admit()
             if self.in_flight == 0:
+                if not all_admitted:
+                    # Other computes' tasks hold the budget: wait for them to finish.
+                    self._starving()
+                    budget_module.ledger.wait_for_room(_WAIT)
+                    continue
                 raise RuntimeError(
                     f"the scheduler is stuck: {n - self.stats.done} task(s) wait for tasks "
                     "that cannot run (a dependency cycle in the plan)"
@@ -595,13 +664,38 @@ class _Run:
             # thread hand-off. Otherwise wake up for every finished task.
             queued = self.in_flight - self.executor.workers
             wake = queued // 2 if queued > 2 * self.executor.workers else 1
+            self.waiting_since = None
             for i, outcome, error in self.inbox.take(wake, None if all_admitted else _WAIT):
                 if error is not None:
                     self.in_flight -= 1
                     raise error
                 self._finished(i, outcome)
 
+    def _starving(self) -> None:
+        """Note a wait for other computes' tasks; after :data:`STARVED_SECONDS` of it,
+        admit one task at a time whatever they run (they may be waiting for this one)."""
+        now = time.perf_counter()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        elif now - self.waiting_since > STARVED_SECONDS:
+            self.one_always = True
+            log.warning(
+                "%s waited %.0f s for other computes' tasks to leave room in the RAM budget "
+                "(%s admitted of %s); it now runs one task at a time beyond the budget when "
+                "it must. (A running task may be waiting for it: compute inside the task, "
+                "not on a thread the task waits for.)",
+                self.what or "a compute", now - self.waiting_since,
+                format_bytes(budget_module.ledger.admitted),
+                format_bytes(budget_module.budget_bytes()),
+            )  # fmt: skip
+
     def cleanup(self) -> None:
+        """Give back what the run still has admitted (tasks that did not report, held
+        results) and delete its spill files."""
+        ledger = budget_module.ledger
+        ledger.finish(self.running)
+        ledger.drop(self.held)
+        self.running = self.held = 0
         for mapped in self.spilled:
             record = spill.spill_file_of(mapped)
             if record is not None:
@@ -622,7 +716,12 @@ def run(
     Calls ``executor.shutdown(cancel=True)`` on any error or interrupt before raising it
     (see the module docstring); the executor is left running otherwise.
     """
-    state = _Run(tasks, executor, set(keep or ()), callbacks, what)
+    nested = in_task()
+    if nested:
+        # A compute started by a task: the workers run that task (maybe this one is
+        # one of them), so this compute's tasks run here, one after another.
+        executor = SerialExecutor()
+    state = _Run(tasks, executor, set(keep or ()), callbacks, what, nested)
     retries_before = halving.retries()
     started = time.perf_counter()
     error: BaseException | None = None

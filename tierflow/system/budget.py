@@ -18,6 +18,12 @@ Where it comes from, first match wins:
 :func:`budget_bytes` is called on allocation paths: after the first call it returns a
 cached number; a change of ``ram_budget``, ``budget_fraction`` or ``proc_root`` (including
 ``config.reset()``) drops the cached number.
+
+The budget is one for the process, however many computes run at once: :data:`ledger`
+(a :class:`Ledger`) holds the bytes every compute's scheduler admitted against it — the
+projections of running tasks and the results held for later tasks — so two computes on
+two threads share the budget instead of each filling it (see the scheduler's Admission,
+:mod:`tierflow.engine.scheduler`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ..config import GB, MB, format_bytes
 from ..errors import ConfigError
 from .limits import read_memory
 
-__all__ = ["budget", "budget_bytes"]
+__all__ = ["Ledger", "budget", "budget_bytes", "ledger"]
 
 logger = logging.getLogger("tierflow.system")
 
@@ -135,3 +141,92 @@ def _on_setting_changed(name: str) -> None:
 
 
 config.on_change(_on_setting_changed)
+
+
+class Ledger:
+    """Bytes admitted against the budget by every compute in the process.
+
+    Two kinds: ``running`` (the projections of tasks that run or are queued) and
+    ``held`` (results kept for the tasks that take them). A scheduler reserves a task's
+    projection before it submits the task (:meth:`admit`, or :meth:`force`), gives it
+    back when the task finishes (:meth:`finish`), and moves a result it keeps in and out
+    of ``held`` (:meth:`hold`, :meth:`drop`). Every method takes ``_lock`` once: a
+    scheduler calls two of them per task. ``peak`` is the most ever admitted at once
+    (:meth:`reset_peak` starts it again; tests read it).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when running bytes go
+        self._waiting = 0  # threads in wait_for_room; _lock
+        self.running = 0  # _lock
+        self.held = 0  # _lock
+        self.peak = 0  # _lock
+
+    @property
+    def admitted(self) -> int:
+        """Bytes admitted now, running and held together."""
+        return self.running + self.held
+
+    def admit(self, nbytes: int, room: int, *, alone: bool = False) -> bool:
+        """Reserve ``nbytes`` for a task if what is admitted stays within ``room``
+        (the budget less RAM held by ``memory.array``), or, with ``alone``, if no task
+        of any compute is running; False (nothing reserved) otherwise."""
+        with self._lock:
+            total = self.running + self.held + nbytes
+            if total > room and not (alone and self.running == 0):
+                return False
+            self.running += nbytes
+            if total > self.peak:
+                self.peak = total
+            return True
+
+    def force(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` for a task whatever is admitted already."""
+        with self._lock:
+            self.running += nbytes
+            total = self.running + self.held
+            if total > self.peak:
+                self.peak = total
+
+    def finish(self, nbytes: int) -> None:
+        """Give back the ``nbytes`` a finished (or dropped) task reserved."""
+        with self._lock:
+            self.running -= nbytes
+            if self._waiting:
+                self._idle.notify_all()
+
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` of a result kept for the tasks that take it."""
+        with self._lock:
+            self.held += nbytes
+            total = self.running + self.held
+            if total > self.peak:
+                self.peak = total
+
+    def drop(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` of held results (released, or spilled to the SSD)."""
+        with self._lock:
+            self.held -= nbytes
+            if self._waiting:
+                self._idle.notify_all()
+
+    def wait_for_room(self, timeout: float) -> None:
+        """Wait until some task's bytes are given back, or ``timeout`` seconds pass
+        (a compute with nothing running waits here for the others' tasks)."""
+        with self._lock:
+            if self.running == 0:
+                return
+            self._waiting += 1
+            try:
+                self._idle.wait(timeout)
+            finally:
+                self._waiting -= 1
+
+    def reset_peak(self) -> None:
+        """Start :attr:`peak` again from what is admitted now."""
+        with self._lock:
+            self.peak = self.running + self.held
+
+
+ledger = Ledger()  # the process's; every scheduler run admits through it

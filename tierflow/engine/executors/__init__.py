@@ -30,6 +30,7 @@ from .local import (
     SerialExecutor,
     ThreadExecutor,
     default_workers,
+    in_task,
 )
 from .processes import ProcessExecutor, RemoteError, WorkerDied
 
@@ -42,6 +43,7 @@ __all__ = [
     "ThreadExecutor",
     "WorkerDied",
     "default_workers",
+    "in_task",
     "make_executor",
     "use_executor",
 ]

@@ -23,7 +23,22 @@ __all__ = [
     "SerialExecutor",
     "ThreadExecutor",
     "default_workers",
+    "in_task",
+    "mark_running_tasks",
 ]
+
+_task = threading.local()  # .running: this thread runs a task (a worker, or serial submit)
+
+
+def mark_running_tasks() -> None:
+    """Mark the calling thread as one that runs tasks (a worker's)."""
+    _task.running = True
+
+
+def in_task() -> bool:
+    """Whether the calling thread is running a task of a compute (then a compute it
+    starts is nested in that one)."""
+    return getattr(_task, "running", False)
 
 
 class ComputeForbidden(TierflowError, RuntimeError):
@@ -73,6 +88,7 @@ class ThreadExecutor:
         self._queue.put((fn, done))
 
     def _work(self) -> None:
+        _task.running = True
         while True:
             item = self._queue.get()
             if item is None:
@@ -108,11 +124,14 @@ class SerialExecutor:
     workers = 1
 
     def submit(self, fn: Callable[[], Any], done: Done) -> None:
+        outer, _task.running = in_task(), True
         try:
             result = fn()
         except BaseException as exc:
             done(None, exc)
             return
+        finally:
+            _task.running = outer
         done(result, None)
 
     def shutdown(self, *, cancel: bool = False) -> None:

@@ -53,7 +53,7 @@ from ...errors import TierflowError
 from ...system import budget as budget_module
 from .. import tasks as tasks_module
 from ..types import Done
-from .local import ThreadExecutor, default_workers
+from .local import ThreadExecutor, default_workers, mark_running_tasks
 
 __all__ = ["TRIES", "ProcessExecutor", "RemoteError", "WorkerDied", "shutdown_pools"]
 
@@ -107,6 +107,7 @@ def _unwire_error(data: bytes | None, text: str) -> BaseException:
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """A worker's loop: receive ``(tid, desc, program bytes, settings)``, run, reply."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mark_running_tasks()  # a compute started inside a task runs serially, here
     runtime = tasks_module.Runtime(RUNTIME_KEEP)
     conn.send(("ready", None))
     while True:
