@@ -1,11 +1,11 @@
-# Two commands on a fresh clone: `make demo` and `make test`.
+# Two commands on a fresh clone: `make demo` and `make test`. CI runs `.ci/run`.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-test
 DSTAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint fuzz bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tierflow tests examples
 	$(VENV)/bin/ruff format --check tierflow tests examples
 	$(VENV)/bin/mypy
+
+# The property tests (hypothesis) with fresh seeds and 20 times the examples: for a
+# local run now and then, not for CI. A failure found is replayed first next time.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m hypothesis --timeout=3600
 
 bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -q --benchmark-enable -o python_files="bench_*.py"

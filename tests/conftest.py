@@ -3,17 +3,31 @@
 Every test runs with settings reset and with spill files and stores under its own
 temporary folder, so nothing is written to ``~/.tierflow`` and tests do not see each
 other's files.
+
+Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (or ``--hypothesis-profile``):
+
+- ``default``: hypothesis's own, fresh random examples on every run.
+- ``ci``: derandomised (the examples follow from each test's name and code), no example
+  database: ``.ci/run`` selects it, so a landing never depends on luck.
+- ``fuzz``: fresh seeds and 20 times as many examples (``make fuzz``); a failure found
+  is kept in ``.hypothesis/`` and tried first on the next run.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tierflow import config
 from tierflow.system import pressure
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("fuzz", max_examples=2000, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(autouse=True)

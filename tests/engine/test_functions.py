@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -189,7 +190,7 @@ ALONG = [
 ]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     dtype=st.sampled_from(["bool", "int8", "uint8", "int64", "float16", "float32", "float64"]),
     rows=st.sampled_from([0, 1, 7, 40]),

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -106,7 +107,7 @@ def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
     return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     rows=st.integers(0, 40),

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +87,7 @@ def _data(case: dict[str, Any]) -> np.ndarray:
     return random_array(rng, case["dtype"], shape, **make)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(case=_cases())
 def test_every_reduction_matches_numpy(case: dict[str, Any]) -> None:
     kind, kwargs = case["kind"], case["kwargs"]
@@ -457,7 +458,7 @@ def test_rowwise_reductions_accept_only_matching_blocks() -> None:
 
 
 @given(rows=st.integers(1, 60), block_rows=st.integers(1, 9), seed=st.integers(0, 1000))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 def test_count_nonzero_counts_nan_and_negative_zero_like_numpy(
     rows: int, block_rows: int, seed: int
 ) -> None:
@@ -504,7 +505,7 @@ def test_reduce_rows_in_lanes_matches_numpy(row_shape: tuple[int, ...], rows: in
     row_shape=st.sampled_from([(2,), (3,), (8,), (2, 3)]),
     cuts=st.lists(st.integers(1, 700), min_size=1, max_size=8),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_lanes_take_pieces_of_any_size_in_any_order(
     seed: int, row_shape: tuple[int, ...], cuts: list[int]
 ) -> None:

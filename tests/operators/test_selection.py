@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +43,7 @@ def _blocks_of(x: np.ndarray, bounds: list[tuple[int, int]]) -> list[np.ndarray]
     return [x[start:stop] for start, stop in bounds]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(bounds=_bounds(), key=_slices)
 def test_plan_slice_matches_numpy_slicing(bounds: list[tuple[int, int]], key: slice) -> None:
     n_rows = bounds[-1][1] if bounds else 0
@@ -70,7 +71,7 @@ def test_slice_in_block_with_a_negative_step_reaching_row_zero() -> None:
         slice_in_block(slice(None, None, 0), 5, 0, 5)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(bounds=_bounds(), index=st.integers(-70, 70))
 def test_locate_row_matches_numpy(bounds: list[tuple[int, int]], index: int) -> None:
     n_rows = bounds[-1][1] if bounds else 0
@@ -85,7 +86,7 @@ def test_locate_row_matches_numpy(bounds: list[tuple[int, int]], index: int) -> 
             locate_row(index, bounds)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(bounds=_bounds(), data=st.data())
 def test_plan_take_matches_numpy_fancy_indexing(
     bounds: list[tuple[int, int]], data: st.DataObject
@@ -185,7 +186,7 @@ def test_trailing_index_views_and_copies() -> None:
     assert fancy.temp_bytes(4) == 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(bounds=_bounds(), seed=st.integers(0, 1000))
 def test_mask_and_filter_rows_per_block_equal_numpy(
     bounds: list[tuple[int, int]], seed: int

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -313,7 +314,9 @@ def test_zero_size_needs_no_file(conditions: Conditions) -> None:
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(25),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(
     shape=st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple),

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -483,7 +484,7 @@ def test_map_argument_errors() -> None:
         memory.map(np.sqrt, a, dtype=object)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     n=st.integers(0, 300),
     width=st.integers(1, 4),

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -152,7 +153,7 @@ def test_arrays_hash_by_value_whatever_their_layout() -> None:
     assert value_digest(c) != value_digest(c + 1e-12)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(hnp.arrays(hnp.scalar_dtypes(), hnp.array_shapes(min_dims=0, max_dims=3, max_side=4)))
 def test_an_array_and_its_copy_agree(arr: np.ndarray) -> None:
     assert value_digest(arr) == value_digest(arr.copy())
@@ -196,7 +197,7 @@ def test_self_containing_values_are_refused() -> None:
         max_leaves=8,
     )
 )
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 def test_equal_plain_values_hash_equal(value: Any) -> None:
     import copy
 

@@ -1,0 +1,39 @@
+"""Helpers shared by test modules: waiting on a condition, sizing property tests.
+
+Importable from any test module as ``from common import wait_for, examples`` (``tests/``
+is on ``sys.path``, as for ``cgroups``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hypothesis import settings
+
+# Hypothesis's own default, which the `ci` and `default` profiles keep.
+_BASE_EXAMPLES = 100
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
+    """Return as soon as ``condition()`` is true; AssertionError after ``timeout`` seconds.
+
+    For events another thread or the kernel brings about (a watcher's reading, pages
+    arriving in the page cache). ``what`` goes into the failure message.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout:.1f} s")
+        time.sleep(0.005)
+
+
+def examples(n: int, profile: settings | None = None) -> int:
+    """``n`` hypothesis examples, scaled by ``profile`` (by default the loaded one).
+
+    A test's own ``@settings(max_examples=...)`` overrides the profile's, so tests ask
+    for ``examples(n)``: ``n`` under the `ci` and `default` profiles, ``n`` times as
+    many as the `fuzz` profile has over hypothesis's default of 100 (see conftest.py).
+    """
+    chosen = profile or settings.default
+    return max(1, n * chosen.max_examples // _BASE_EXAMPLES)
