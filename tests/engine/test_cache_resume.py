@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common import wait_for
 
 import tierflow as tw
 from tierflow import config
@@ -137,12 +138,12 @@ def leftovers(home: Path) -> dict[str, list[str]]:
 
 
 def kill_after(child: subprocess.Popen[str], home: Path, blocks: int, pause: float) -> None:
-    deadline = time.monotonic() + 60
-    while progress(home) < blocks:
+    def blocks_done() -> bool:
         assert child.poll() is None, child.communicate()[1]
-        assert time.monotonic() < deadline, "the child made no progress"
-        time.sleep(0.005)
-    time.sleep(pause)
+        return progress(home) >= blocks
+
+    wait_for(blocks_done, timeout=60, what=f"{blocks} blocks done by the child")
+    time.sleep(pause)  # a random point of the run
     child.send_signal(signal.SIGKILL)
     child.communicate(timeout=30)
     assert child.returncode == -signal.SIGKILL

@@ -188,14 +188,16 @@ def test_keyboard_interrupt_stops_workers_and_leaves_nothing(tmp_path: Path, whe
     tw.memory.budget("1MB")  # the output spills: its file must go too
     before = len(spill.live_files())
     calls: list[int] = []
+    callers: set[threading.Thread] = set()
 
     def work(b: np.ndarray) -> np.ndarray:
         calls.append(1)
+        callers.add(threading.current_thread())
         if len(calls) == 5:
             if where == "worker":
                 raise KeyboardInterrupt
             _thread.interrupt_main()
-        time.sleep(0.01)
+        time.sleep(0.01)  # a block's work
         return b + 1
 
     x = tw.from_array(np.zeros((400_000, 1)), rows=10_000)
@@ -203,9 +205,9 @@ def test_keyboard_interrupt_stops_workers_and_leaves_nothing(tmp_path: Path, whe
     with pytest.raises(KeyboardInterrupt):
         y.compute(workers=2)
         time.sleep(1)  # the interrupt of the main thread may land just after
-    done = len(calls)
-    time.sleep(0.1)
-    assert len(calls) == done < 40  # nothing runs after the interrupt
+    # Every thread that ran a block has ended, so nothing runs after the interrupt.
+    assert callers and not any(t.is_alive() for t in callers)
+    assert len(calls) < 40
     assert worker_threads() == [] and len(spill.live_files()) == before
     with pytest.raises(KeyboardInterrupt):
         calls.clear()
@@ -453,18 +455,20 @@ def test_kind_judgement_probe_and_band() -> None:
 @pytest.mark.parametrize("raised", [ValueError("task 30 is bad"), KeyboardInterrupt()])
 def test_an_error_on_the_lane_stops_it(raised: BaseException) -> None:
     calls: list[int] = []
+    callers: set[threading.Thread] = set()
 
     def task(k: int) -> int:
         calls.append(k)
+        callers.add(threading.current_thread())
         if k == 30:
             raise raised
         return k
 
     with pytest.raises(type(raised)):
         run_tasks(task, 5000, executors.ThreadExecutor(2))
-    done = len(calls)
-    time.sleep(0.05)
-    assert len(calls) == done < 100 and worker_threads() == []
+    # Every thread that ran a task has ended, so no task runs after the error.
+    assert callers and not any(t.is_alive() for t in callers)
+    assert len(calls) < 100 and worker_threads() == []
 
 
 def test_lane_loses_no_task_when_its_job_ends_as_tasks_come() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from common import wait_for
 
 from tierflow.storage import pages
 from tierflow.storage.pages import (
@@ -31,15 +31,6 @@ def _memmap(tmp_path: Path, nbytes: int = 4 * MB, name: str = "a.bin") -> np.mem
     x = np.memmap(tmp_path / name, dtype=np.float64, mode="w+", shape=(nbytes // 8,))
     x[:] = np.arange(x.size, dtype=np.float64)
     return x
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 # -- release ---------------------------------------------------------------------------
@@ -219,13 +210,21 @@ def test_readahead_brings_a_cold_range_into_the_page_cache(tmp_path: Path) -> No
 
     readahead(block)
 
-    assert _wait_for(lambda: resident_bytes(block) >= 0.98 * block.nbytes), resident_bytes(block)
+    wait_for(lambda: resident_bytes(block) >= 0.98 * block.nbytes, what="the block in the cache")
     assert mapped_bytes(block) == 0  # read into the cache, not mapped yet
     assert resident_bytes(x[: x.size // 8]) == 0  # nothing before the block
 
 
-def test_readahead_of_a_ram_array_is_a_no_op() -> None:
-    readahead(np.zeros(1000))
+def test_readahead_of_a_ram_array_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_file(path: str | None) -> int:
+        raise AssertionError(f"readahead asked for a window of {path!r}")
+
+    monkeypatch.setattr(pages, "_readahead_window", no_file)  # asked before any madvise
+    untouched = np.empty(16 * MB // 8)  # its own anonymous mapping, no page faulted yet
+    before = resident_bytes(untouched)
+    readahead(untouched)
+    readahead(np.zeros(0))
+    assert resident_bytes(untouched) == before
 
 
 def test_readahead_window_comes_from_the_device(tmp_path: Path) -> None:
