@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
+import re
+import shutil
+import stat
+import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tierflow as tw
+from tierflow.config import format_bytes
 from tierflow.engine.sinks import npy_header
 from tierflow.errors import BlockError
 from tierflow.storage import placement, spill
+
+MB = 1 << 20
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -195,3 +204,154 @@ def test_masked_blocks_wait_for_slow_appends_rather_than_spill(
         most = max(most, computed - appended)
     assert computed == appended == 40
     assert most <= 4 and order.spilled == 0
+
+
+# -- a disk too small, file modes, options ---------------------------------------------
+
+
+def _free(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.fixture
+def small_ext4(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MB ext4 filesystem, loop-mounted (root only; skips where it cannot be made).
+
+    ext4's posix_fallocate takes blocks as it goes and keeps them when it fails, which
+    is what a tmpfs does not do.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root to loop-mount an ext4 image")
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4 (e2fsprogs) to make an ext4 image")
+    image, where = tmp_path / "ext4.img", tmp_path / "ext4"
+    with open(image, "wb") as f:
+        f.truncate(64 * MB)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    where.mkdir()
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    mounted = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(where)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+class LowestFree:
+    """The least free space a folder's filesystem had while this was running."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.lowest = _free(folder)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.lowest = min(self.lowest, _free(self.folder))
+
+    def __enter__(self) -> LowestFree:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_to_npy_onto_a_disk_too_small_takes_no_space_and_says_what_is_free(
+    small_ext4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    free = _free(small_ext4)
+    asked: list[tuple[int, int]] = []  # (bytes asked, bytes free then)
+    fallocate = os.posix_fallocate
+
+    def recorded(fd: int, offset: int, length: int) -> None:
+        asked.append((length, _free(small_ext4)))
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", recorded)
+    x = tw.from_array(np.zeros((free // 8 + MB, 1)), rows=MB)  # 8 MB more than is free
+    with LowestFree(small_ext4) as seen, pytest.raises(OSError) as info:
+        x.to_npy(small_ext4 / "out.npy")
+    assert info.value.errno == errno.ENOSPC
+    assert f"and {format_bytes(free, 3)} ({free} bytes) are free there" in str(info.value)
+    assert all(length <= was_free for length, was_free in asked), asked
+    assert seen.lowest >= free - MB  # never close to full, even for a moment
+    assert _free(small_ext4) == free and leftovers(small_ext4) == []
+
+
+def test_a_reservation_that_fails_midway_reports_the_space_free_after_it(
+    small_ext4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    free = _free(small_ext4)
+    fallocate = os.posix_fallocate
+
+    def takes_all_then_fails(fd: int, offset: int, length: int) -> None:
+        # As ext4 does when the space went to another writer meanwhile.
+        with contextlib.suppress(OSError):
+            fallocate(fd, offset, 4 * free)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", takes_all_then_fails)
+    x = tw.from_array(np.zeros((MB, 1)), rows=MB // 4)  # 8 MB: fits
+    with pytest.raises(OSError, match=r"no room to write .*out\.npy") as info:
+        x.to_npy(small_ext4 / "out.npy")
+    reported = int(re.findall(r"\((\d+) bytes\) are free there", str(info.value))[0])
+    assert reported >= free - MB  # the space the failed reservation took is given back
+    assert _free(small_ext4) == free and leftovers(small_ext4) == []
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_to_npy_files_follow_the_umask_as_np_save_does(
+    tmp_path: Path, umask: int, mode: int
+) -> None:
+    x = tw.from_array(np.arange(300.0).reshape(100, 3), rows=30)
+    old = os.umask(umask)
+    try:
+        np.save(tmp_path / "numpy.npy", np.zeros(3))
+        (x * 2).to_npy(tmp_path / "known.npy")
+        x[x[:, 0] > 50].to_npy(tmp_path / "masked.npy")
+        x.sum(axis=0).to_npy(tmp_path / "value.npy")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(["numpy.npy", "known.npy", "masked.npy", "value.npy"], mode)
+
+
+def test_spill_files_stay_private_whatever_the_umask() -> None:
+    old = os.umask(0)
+    try:
+        record = spill.create(MB)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(record.path).st_mode) == 0o600
+    finally:
+        record.delete()
+
+
+def test_an_unknown_option_is_named_with_the_public_function(tmp_path: Path) -> None:
+    x = tw.from_array(np.ones((10, 2)), rows=5)
+    calls: dict[str, Callable[[], object]] = {
+        "to_npy": lambda: x.to_npy(tmp_path / "a.npy", bogus=1),
+        "compute": lambda: x.compute(bogus=1),
+        "persist": lambda: x.persist(bogus=1),
+    }
+    public: dict[str, Callable[[], object]] = {
+        "to_npy": lambda: tw.to_npy(x, tmp_path / "a.npy", bogus=1),
+        "compute": lambda: tw.compute(x, bogus=1),
+        "persist": lambda: tw.persist(x, bogus=1),
+    }
+    for name, call in [*calls.items(), *public.items()]:
+        with pytest.raises(
+            TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'bogus'"
+        ):
+            call()
+    assert list(tmp_path.iterdir()) == []

@@ -250,7 +250,7 @@ def test_full_tmpfs_raises_spill_error_and_leaves_nothing(
     with pytest.raises(SpillError, match="no room for a spill file") as info:
         spill.map_array((6 * MB,), np.dtype("uint8"))
     assert info.value.errno == errno.ENOSPC
-    monkeypatch.setattr(spill, "_free_bytes", lambda folder: 1 << 40)
+    monkeypatch.setattr(spill, "free_bytes", lambda folder: 1 << 40)
     with pytest.raises(SpillError, match="no room for a spill file") as info:
         spill.map_array((6 * MB,), np.dtype("uint8"))
     assert info.value.errno == errno.ENOSPC

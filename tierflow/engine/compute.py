@@ -10,6 +10,7 @@ cache stay there, which is what lets a compute that was stopped resume.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any
@@ -119,11 +120,26 @@ def compute(
     return tuple(outputs)
 
 
+def _check_options(function: str, options: dict[str, Any], *also: str) -> None:
+    """Refuse an option that :func:`compute` does not take, naming the public
+    ``function`` the caller called (not the internal one that would refuse it)."""
+    known = [
+        p.name for p in inspect.signature(compute).parameters.values() if p.kind is p.KEYWORD_ONLY
+    ]
+    for name in options:
+        if name not in known:
+            raise TypeError(
+                f"{function}() got an unexpected keyword argument {name!r}; its options are "
+                f"{', '.join([*known, *also])}"
+            )
+
+
 def persist(array: Any, **options: Any) -> Any:
     """Compute ``array`` now and return an Array over the result (in RAM or on the SSD)
     with the same key; options as :func:`compute`."""
     from .array import Array
 
+    _check_options("persist", options)
     node = array._node
     (result,) = compute(array, **options)
     if isinstance(node, Chunked):
@@ -142,6 +158,7 @@ def to_npy(
     array: Any, path: str | os.PathLike[str], *, fsync: bool = False, **options: Any
 ) -> None:
     """Write ``array`` to the ``.npy`` file ``path``, streaming (see ``Array.to_npy``)."""
+    _check_options("to_npy", options, "fsync")
     node = array._node
     if not isinstance(node, Chunked):
         (value,) = compute(array, **options)

@@ -10,13 +10,14 @@ assembled once every block's size is known).
 Outputs of ``compute`` are allocated with ``memory.array``: RAM while they fit the
 budget, else a spill file; a spilled output's finished blocks are written back and
 dropped from RAM as they are done. ``to_npy`` writes under a temporary name in the
-target's folder (``.name.tf<pid>-<start>-XXXX.tmp``), reserves the whole file first when
-its size is known (a full disk fails before any work, with the numbers), starts the
-write-back of blocks once ``budget / 8`` bytes are dirty, or at once under memory
-pressure (``sync_file_range``), so dirty pages stay bounded without making a machine
-with room wait for the disk, and renames the file into place at the end. :meth:`abort`
-removes the temporary file; nothing is ever written under the final name but by the
-rename.
+target's folder (``.name.tf<pid>-<start>-XXXX.tmp``, its mode following the umask as
+``np.save``'s files do), reserves the whole file first when its size is known (after a
+``statvfs`` check, so a disk too small fails before any work and without filling up for
+a moment, with the true free space in the message), starts the write-back of blocks
+once ``budget / 8`` bytes are dirty, or at once under memory pressure
+(``sync_file_range``), so dirty pages stay bounded without making a machine with room
+wait for the disk, and renames the file into place at the end. :meth:`abort` removes
+the temporary file; nothing is ever written under the final name but by the rename.
 
 A process killed while writing (SIGKILL, a machine that lost power) cannot remove its
 temporary file. Its name holds the writer's pid and start time
@@ -42,7 +43,7 @@ import numpy as np
 from numpy.lib.format import dtype_to_descr
 
 from ..config import format_bytes
-from ..storage import pages, placement
+from ..storage import pages, placement, spill
 from ..system import budget as budget_module
 from ..system import pressure, processes
 from ..system.types import Level
@@ -61,10 +62,33 @@ _TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})
 _TEMP_RE = re.compile(r"\..+\.tf(\d+)-(\d+)-[A-Za-z0-9_]+\.tmp")
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it: ``os.umask`` can only read it by
+    setting it, which for a moment changes the mode of every other thread's new files."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def temp_file(path: str) -> tuple[int, str]:
-    """A new temporary file next to ``path`` named for this process: ``(fd, name)``."""
+    """A new temporary file next to ``path`` named for this process: ``(fd, name)``.
+
+    Its mode follows the umask, as a file ``np.save`` creates does (0644 under umask
+    022), since it is renamed to be the output: ``mkstemp`` alone makes it 0600.
+    """
     folder, base = os.path.split(path)
-    return tempfile.mkstemp(prefix=f".{base}.tf{processes.token()}-", suffix=".tmp", dir=folder)
+    fd, name = tempfile.mkstemp(prefix=f".{base}.tf{processes.token()}-", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except BaseException:
+        os.close(fd)
+        os.unlink(name)
+        raise
+    return fd, name
 
 
 def sweep_temps(folder: str) -> list[str]:
@@ -303,22 +327,30 @@ class NpySink:
             raise
 
     def _reserve(self, total: int) -> None:
+        """Reserve the whole file, after checking that the disk has room for it: ext4's
+        ``posix_fallocate`` takes every free block before it fails, so asking for more
+        than is free would fill the disk for every other process for a moment."""
         assert self.fd is not None
+        folder = os.path.dirname(self.path)
+        free = spill.free_bytes(folder)
+        if free is not None and total > free:
+            raise self._no_room(total, free, errno.ENOSPC)
         try:
             os.posix_fallocate(self.fd, 0, total)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                st = os.statvfs(os.path.dirname(self.path))
-                free = st.f_bavail * st.f_frsize
-                raise OSError(
-                    exc.errno,
-                    f"no room to write {self.path}: it needs {format_bytes(total, 3)} "
-                    f"({total} bytes) and {format_bytes(free, 3)} ({free} bytes) are free "
-                    "there; free space or write elsewhere",
-                ) from None
+                os.ftruncate(self.fd, 0)  # gives back what it took: the free figure is true
+                raise self._no_room(total, spill.free_bytes(folder), exc.errno) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(self.fd, total)  # pwrite needs no reservation against SIGBUS
+
+    def _no_room(self, total: int, free: int | None, code: int) -> OSError:
+        return OSError(
+            code,
+            f"no room to write {self.path}: it needs {format_bytes(total, 3)} ({total} bytes) "
+            f"and {spill.describe_free(free)} are free there; free space or write elsewhere",
+        )
 
     def _pwrite(self, data: Any, offset: int) -> None:
         assert self.fd is not None

@@ -69,7 +69,9 @@ __all__ = [
     "SpillFile",
     "clean_stale",
     "create",
+    "describe_free",
     "discard",
+    "free_bytes",
     "live_files",
     "map_array",
     "process_dir",
@@ -244,23 +246,34 @@ def process_dir() -> str:
     return folder
 
 
-def _free_bytes(folder: str) -> int:
+def free_bytes(folder: str) -> int | None:
+    """Bytes an unprivileged writer can still take on ``folder``'s filesystem
+    (``statvfs``: available blocks times their size); None if it cannot be read.
+
+    Checked before a file is reserved: ``posix_fallocate`` on ext4 takes blocks as it
+    goes and keeps them when it fails, so a reservation bigger than the free space
+    fills the disk for every other process before it fails.
+    """
     try:
         st = os.statvfs(folder)
     except OSError:
-        return 0
+        return None
     return st.f_bavail * st.f_frsize
+
+
+def describe_free(free: int | None) -> str:
+    """``free`` bytes as an error message says them: ``"1.500 GB (1610612736 bytes)"``."""
+    return "an unknown amount" if free is None else f"{format_bytes(free, 3)} ({free} bytes)"
 
 
 # -- creating, mapping, deleting ------------------------------------------------------
 
 
 def _no_room(folder: str, nbytes: int, code: int) -> SpillError:
-    free = _free_bytes(folder)
     return SpillError(
         code,
         f"no room for a spill file of {format_bytes(nbytes, 3)} ({nbytes} bytes) in "
-        f"{folder}: {format_bytes(free, 3)} ({free} bytes) free there. {_REMEDY_ROOM}",
+        f"{folder}: {describe_free(free_bytes(folder))} free there. {_REMEDY_ROOM}",
     )
 
 
@@ -274,7 +287,8 @@ def create(nbytes: int) -> SpillFile:
     if nbytes <= 0:
         raise ValueError(f"a spill file needs a positive size, got {nbytes} bytes")
     folder = process_dir()
-    if nbytes > _free_bytes(folder):
+    free = free_bytes(folder)
+    if free is not None and nbytes > free:
         raise _no_room(folder, nbytes, errno.ENOSPC)
     try:
         fd, path = tempfile.mkstemp(suffix=SUFFIX, prefix=PREFIX, dir=folder)
@@ -285,6 +299,7 @@ def create(nbytes: int) -> SpillFile:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             if exc.errno in _NO_ROOM:
+                os.ftruncate(fd, 0)  # gives back what it took, so the free figure is true
                 raise _no_room(folder, nbytes, exc.errno) from exc
             if exc.errno in _CANNOT_RESERVE:
                 raise SpillError(
