@@ -2,7 +2,8 @@
 
     python examples/spill_array.py
 
-The budget is set to 64 MB, so a 256 MB array does not fit and ``memory.array`` returns
+The budget is set to 64 MB, so a 256 MB array does not fit (sizes are binary: 1 MB is
+2**20 bytes, as in every tierflow setting and message) and ``memory.array`` returns
 an ``np.memmap`` over a reserved file under ``~/.tierflow/spill`` (or
 ``TIERFLOW_SPILL_DIR``). The same NumPy code fills and reads it. The file is deleted by
 ``memory.free`` (or when the array is garbage-collected, or at exit).
@@ -23,11 +24,11 @@ def main() -> None:
     memory.budget("64MB")
 
     small = memory.array((1000, 8), "float32")  # 31 KB: fits the budget, in RAM
-    big = memory.array((16_000_000, 4), "float32")  # 244 MB: over the budget, on the SSD
+    big = memory.array((1 << 24, 4), "float32")  # 256 MB: over the budget, on the SSD
     print(f"small in RAM: {not memory.on_disk(small)}; big on the SSD: {memory.on_disk(big)}")
 
     start = time.perf_counter()
-    rows = 1_000_000
+    rows = 1 << 20
     for i in range(0, big.shape[0], rows):  # fill in row blocks, as the engine does
         block = big[i : i + rows]
         block[:] = np.arange(i, i + len(block), dtype=np.float32)[:, None]

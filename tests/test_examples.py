@@ -34,6 +34,8 @@ CASES: dict[str, Case] = {
     "spill_array.py": Case(
         expect=(
             r"^small in RAM: True; big on the SSD: True$",
+            r"^filled 256 MB in ",
+            r"^big lives in .* \(268435456 bytes\)$",
             r"^after memory\.free\(big\) the file exists: False$",
         ),
     ),
