@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from common import examples, wait_for
 from hypothesis import settings
+
+from common import examples, wait_for
 
 
 def test_ci_profile_is_derandomised_without_a_database() -> None:

@@ -128,13 +128,11 @@ def _command(kind: str, path: Path, out: Path, rounds: int) -> list[str]:
     return [sys.executable, here, "--child", kind, str(path), str(out), str(rounds)]
 
 
-def run_kind(
-    kind: str, path: Path, out: Path, home: Path, rounds: int, timeout: float = TIMEOUT_S
-) -> dict[str, Any]:
+def run_kind(kind: str, path: Path, out: Path, home: Path, rounds: int) -> dict[str, Any]:
     """One run in a child process (the file's cache warmed first): its figures, plus
     ``returncode`` and ``error`` when it failed."""
     ensure_warm(path)
-    run = run_sampled(_command(kind, path, out, rounds), timeout=timeout, env=_environment(home))
+    run = run_sampled(_command(kind, path, out, rounds), timeout=TIMEOUT_S, env=_environment(home))
     figures = run.figures()
     figures.update(kind=kind, returncode=run.returncode)
     if run.returncode != 0 or "seconds" not in figures:
@@ -148,9 +146,7 @@ def cached_blocks(home: Path) -> int:
     return sum(1 for p in data.rglob("*") if p.is_file()) if data.exists() else 0
 
 
-def killed_at_half(
-    path: Path, out: Path, home: Path, rounds: int, blocks: int, timeout: float = TIMEOUT_S
-) -> dict[str, Any]:
+def killed_at_half(path: Path, out: Path, home: Path, rounds: int, blocks: int) -> dict[str, Any]:
     """A cached run killed with SIGKILL once half of its blocks are in the cache."""
     ensure_warm(path)
     home.mkdir(parents=True, exist_ok=True)
@@ -161,7 +157,7 @@ def killed_at_half(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + TIMEOUT_S
     done = 0
     while child.poll() is None and time.monotonic() < deadline:
         done = cached_blocks(home)

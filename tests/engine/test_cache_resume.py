@@ -12,12 +12,12 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from common import wait_for
 
 import tierflow as tw
 from tierflow import config
@@ -25,6 +25,8 @@ from tierflow.engine import cache as cache_module
 from tierflow.engine.cache import CacheWarning
 from tierflow.engine.sinks import sweep_temps
 from tierflow.system import processes
+
+from common import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 24_000
@@ -149,21 +151,25 @@ def kill_after(child: subprocess.Popen[str], home: Path, blocks: int, pause: flo
     assert child.returncode == -signal.SIGKILL
 
 
+@dataclass(frozen=True)
+class Kills:
+    """How a run is killed: ``kills`` times, at points drawn from ``seed``."""
+
+    seed: int
+    mode: str  # "npy": to_npy; "compute": compute into a spill file
+    kills: int
+
+
 @pytest.mark.parametrize(
-    ("seed", "mode", "kills"),
-    [(1, "npy", 2), (2, "compute", 1)],
+    "case",
+    [Kills(1, "npy", 2), Kills(2, "compute", 1)],
     ids=["to_npy killed twice", "compute into a spill file"],
 )
 def test_a_killed_run_resumes_with_the_missing_blocks_only(
-    seed: int,
-    mode: str,
-    kills: int,
-    workdir: Path,
-    uninterrupted: bytes,
-    tmp_path: Path,
-    data: np.ndarray,
+    case: Kills, workdir: Path, uninterrupted: bytes, tmp_path: Path
 ) -> None:
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(case.seed)
+    mode, kills = case.mode, case.kills
     home = tmp_path
     out = home / "out.npy"
     # A small budget puts compute's result in a spill file: the killed run leaves one.
@@ -193,7 +199,7 @@ def test_a_killed_run_resumes_with_the_missing_blocks_only(
     # A kill between an entry's index row and its rename leaves a row, not a file.
     assert kept - 1 <= info["hits"] <= kept
     assert out.read_bytes() == uninterrupted, "not the bytes of an uninterrupted run"
-    np.testing.assert_array_equal(np.load(out), np.sqrt(data * 2 + 1))
+    np.testing.assert_array_equal(np.load(out), np.sqrt(np.load(workdir / "src.npy") * 2 + 1))
     assert leftovers(home) == {"npy": [], "store": [], "spill": []}
     if mode == "compute":
         assert info["spilled"], "the result did not go to a spill file; the test lost its point"

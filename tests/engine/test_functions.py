@@ -7,11 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierflow as tw
+
+from common import examples
 
 
 @pytest.fixture

@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
+
+from common import examples
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"]
 SETTINGS = settings(
@@ -192,6 +193,33 @@ def _rows_slice(data: st.DataObject) -> slice:
     return slice(start, stop, stepn)
 
 
+def _take(x: tw.Array, expected: np.ndarray, data: st.DataObject) -> tuple[tw.Array, Any]:
+    """Rows picked by position, or the IndexError when the row count is unknown."""
+    if x.shape[0] is None:
+        with pytest.raises(IndexError, match="needs the row count"):
+            x[[0]]
+        return x, expected
+    n = expected.shape[0]
+    picks = st.integers(-n, n - 1) if n else st.nothing()
+    idx = data.draw(st.lists(picks, max_size=12 if n else 0), label="rows picked")
+    if data.draw(st.booleans(), label="sorted"):
+        idx = sorted(idx, key=lambda i: i % n)
+    return x[idx], expected[idx]
+
+
+def _mask(x: tw.Array, expected: np.ndarray) -> tuple[tw.Array, Any]:
+    """The rows whose first value is above the lowest (unchanged without values)."""
+    width = int(np.prod(expected.shape[1:]))
+    if width == 0:
+        return x, expected
+    flat = expected.reshape(expected.shape[0], width)
+    low = flat[:, 0].min(initial=0)
+    with np.errstate(all="ignore"):
+        keep = flat[:, 0] > low
+    lazy_keep = x.reshape(-1, width)[:, 0] > low
+    return x[lazy_keep], expected[keep]
+
+
 @SETTINGS
 @given(a=arrays(), data=st.data())
 def test_random_selections_equal_numpy(a: np.ndarray, data: st.DataObject) -> None:
@@ -201,18 +229,10 @@ def test_random_selections_equal_numpy(a: np.ndarray, data: st.DataObject) -> No
         known = x.shape[0] is not None
         kinds = ["slice", "mask", "column", "concat", "head", "filter", "take"]
         kind = data.draw(st.sampled_from(kinds))
-        if kind == "take" and known:
-            n = expected.shape[0]
-            picks = st.integers(-n, n - 1) if n else st.nothing()
-            idx = data.draw(st.lists(picks, max_size=12 if n else 0), label="rows picked")
-            if data.draw(st.booleans(), label="sorted"):
-                idx = sorted(idx, key=lambda i: i % n)
-            x, expected = x[idx], expected[idx]
+        if kind == "take":
+            x, expected = _take(x, expected, data)
             if x._node.kind == "value":
                 break  # rows picked out of order come back in memory
-        elif kind == "take":
-            with pytest.raises(IndexError, match="needs the row count"):
-                x[[0]]
         elif kind == "slice" and known:
             key = _rows_slice(data)
             x, expected = x[key], expected[key]
@@ -220,15 +240,7 @@ def test_random_selections_equal_numpy(a: np.ndarray, data: st.DataObject) -> No
             with pytest.raises(IndexError, match="needs the row count"):
                 x[1:]
         elif kind == "mask":
-            width = int(np.prod(expected.shape[1:]))
-            flat = expected.reshape(expected.shape[0], width)
-            if width == 0:
-                continue
-            low = flat[:, 0].min(initial=0)
-            with np.errstate(all="ignore"):
-                keep = flat[:, 0] > low
-            lazy_keep = x.reshape(-1, width)[:, 0] > low
-            x, expected = x[lazy_keep], expected[keep]
+            x, expected = _mask(x, expected)
         elif kind == "column" and expected.ndim > 1:
             col = data.draw(st.integers(0, expected.shape[1] - 1))
             key2: Any = data.draw(st.sampled_from([col, [col, 0], slice(None, None, -1)]))

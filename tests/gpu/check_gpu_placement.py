@@ -19,6 +19,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 GB = 1 << 30
 MB = 1 << 20
@@ -44,25 +45,9 @@ def check(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
     return wrap
 
 
-def main() -> int:
-    os.environ.setdefault("TIERFLOW_SPILL_DIR", tempfile.mkdtemp(prefix="tierflow-gpu-check-"))
-    os.environ.setdefault("TIERFLOW_RAM_BUDGET", "256MB")
-    try:
-        import torch
-    except ImportError:
-        print("SKIP torch is not installed")
-        return 0
-    if not torch.cuda.is_available():
-        print("SKIP torch sees no CUDA device")
-        return 0
-
-    import numpy as np
-
+def _allocation_checks(torch: Any, found: list[Any]) -> list[Callable[[], None]]:
+    """Tensors on the GPUs: where they go, their dtypes, and their memory given back."""
     from tierflow import memory
-    from tierflow.storage import placement
-    from tierflow.system import devices
-
-    found = devices.gpus()
 
     @check("devices.gpus() lists the CUDA devices through torch")
     def _gpus() -> None:
@@ -110,6 +95,17 @@ def main() -> int:
         gc.collect()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated(0) - before < MB
+
+    return [_gpus, _auto, _explicit, _big_and_free]
+
+
+def _fallback_checks(torch: Any, found: list[Any]) -> list[Callable[[], None]]:
+    """Arrays that cannot go to a GPU: to the host, or a clear error."""
+    import numpy as np
+
+    from tierflow import memory
+    from tierflow.storage import placement
+    from tierflow.system import devices
 
     @check("a collected GPU tensor leaves the report")
     def _collected() -> None:
@@ -168,7 +164,25 @@ def main() -> int:
         else:
             raise AssertionError("no TypeError for a string dtype on cuda:0")
 
-    for run in (_gpus, _auto, _explicit, _big_and_free, _collected, _too_big, _missing, _dtype):
+    return [_collected, _too_big, _missing, _dtype]
+
+
+def main() -> int:
+    os.environ.setdefault("TIERFLOW_SPILL_DIR", tempfile.mkdtemp(prefix="tierflow-gpu-check-"))
+    os.environ.setdefault("TIERFLOW_RAM_BUDGET", "256MB")
+    try:
+        import torch
+    except ImportError:
+        print("SKIP torch is not installed")
+        return 0
+    if not torch.cuda.is_available():
+        print("SKIP torch sees no CUDA device")
+        return 0
+
+    from tierflow.system import devices
+
+    found = devices.gpus()
+    for run in [*_allocation_checks(torch, found), *_fallback_checks(torch, found)]:
         run()
     failed = [name for name, ok in _results if not ok]
     print(f"{len(_results) - len(failed)} passed, {len(failed)} failed")

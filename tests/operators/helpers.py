@@ -30,14 +30,13 @@ def random_array(
     dtype: np.dtype,
     shape: tuple[int, ...],
     *,
-    nan_fraction: float = 0.0,
+    span: tuple[float, float] = (-4.0, 4.0),
     wide_ints: bool = False,
-    low: float = -4.0,
-    high: float = 4.0,
 ) -> np.ndarray:
-    """Random values of ``dtype``: small numbers by default, the full range for
-    ``wide_ints``, and some NaN in float arrays with ``nan_fraction``."""
+    """Random values of ``dtype``: floats in ``span``, integers in 4 times ``span`` (or
+    over their whole range with ``wide_ints``)."""
     dtype = np.dtype(dtype)
+    low, high = span
     if dtype.kind == "b":
         return rng.random(shape) < 0.5
     if dtype.kind in "iu":
@@ -46,9 +45,12 @@ def random_array(
             return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
         lo, hi = max(info.min, int(low) * 4), min(info.max, int(high) * 4)
         return rng.integers(lo, hi, size=shape, endpoint=True).astype(dtype)
-    values = rng.uniform(low, high, size=shape).astype(dtype)
-    if nan_fraction:
-        values[rng.random(shape) < nan_fraction] = np.nan
+    return rng.uniform(low, high, size=shape).astype(dtype)
+
+
+def with_nans(rng: np.random.Generator, values: np.ndarray, fraction: float) -> np.ndarray:
+    """``values`` (floats) with about ``fraction`` of them set to NaN, in place."""
+    values[rng.random(values.shape) < fraction] = np.nan
     return values
 
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +32,7 @@ from tierflow.operators.reductions import reduction
 from tierflow.operators.types import BlockOp, ReductionOp
 
 from .helpers import DTYPES, random_array, run_blockwise
+from common import examples
 
 x = Input(0)
 y = Input(1)
@@ -157,7 +157,7 @@ def test_random_expressions_match_numpy_bitwise(
 
 
 def test_sqrt_chain_on_float32_is_bitwise_numpy_and_stays_float32() -> None:
-    block = random_array(np.random.default_rng(1), np.float32, (5000, 8), low=0, high=3)
+    block = random_array(np.random.default_rng(1), np.float32, (5000, 8), span=(0, 3))
     expr = call(np.sqrt, x * 2.0 + 1)
     kernel = FusedKernel(expr, [np.float32], [(8,)], subblock_bytes=4096)
     got = kernel.apply(block)

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +25,8 @@ from tierflow.operators.reductions import (
 )
 from tierflow.operators.types import BlockOp, ReductionOp
 
-from .helpers import DTYPES, random_array, run_blockwise
+from .helpers import DTYPES, random_array, run_blockwise, with_nans
+from common import examples
 
 EXACT = {"min", "max", "any", "all", "count_nonzero", "argmin", "argmax"}
 DTYPE_CHOICES: dict[str, list[Any]] = {
@@ -80,11 +80,12 @@ def _cases(draw: st.DrawFn) -> dict[str, Any]:
 def _data(case: dict[str, Any]) -> np.ndarray:
     rng = np.random.default_rng(case["seed"])
     shape = (case["rows"], *case["row_shape"])
-    make = {"nan_fraction": 0.15 if case["nan"] else 0.0, "wide_ints": case["wide_ints"]}
-    if case["strided"] and case["row_shape"]:
-        wide = (*shape[:-1], shape[-1] * 2)
-        return random_array(rng, case["dtype"], wide, **make)[..., ::2]
-    return random_array(rng, case["dtype"], shape, **make)
+    strided = case["strided"] and case["row_shape"]
+    made = (*shape[:-1], shape[-1] * 2) if strided else shape
+    values = random_array(rng, case["dtype"], made, wide_ints=case["wide_ints"])
+    if case["nan"]:
+        with_nans(rng, values, 0.15)
+    return values[..., ::2] if strided else values
 
 
 @settings(max_examples=examples(400), deadline=None)
@@ -480,7 +481,7 @@ def test_reduce_rows_in_lanes_matches_numpy(row_shape: tuple[int, ...], rows: in
     width = math.prod(row_shape)
     assert reductions._lane_fold(width, rows) > 1 or rows * width < 4096
     rng = np.random.default_rng(rows)
-    floats = random_array(rng, np.dtype(np.float32), (rows, *row_shape), nan_fraction=0.001)
+    floats = with_nans(rng, random_array(rng, np.dtype(np.float32), (rows, *row_shape)), 0.001)
     ints = random_array(rng, np.dtype(np.int16), (rows, *row_shape), wide_ints=True)
     flags = random_array(rng, np.dtype(bool), (rows, *row_shape))
     for ufunc in (np.minimum, np.maximum):
@@ -512,7 +513,7 @@ def test_lanes_take_pieces_of_any_size_in_any_order(
     rng = np.random.default_rng(seed)
     rows = sum(cuts)
     width = math.prod(row_shape)
-    x = random_array(rng, np.dtype(np.float32), (rows, *row_shape), nan_fraction=0.01)
+    x = with_nans(rng, random_array(rng, np.dtype(np.float32), (rows, *row_shape)), 0.01)
     bounds = np.cumsum([0, *cuts])
     pieces = [x[a:b] for a, b in itertools.pairwise(bounds)]
     order = rng.permutation(len(pieces))  # short pieces may come before whole wide rows

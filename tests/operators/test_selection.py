@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,8 @@ from tierflow.operators.selection import (
     split_index,
 )
 from tierflow.operators.types import BlockOp
+
+from common import examples
 
 
 @st.composite

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from common import wait_for
 
 from tierflow.storage import pages
 from tierflow.storage.pages import (
@@ -21,6 +20,8 @@ from tierflow.storage.pages import (
     release_path,
     resident_bytes,
 )
+
+from common import wait_for
 
 PAGE = mmap.PAGESIZE
 MB = 1 << 20

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,8 @@ from tierflow.storage import placement, spill
 from tierflow.storage.placement import SMALL, Placement, Report
 from tierflow.system import budget, pressure
 from tierflow.system.types import Level
+
+from common import examples
 
 MB = 1 << 20
 

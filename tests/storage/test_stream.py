@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,8 @@ from tierflow.errors import BlockError, SourceError
 from tierflow.storage import pages, placement, sources, stream
 from tierflow.storage.sources import ArraySource, open_npy, open_raw
 from tierflow.storage.stream import block_bounds, check_rows, chunks, default_rows
+
+from common import examples
 
 MB = 1 << 20
 

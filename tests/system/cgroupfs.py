@@ -29,6 +29,20 @@ MB = 1 << 20
 V1_UNLIMITED = 9223372036854771712  # what v1 memory.limit_in_bytes shows for "no limit"
 
 
+@dataclass(frozen=True, kw_only=True)
+class V1Stat:
+    """The v1 figures a test rarely sets.
+
+    ``total_inactive_file`` defaults to ``inactive_file``; -1 leaves the ``total_`` line
+    out (as in an old kernel's stat of a cgroup without children).
+    ``hierarchical_limit`` defaults to the cgroup's own limit.
+    """
+
+    total_inactive_file: int | None = None
+    hierarchical_limit: int | None = None
+    use_hierarchy: int = 1
+
+
 @dataclass
 class _FakeMount:
     version: int
@@ -158,20 +172,17 @@ class FakeSystem:
         limit: int | str = V1_UNLIMITED,
         usage: int | str = 0,
         inactive_file: int = 0,
-        total_inactive_file: int | None = None,
-        hierarchical_limit: int | None = None,
-        use_hierarchy: int = 1,
+        stat: V1Stat | None = None,
     ) -> Path:
-        """Set a v1 cgroup's limit, usage and memory.stat (created if missing).
-
-        ``total_inactive_file`` defaults to ``inactive_file``; pass -1 to leave the
-        ``total_`` line out (as in an old kernel's stat of a cgroup without children).
-        """
+        """Set a v1 cgroup's limit, usage and memory.stat (created if missing); ``stat``
+        for the figures a test rarely sets."""
+        stat = stat or V1Stat()
         folder = self.folder(1, cgroup)
         folder.mkdir(parents=True, exist_ok=True)
-        total = inactive_file if total_inactive_file is None else total_inactive_file
-        hierarchical = limit if hierarchical_limit is None else hierarchical_limit
-        stat = [
+        total = inactive_file if stat.total_inactive_file is None else stat.total_inactive_file
+        hierarchical = limit if stat.hierarchical_limit is None else stat.hierarchical_limit
+        use_hierarchy = stat.use_hierarchy
+        lines = [
             "cache 0",
             "rss 0",
             f"inactive_file {inactive_file}",
@@ -180,10 +191,10 @@ class FakeSystem:
             f"hierarchical_memsw_limit {V1_UNLIMITED}",
         ]
         if total >= 0:
-            stat.append(f"total_inactive_file {total}")
+            lines.append(f"total_inactive_file {total}")
         self._write_at(folder / "memory.limit_in_bytes", f"{limit}\n")
         self._write_at(folder / "memory.usage_in_bytes", f"{usage}\n")
-        self._write_at(folder / "memory.stat", "\n".join(stat) + "\n")
+        self._write_at(folder / "memory.stat", "\n".join(lines) + "\n")
         self._write_at(folder / "memory.use_hierarchy", f"{use_hierarchy}\n")
         return folder
 
@@ -195,12 +206,12 @@ class FakeSystem:
         high: int | str = "max",
         current: int | str = 0,
         inactive_file: int = 0,
-        controllers: str = "cpuset cpu io memory hugetlb pids",
     ) -> Path:
-        """Set a v2 cgroup's memory.max/high/current and memory.stat (created if missing)."""
+        """Set a v2 cgroup's memory.max/high/current and memory.stat (created if missing),
+        with every controller (``write`` its ``cgroup.controllers`` for fewer)."""
         folder = self.folder(2, cgroup)
         folder.mkdir(parents=True, exist_ok=True)
-        self._write_at(folder / "cgroup.controllers", controllers + "\n")
+        self._write_at(folder / "cgroup.controllers", "cpuset cpu io memory hugetlb pids\n")
         self._write_at(folder / "memory.max", f"{max}\n")
         self._write_at(folder / "memory.high", f"{high}\n")
         self._write_at(folder / "memory.current", f"{current}\n")

@@ -9,14 +9,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import cgroups
 import pytest
 
 from tierflow import config
 from tierflow.system import limits as limits_module
 from tierflow.system.limits import Limits, MemoryFigures, limits, own_cgroup, read_memory
 
-from .cgroupfs import GB, MB, V1_UNLIMITED, FakeSystem
+import cgroups
+from .cgroupfs import GB, MB, V1_UNLIMITED, FakeSystem, V1Stat
 
 LOGGER = "tierflow.system"
 
@@ -77,13 +77,25 @@ def test_v1_limit_below_host_wins(fake: FakeSystem) -> None:
 
 def test_v1_total_inactive_file_is_preferred(fake: FakeSystem) -> None:
     fake.mount_v1("/job")
-    fake.v1("/job", limit=6 * GB, usage=3 * GB, inactive_file=1 * GB, total_inactive_file=2 * GB)
+    fake.v1(
+        "/job",
+        limit=6 * GB,
+        usage=3 * GB,
+        inactive_file=1 * GB,
+        stat=V1Stat(total_inactive_file=2 * GB),
+    )
     assert read_memory(fake.root).free == 5 * GB
 
 
 def test_v1_inactive_file_used_without_total(fake: FakeSystem) -> None:
     fake.mount_v1("/job")
-    fake.v1("/job", limit=6 * GB, usage=3 * GB, inactive_file=1 * GB, total_inactive_file=-1)
+    fake.v1(
+        "/job",
+        limit=6 * GB,
+        usage=3 * GB,
+        inactive_file=1 * GB,
+        stat=V1Stat(total_inactive_file=-1),
+    )
     assert read_memory(fake.root).free == 4 * GB
 
 
@@ -114,7 +126,7 @@ def test_v1_memory_mounted_with_other_controllers(fake: FakeSystem) -> None:
 
 def test_v1_ancestor_without_hierarchy_does_not_bind(fake: FakeSystem) -> None:
     fake.mount_v1("/a/b")
-    fake.v1("/a", limit=1 * GB, use_hierarchy=0)
+    fake.v1("/a", limit=1 * GB, stat=V1Stat(use_hierarchy=0))
     assert read_memory(fake.root).source == "host"
 
 
@@ -189,7 +201,8 @@ def test_v2_nested_smallest_limit_wins(fake: FakeSystem) -> None:
 
 def test_v2_without_memory_controller_is_ignored(fake: FakeSystem) -> None:
     fake.mount_v2("/job", memory=False)
-    fake.v2("/job", max=1 * GB, controllers="cpu io pids")
+    job = fake.v2("/job", max=1 * GB)
+    (job / "cgroup.controllers").write_text("cpu io pids\n")
     figures = read_memory(fake.root)
     assert figures.source == "host"
     assert figures.cgroup_dir is not None  # still where memory.pressure lives
@@ -233,7 +246,7 @@ def test_container_v1_mount_root_is_the_cgroup_itself(fake: FakeSystem) -> None:
 def test_container_v1_hidden_ancestor_limit_from_memory_stat(fake: FakeSystem) -> None:
     cid = "/docker/0123abcd"
     fake.mount_v1(cid, mount_root=cid)
-    fake.v1(cid, limit=V1_UNLIMITED, usage=1 * GB, hierarchical_limit=3 * GB)
+    fake.v1(cid, limit=V1_UNLIMITED, usage=1 * GB, stat=V1Stat(hierarchical_limit=3 * GB))
     figures = read_memory(fake.root)
     assert (figures.usable, figures.free) == (3 * GB, 2 * GB)
     assert figures.limited_by == f"an ancestor of {cid}"
@@ -300,7 +313,7 @@ def test_missing_limit_falls_back_to_the_next_level(
     folder = fake.mount_v1("/a/job")
     fake.v1("/a", limit=3 * GB)
     # memory.stat's hierarchical limit would name the right figure; leave it out too.
-    fake.v1("/a/job", limit=1 * GB, hierarchical_limit=V1_UNLIMITED)
+    fake.v1("/a/job", limit=1 * GB, stat=V1Stat(hierarchical_limit=V1_UNLIMITED))
     fake.remove(folder / "memory.limit_in_bytes")
     assert read_memory(fake.root).usable == 3 * GB
     assert warnings_of(caplog) == [

@@ -10,13 +10,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from common import wait_for
 
 from tierflow import memory
 from tierflow.system import pressure as pressure_mod
 from tierflow.system.pressure import Pressure, subscribe
 from tierflow.system.types import Level
 from tierflow.system.watch import Watcher, on_pressure
+
+from common import wait_for
 
 GB = 1 << 30
 

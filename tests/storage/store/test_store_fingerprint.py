@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from common import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tierflow.storage import identity
 from tierflow.storage.store.fingerprint import call_digest, function_identity, value_digest
+
+from common import examples
 
 
 def compile_function(source: str, name: str = "f") -> Any:
