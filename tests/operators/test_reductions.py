@@ -17,6 +17,7 @@ from tierflow.operators.reductions import (
     KINDS,
     Histogram,
     Reduction,
+    ReductionOptions,
     RowReduction,
     RowwiseReduction,
     accumulator_dtype,
@@ -424,7 +425,8 @@ def test_user_reduction_with_offsets_and_order() -> None:
     def chunk(block: np.ndarray, offset: int) -> list[tuple[int, float]]:
         return [(offset + i, float(v)) for i, v in enumerate(block) if v > 0.9]
 
-    op = Reduction(chunk, lambda a, b: a + b, sorted, with_offset=True, commutative=False)
+    options = ReductionOptions(with_offset=True, commutative=False)
+    op = Reduction(chunk, lambda a, b: a + b, sorted, options)
     assert isinstance(op, ReductionOp)
     x = np.random.default_rng(14).random(200)
     got = run_blockwise(op, x, 30)
@@ -439,10 +441,9 @@ def test_user_reduction_over_two_inputs() -> None:
     dot = Reduction(
         lambda a, b: float(a @ b),
         lambda p, q: p + q,
-        n_inputs=2,
-        out_dtype=np.float64,
-        out_shape=(),
-        temp_bytes=lambda rows: 0,
+        options=ReductionOptions(
+            n_inputs=2, out_dtype=np.float64, out_shape=(), temp_bytes=lambda rows: 0
+        ),
     )
     a, b = np.arange(10.0), np.ones(10)
     partials = [dot.chunk(a[i : i + 3], b[i : i + 3]) for i in range(0, 10, 3)]

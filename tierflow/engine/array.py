@@ -38,7 +38,7 @@ from ..storage import stream
 from ..system import devices
 from . import blocksize, graph, ops, specs
 from .graph import Chunked, ElemOp, Node, Value
-from .sources import ArrayReader, FileReader, FilesReader
+from .sources import ArrayReader, FileReader, FileRows, FilesReader
 
 __all__ = ["Array", "from_array", "from_files", "from_npy", "from_raw"]
 
@@ -155,7 +155,7 @@ def from_array(a: Any, rows: int | None = None) -> Array:
     return _wrap(graph.Source(reader, blocksize.bounds(array.shape[0], rows, reader.row_nbytes)))
 
 
-def from_files(
+def from_files(  # noqa: PLR0913 -- public: dtype and row_shape as map_blocks names them
     paths: Sequence[str | os.PathLike[str]],
     load: Callable[[str], Any],
     rows: int | None = None,
@@ -204,7 +204,7 @@ def from_files(
         files = blocksize.files_per_block(len(names), row_nbytes * per_file)
     else:
         files = max(1, (stream.check_rows(rows) or 1) // per_file)
-    reader = FilesReader(names, load, rows_per_file, dt, shape_t, files)
+    reader = FilesReader(names, load, FileRows(rows_per_file, dt, shape_t), files)
     if rows_per_file is None:
         return _wrap(graph.Source(reader, None))
     n_rows = rows_per_file * len(names)
@@ -357,7 +357,7 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
 
 
 def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
-    return _elementwise(ElemOp("ufunc", ufunc, kwargs), *operands)
+    return _elementwise(ElemOp("ufunc", ufunc=ufunc, kwargs=kwargs), *operands)
 
 
 def _value_apply(
@@ -859,7 +859,7 @@ class Array:
         edges = red.Histogram(node.dtype, bins, range, density=density).edges.copy()
         return _wrap(result), edges
 
-    def reduction(
+    def reduction(  # noqa: PLR0913 -- public: a custom reduction's parts, as dask.array.reduction names them
         self,
         chunk: Callable[..., Any],
         combine: Callable[[Any, Any], Any],
@@ -889,11 +889,12 @@ class Array:
                 "a reduction with_offset=True needs each block's first row, unknown after "
                 "a boolean mask; persist() the array first"
             )
-        op = red.Reduction(
-            chunk, combine, aggregate, with_offset=with_offset, commutative=commutative,
-            out_dtype=dtype, out_shape=None if shape is None else tuple(shape),
-            partial_bytes=partial_bytes, name=name,
+        options = red.ReductionOptions(
+            with_offset=with_offset, commutative=commutative, out_dtype=dtype,
+            out_shape=None if shape is None else tuple(shape), partial_bytes=partial_bytes,
+            name=name,
         )  # fmt: skip
+        op = red.Reduction(chunk, combine, aggregate, options)
         return _wrap(graph.Reduce(specs.UserSpec(op, (chunk, combine, aggregate)), (node,)))
 
     # -- blockwise --------------------------------------------------------------------

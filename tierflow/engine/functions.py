@@ -249,7 +249,7 @@ def _concatenate(
     return result.astype(dtype) if dtype is not None else result
 
 
-def _clip(
+def _clip(  # noqa: PLR0913 -- np.clip's own signature, for __array_function__
     a: Any,
     a_min: Any = np._NoValue,
     a_max: Any = np._NoValue,

@@ -26,6 +26,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -117,25 +118,36 @@ class Node:
         return f"<{self.label()} {self.shape} {self.dtype}>"
 
 
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """How a chunked node's rows fall into blocks.
+
+    ``bounds``: the first row of every block, then the row count, when the sizes are
+    known. Otherwise ``count`` blocks whose sizes are known only once computed, cut as
+    ``origin`` cuts them (nodes of the same origin have the same blocks).
+    """
+
+    bounds: tuple[int, ...] | None
+    count: int = 0
+    origin: Any = None
+
+
 class Chunked(Node):
     """A node computed in row blocks (see the module docstring)."""
 
     kind = "chunked"
 
     def __init__(
-        self,
-        inputs: Iterable[Node],
-        dtype: Any,
-        shape: tuple[int | None, ...],
-        *,
-        bounds: tuple[int, ...] | None,
-        nblocks: int | None = None,
-        origin: Any = None,
+        self, inputs: Iterable[Node], dtype: Any, shape: tuple[int | None, ...], blocks: Blocks
     ) -> None:
         super().__init__(inputs, dtype, shape)
-        self.bounds = bounds
-        self.nblocks = len(bounds) - 1 if bounds is not None else int(nblocks or 0)
-        self.origin = origin
+        self.bounds = blocks.bounds
+        self.nblocks = len(self.bounds) - 1 if self.bounds is not None else blocks.count
+        self.origin = blocks.origin
+
+    def layout(self) -> Blocks:
+        """This node's blocks, for a node cut as this one is (elementwise, a block map)."""
+        return Blocks(self.bounds, self.nblocks, self.origin)
 
     @property
     def n_rows(self) -> int | None:
@@ -228,9 +240,7 @@ class Source(Chunked):
             (),
             reader.dtype,
             (n_rows, *reader.row_shape),
-            bounds=bounds,
-            nblocks=nblocks,
-            origin=None if bounds is not None else ("source", self),
+            Blocks(bounds, int(nblocks or 0), None if bounds is not None else ("source", self)),
         )
         self.reader = reader
         if key is not None:
@@ -248,26 +258,27 @@ class Source(Chunked):
         return str(self.reader.label)
 
 
+@dataclass(eq=False)
 class ElemOp:
-    """One elementwise operation: a ufunc call, ``where``, ``clip``, ``astype`` or ``round``."""
+    """One elementwise operation: a ufunc call, ``where``, ``clip``, ``astype`` or ``round``.
 
-    def __init__(
-        self,
-        kind: str,
-        ufunc: np.ufunc | None = None,
-        kwargs: dict[str, Any] | None = None,
-        dtype: Any = None,
-        decimals: int = 0,
-        has_lo: bool = True,
-        has_hi: bool = True,
-    ) -> None:
-        self.kind = kind
-        self.ufunc = ufunc
-        self.kwargs = dict(kwargs or {})
-        self.dtype = None if dtype is None else np.dtype(dtype)
-        self.decimals = int(decimals)
-        self.has_lo = has_lo
-        self.has_hi = has_hi
+    ``ufunc`` and its ``kwargs`` for a call, ``dtype`` for ``astype``, ``decimals`` for
+    ``round``; ``has_lo`` and ``has_hi`` say which bounds a ``clip`` was given.
+    """
+
+    kind: str
+    _: KW_ONLY
+    ufunc: np.ufunc | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    dtype: np.dtype | None = None
+    decimals: int = 0
+    has_lo: bool = True
+    has_hi: bool = True
+
+    def __post_init__(self) -> None:
+        self.kwargs = dict(self.kwargs)
+        self.dtype = None if self.dtype is None else np.dtype(self.dtype)
+        self.decimals = int(self.decimals)
 
     def params(self) -> str:
         return identity.token(
@@ -362,9 +373,7 @@ class Elementwise(Chunked):
             inputs,
             inferred.dtype,
             (first.n_rows, *inferred.row_shape),
-            bounds=first.bounds,
-            nblocks=first.nblocks,
-            origin=first.origin,
+            first.layout(),
         )
         self.op = op
         self.operands = operands
@@ -409,9 +418,7 @@ class BlockMap(Chunked):
             (*chunked, *values),
             op.out_dtype,
             (first.n_rows, *op.out_row_shape),
-            bounds=bounds,
-            nblocks=first.nblocks,
-            origin=first.origin,
+            Blocks(bounds, first.nblocks, first.origin),
         )
         self.spec = spec
         self.n_chunked = len(chunked)
@@ -445,7 +452,7 @@ class RowSlice(Chunked):
             (source,),
             source.dtype,
             (n, *source.row_shape),
-            bounds=_slice_bounds(key, source.block_pairs()),
+            Blocks(_slice_bounds(key, source.block_pairs())),
         )
         self.first, self.step = first, step
 
@@ -486,7 +493,7 @@ class RowTake(Chunked):
             assert rows > 0, "positions out of order need the rows of an output block"
             bounds = (*range(0, len(positions), rows), len(positions))
         super().__init__(
-            (source,), source.dtype, (len(positions), *source.row_shape), bounds=bounds
+            (source,), source.dtype, (len(positions), *source.row_shape), Blocks(bounds)
         )
         self.positions = positions
 
@@ -522,9 +529,11 @@ class Filter(Chunked):
             inputs,
             source.dtype,
             (None, *source.shape[k:]),
-            bounds=None,
-            nblocks=source.nblocks,
-            origin=("filter", mask if mask is not None else self, source.partition()),
+            Blocks(
+                None,
+                source.nblocks,
+                ("filter", mask if mask is not None else self, source.partition()),
+            ),
         )
         self.fn = fn
         self.mask_ndim = k
@@ -558,15 +567,13 @@ class Concat(Chunked):
                 start = bounds[-1]
                 bounds.extend(start + b for b in i.bounds[1:])
             total: int | None = bounds[-1]
-            super().__init__(inputs, dtype, (total, *row_shape), bounds=tuple(bounds))
+            super().__init__(inputs, dtype, (total, *row_shape), Blocks(tuple(bounds)))
         else:
             super().__init__(
                 inputs,
                 dtype,
                 (None, *row_shape),
-                bounds=None,
-                nblocks=sum(i.nblocks for i in inputs),
-                origin=("concat", self),
+                Blocks(None, sum(i.nblocks for i in inputs), ("concat", self)),
             )
         # (input, first block of it in the output)
         self.block_table: list[tuple[int, int]] = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,7 @@ def _shape_text(rows: Any, row_shape: tuple[int, ...]) -> str:
     return "(" + ", ".join([str(rows), *map(str, row_shape)]) + ("," if not row_shape else "") + ")"
 
 
+@dataclass(eq=False, repr=False)
 class MapBlocks:
     """``fn(*blocks, **kwargs)`` on row blocks: a user function as a BlockOp.
 
@@ -88,24 +90,18 @@ class MapBlocks:
 
     row_independent = True
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        n_inputs: int,
-        out_dtype: np.dtype,
-        out_row_shape: tuple[int, ...],
-        *,
-        device: str | None = None,
-        kwargs: dict[str, Any] | None = None,
-        name: str = "map_blocks",
-    ) -> None:
-        self.fn = fn
-        self.n_inputs = n_inputs
-        self.out_dtype = np.dtype(out_dtype)
-        self.out_row_shape = tuple(out_row_shape)
-        self.device = device
-        self.kwargs = kwargs or {}
-        self.name = name
+    fn: Callable[..., Any]
+    n_inputs: int
+    out_dtype: np.dtype
+    out_row_shape: tuple[int, ...]
+    _: KW_ONLY
+    device: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = "map_blocks"
+
+    def __post_init__(self) -> None:
+        self.out_dtype = np.dtype(self.out_dtype)
+        self.out_row_shape = tuple(self.out_row_shape)
 
     def __repr__(self) -> str:
         where = f" on {self.device}" if self.device else ""
@@ -288,29 +284,37 @@ class Stack:
         return 0
 
 
-class UfuncOutput:
-    """Output ``index`` of a ufunc with several outputs (``np.divmod``, ``np.modf``).
+@dataclass(frozen=True)
+class UfuncCall:
+    """Output ``index`` of ``ufunc(*operands, **kwargs)``.
 
     ``template`` lists the operands: None for the next block, a marker for the next of
-    ``values``, anything else a constant."""
+    the values, anything else a constant; empty when every operand is a block."""
+
+    ufunc: np.ufunc
+    index: int
+    kwargs: dict[str, Any]
+    template: tuple[Any, ...] = ()
+
+
+class UfuncOutput:
+    """Output ``call.index`` of a ufunc with several outputs (``np.divmod``, ``np.modf``),
+    on blocks of ``dtypes`` and ``row_shapes``, with ``values`` for the template's markers."""
 
     row_independent = True
 
     def __init__(
         self,
-        ufunc: np.ufunc,
-        index: int,
+        call: UfuncCall,
         dtypes: Sequence[np.dtype],
         row_shapes: Sequence[tuple[int, ...]],
-        kwargs: dict[str, Any],
-        template: Sequence[Any] = (),
         values: Sequence[Any] = (),
     ) -> None:
-        self.ufunc = ufunc
-        self.index = index
-        self.kwargs = kwargs
+        self.ufunc = call.ufunc
+        self.index = call.index
+        self.kwargs = call.kwargs
         self.n_inputs = len(dtypes)
-        self.template = list(template) or [None] * len(dtypes)
+        self.template = list(call.template) or [None] * len(dtypes)
         self.values = list(values)
         probe = self._call([np.zeros((1, *s), d) for d, s in zip(dtypes, row_shapes, strict=False)])
         self.out_dtype = probe.dtype

@@ -24,6 +24,7 @@ import datetime
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -199,31 +200,42 @@ class ArrayReader(Reader):
         return self._token
 
 
+@dataclass(frozen=True)
+class FileRows:
+    """What ``load`` gives for each file: ``per_file`` rows of ``dtype`` and ``row_shape``.
+
+    ``per_file`` is 1 (``load`` returns one row of ``row_shape``), a fixed number ``k``
+    (``load`` returns ``k`` rows) or None (each file gives some number of rows, known
+    once loaded).
+    """
+
+    per_file: int | None
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+
+
 class FilesReader(Reader):
     """Rows loaded from many files by ``load(path)``, in the worker threads.
 
-    ``rows_per_file`` is 1 (``load`` returns one row of ``row_shape``), a fixed number
-    ``k`` (``load`` returns ``k`` rows) or None (each file gives some number of rows,
-    known once loaded). ``files_per_block`` files make one block when the row count is
-    unknown.
+    Each file gives ``rows`` (:class:`FileRows`). ``files_per_block`` files make one
+    block when the row count is unknown.
     """
 
     def __init__(
         self,
         paths: Sequence[str],
         load: Callable[[str], Any],
-        rows_per_file: int | None,
-        dtype: np.dtype,
-        row_shape: tuple[int, ...],
+        rows: FileRows,
         files_per_block: int,
     ) -> None:
         self.paths = [os.fspath(p) for p in paths]
         self.load = load
-        self.rows_per_file = rows_per_file
-        self.dtype = dtype
-        self.row_shape = row_shape
+        self.rows_per_file = rows.per_file
+        self.dtype = rows.dtype
+        self.row_shape = rows.row_shape
         self.files_per_block = files_per_block
-        self.n_rows = None if rows_per_file is None else rows_per_file * len(self.paths)
+        per_file = rows.per_file
+        self.n_rows = None if per_file is None else per_file * len(self.paths)
         self.nblocks = math.ceil(len(self.paths) / files_per_block) if self.paths else 0
         name = getattr(load, "__qualname__", type(load).__name__)
         self.label = f"from_files({len(self.paths)} files, {name})"

@@ -286,9 +286,8 @@ class UfuncOutSpec(_Spec):
         row_shapes: Sequence[tuple[int, ...]],
         values: Sequence[Any],
     ) -> Any:
-        return ops.UfuncOutput(
-            self.ufunc, self.index, dtypes, row_shapes, self.kwargs, self.template, values
-        )
+        call = ops.UfuncCall(self.ufunc, self.index, self.kwargs, self.template)
+        return ops.UfuncOutput(call, dtypes, row_shapes, values)
 
     def label(self) -> str:
         return f"{self.ufunc.__name__}[{self.index}]"

@@ -87,18 +87,17 @@ def _explain(
 
 def prepare_out(
     out: np.ndarray | None,
-    rows: int,
-    row_shape: tuple[int, ...],
+    shape: tuple[int, ...],
     dtype: np.dtype,
     blocks: Sequence[np.ndarray],
     what: str,
 ) -> np.ndarray:
-    """``out`` checked against the expected block, or a new uninitialised block.
+    """``out`` checked against the expected block of ``shape`` and ``dtype``, or a new
+    uninitialised block.
 
     Raises ValueError for the wrong shape or dtype, or an ``out`` that overlaps an input
     (sub-blocked evaluation would read rows it has already overwritten).
     """
-    shape = (rows, *row_shape)
     if out is None:
         return np.empty(shape, dtype=dtype)
     if out.shape != shape or out.dtype != dtype:

@@ -250,43 +250,10 @@ class _Program:
                 {refs[id(c)].index for c in children if id(c) in refs and last_use[id(c)] == pos}
             )
             scratch: list[int] = []
-            fn: Callable[..., Any]
-            kwargs: tuple[tuple[str, Any], ...] = ()
-            in_place = True
-            if isinstance(node, Apply):
-                fn, kwargs = node.ufunc, node.kwargs
-            elif isinstance(node, Clip):
-                fn = np.clip
-                bounds = iter(operands[1:])
-                operands = [
-                    operands[0],
-                    next(bounds) if node.lo is not None else _Ref("literal", value=None),
-                    next(bounds) if node.hi is not None else _Ref("literal", value=None),
-                ]
-            elif isinstance(node, Round):
-                integer = spec(node.a)[0].kind in "biu" and node.decimals < 0
-                fn = _round_then_copy if integer else np.round
-                operands.append(_Ref("literal", value=node.decimals))
-            elif isinstance(node, AsType):
-                fn, in_place = _cast, False
-            elif isinstance(node, Where):
-                fn, in_place = _where, False
-                operands[0] = self._bool_condition(node.cond, operands[0], values, plan, scratch)
-                # np.where converts a Python number to an array and casts it unsafely into
-                # the result (-1 into uint8 is 255); copyto would refuse the Python int.
-                operands[1:] = [
-                    _Ref("const", value=np.asarray(r.value))
-                    if r.kind == "const" and isinstance(r.value, (bool, int, float, complex))
-                    else r
-                    for r in operands[1:]
-                ]
-            else:
-                raise TypeError(f"unknown node {node!r}")
+            fn, operands, kwargs, in_place = self._operation(node, operands, values, plan, scratch)
             if node is expr and not keep_root:
                 out = _OUT
             else:
-                # An elementwise ufunc may write over an operand that dies here (exact
-                # overlap is safe in NumPy); where and astype read operands after writing.
                 candidates = dying + plan.free if in_place else list(plan.free)
                 out = plan.register(spec(node), candidates)
             plan.steps.append(_Step(fn, tuple(operands), out, kwargs))
@@ -311,6 +278,48 @@ class _Program:
         self._result_is_input = self.result.kind == "input"
         self._function, self._consts = _generate(plan.steps, len(input_dtypes), len(plan.specs))
         self._plan_wide(input_row_shapes)
+
+    def _operation(
+        self,
+        node: Expr,
+        operands: list[_Ref],
+        values: dict[int, Any],
+        plan: _Plan,
+        scratch: list[int],
+    ) -> tuple[Callable[..., Any], list[_Ref], tuple[tuple[str, Any], ...], bool]:
+        """What a step of ``node`` calls: the function, its operands and keyword
+        arguments, and whether it may write over an operand that dies there (an
+        elementwise ufunc may: exact overlap is safe in NumPy; where and astype read
+        operands after writing). A ``where`` condition that needs a cast to bool takes
+        a register of ``plan``, listed in ``scratch``."""
+        if isinstance(node, Apply):
+            return node.ufunc, operands, node.kwargs, True
+        if isinstance(node, Clip):
+            bounds = iter(operands[1:])
+            clipped = [
+                operands[0],
+                next(bounds) if node.lo is not None else _Ref("literal", value=None),
+                next(bounds) if node.hi is not None else _Ref("literal", value=None),
+            ]
+            return np.clip, clipped, (), True
+        if isinstance(node, Round):
+            integer = np.dtype(values[id(node.a)].dtype).kind in "biu" and node.decimals < 0
+            rounded = [*operands, _Ref("literal", value=node.decimals)]
+            return (_round_then_copy if integer else np.round), rounded, (), True
+        if isinstance(node, AsType):
+            return _cast, operands, (), False
+        if isinstance(node, Where):
+            condition = self._bool_condition(node.cond, operands[0], values, plan, scratch)
+            # np.where converts a Python number to an array and casts it unsafely into
+            # the result (-1 into uint8 is 255); copyto would refuse the Python int.
+            choices = [
+                _Ref("const", value=np.asarray(r.value))
+                if r.kind == "const" and isinstance(r.value, (bool, int, float, complex))
+                else r
+                for r in operands[1:]
+            ]
+            return _where, [condition, *choices], (), False
+        raise TypeError(f"unknown node {node!r}")
 
     @staticmethod
     def _bool_condition(
@@ -631,7 +640,9 @@ class FusedKernel:
         or an ``out`` of the wrong shape or dtype or overlapping an input.
         """
         rows = check_blocks(blocks, self.input_dtypes, self.input_row_shapes, "FusedKernel")
-        result = prepare_out(out, rows, self.out_row_shape, self.out_dtype, blocks, "FusedKernel")
+        result = prepare_out(
+            out, (rows, *self.out_row_shape), self.out_dtype, blocks, "FusedKernel"
+        )
         if rows == 0:
             return result
         held = self._scratch.get(rows)

@@ -85,7 +85,7 @@ class Matmul:
         """``block @ w``, written into ``out`` when given."""
         rows = check_blocks(blocks, [self.in_dtype], [self.in_row_shape], "block @ w")
         if out is not None:
-            out = prepare_out(out, rows, self.out_row_shape, self.out_dtype, blocks, "block @ w")
+            out = prepare_out(out, (rows, *self.out_row_shape), self.out_dtype, blocks, "block @ w")
         return np.matmul(blocks[0], self.w, out=out)
 
     def temp_bytes(self, rows: int) -> int:

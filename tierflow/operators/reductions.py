@@ -79,6 +79,7 @@ import math
 import operator
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -96,6 +97,7 @@ __all__ = [
     "WIDE_ELEMENTS",
     "Histogram",
     "Reduction",
+    "ReductionOptions",
     "RowReduction",
     "RowwiseReduction",
     "accumulator_dtype",
@@ -297,7 +299,7 @@ def _normalize_axes(kind: str, axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(normalize_axis_tuple(axis, ndim)))
 
 
-def reduction(
+def reduction(  # noqa: PLR0913 -- axis, keepdims, dtype, ddof: NumPy's reduction keywords
     kind: str,
     in_dtype: Any,
     row_shape: tuple[int, ...],
@@ -345,7 +347,7 @@ def reduction(
     if kind in ("var", "std"):
         kwargs["ddof"] = ddof
     if 0 not in axes:
-        return RowwiseReduction(kind, in_dtype, row_shape, axes, keepdims, kwargs)
+        return RowwiseReduction(kind, in_dtype, row_shape, axes, kwargs)
     cls: type[RowReduction]
     if kind in _UFUNCS:
         cls = _UfuncReduction
@@ -357,13 +359,14 @@ def reduction(
         cls = _Moments
     else:
         cls = _ArgReduction
-    return cls(kind, in_dtype, row_shape, axes, keepdims, kwargs)
+    return cls(kind, in_dtype, row_shape, axes, kwargs)
 
 
 class _NamedReduction:
     """What every built-in reduction is told: NumPy's name for it (``kind``), the input's
-    dtype and row shape, the axes (0 is the row axis), ``keepdims`` and NumPy's other
-    keyword arguments; the result's dtype follows from them as NumPy gives it."""
+    dtype and row shape, the axes (0 is the row axis) and NumPy's keyword arguments
+    (``axis``, ``keepdims`` and the kind's others); the result's dtype follows from them
+    as NumPy gives it."""
 
     def __init__(
         self,
@@ -371,14 +374,13 @@ class _NamedReduction:
         in_dtype: np.dtype,
         row_shape: tuple[int, ...],
         axes: tuple[int, ...],
-        keepdims: bool,
         kwargs: dict[str, Any],
     ) -> None:
         self.kind = kind
         self.in_dtype = in_dtype
         self.in_row_shape = row_shape
         self.axes = axes
-        self.keepdims = keepdims
+        self.keepdims: bool = kwargs["keepdims"]
         self._kwargs = kwargs
         self.out_dtype: np.dtype = _probe_dtype(kind, in_dtype, row_shape, kwargs)
         self._derive()
@@ -412,7 +414,7 @@ class RowwiseReduction(_NamedReduction):
         """NumPy's reduction of the block; written into ``out`` when given."""
         rows = check_blocks(blocks, [self.in_dtype], [self.in_row_shape], self.kind)
         if out is not None:
-            out = prepare_out(out, rows, self.out_row_shape, self.out_dtype, blocks, self.kind)
+            out = prepare_out(out, (rows, *self.out_row_shape), self.out_dtype, blocks, self.kind)
         return np.asarray(_numpy(self.kind, blocks[0], self._kwargs, out))
 
     def temp_bytes(self, rows: int) -> int:
@@ -946,14 +948,33 @@ class Histogram:
         return self.out_shape[0] * 8 + 64
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReductionOptions:
+    """How a :class:`Reduction` is run and planned.
+
+    ``with_offset``: ``chunk`` also gets the block's first row. ``n_inputs``: blocks per
+    chunk. ``commutative=False`` makes the engine combine neighbouring row ranges only,
+    left before right. ``out_dtype`` and ``out_shape`` describe the result when known.
+    ``partial_bytes`` (bytes of a partial) and ``temp_bytes(rows)`` (scratch of a chunk)
+    feed the memory plan. ``name`` labels it (default: ``chunk``'s name).
+    """
+
+    with_offset: bool = False
+    n_inputs: int = 1
+    commutative: bool = True
+    out_dtype: Any = None
+    out_shape: tuple[int, ...] | None = None
+    partial_bytes: int = 1024
+    temp_bytes: Callable[[int], int] | None = None
+    name: str | None = None
+
+
 class Reduction:
     """A user-defined reduction from three functions: a ReductionOp.
 
     ``chunk(block)`` (or ``chunk(block, row_offset)`` with ``with_offset=True``) gives a
     partial; ``combine(a, b)`` merges two, and must not modify them; ``aggregate(p)``
-    finishes (the partial itself when omitted). ``commutative=False`` makes the engine
-    combine neighbouring row ranges only, left before right. ``partial_bytes`` and
-    ``temp_bytes`` feed the memory plan.
+    finishes (the partial itself when omitted). ``options`` as :class:`ReductionOptions`.
 
     >>> r = Reduction(lambda b: b.shape[0], lambda a, b: a + b)
     >>> r.aggregate(r.combine(r.chunk(np.ones((3, 2))), r.chunk(np.ones((4, 2)))))
@@ -967,27 +988,20 @@ class Reduction:
         chunk: Callable[..., Any],
         combine: Callable[[Any, Any], Any],
         aggregate: Callable[[Any], Any] | None = None,
-        *,
-        with_offset: bool = False,
-        n_inputs: int = 1,
-        commutative: bool = True,
-        out_dtype: Any = None,
-        out_shape: tuple[int, ...] | None = None,
-        partial_bytes: int = 1024,
-        temp_bytes: Callable[[int], int] | None = None,
-        name: str | None = None,
+        options: ReductionOptions | None = None,
     ) -> None:
+        options = options or ReductionOptions()
         self._chunk = chunk
         self._combine = combine
         self._aggregate = aggregate
-        self.with_offset = with_offset
-        self.n_inputs = n_inputs
-        self.commutative = commutative
-        self.out_dtype = None if out_dtype is None else np.dtype(out_dtype)
-        self.out_shape = out_shape
-        self._partial_bytes = partial_bytes
-        self._temp_bytes = temp_bytes
-        self.name = name or getattr(chunk, "__name__", "reduction")
+        self.with_offset = options.with_offset
+        self.n_inputs = options.n_inputs
+        self.commutative = options.commutative
+        self.out_dtype = None if options.out_dtype is None else np.dtype(options.out_dtype)
+        self.out_shape = options.out_shape
+        self._partial_bytes = options.partial_bytes
+        self._temp_bytes = options.temp_bytes
+        self.name = options.name or getattr(chunk, "__name__", "reduction")
 
     def __repr__(self) -> str:
         return f"Reduction({self.name})"

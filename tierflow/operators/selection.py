@@ -312,7 +312,9 @@ class TrailingIndex:
         result = blocks[0][self.key]
         if out is None:
             return result
-        out = prepare_out(out, rows, self.out_row_shape, self.out_dtype, blocks, "trailing index")
+        out = prepare_out(
+            out, (rows, *self.out_row_shape), self.out_dtype, blocks, "trailing index"
+        )
         np.copyto(out, result)
         return out
 

@@ -137,19 +137,8 @@ def _array_reducer(previous: Callable[[Any], Any] | None) -> Callable[[np.ndarra
             # What the pickler itself would call: multiprocessing always pickles with
             # the default protocol (ForkingPickler.dumps(obj) with protocol=None).
             return x.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        return (
-            _rebuild_array,
-            (
-                found.path,
-                found.offset,
-                found.nbytes,
-                found.data_offset,
-                x.dtype,
-                x.shape,
-                x.strides,
-                found.writable and bool(x.flags.writeable),
-            ),
-        )
+        writable = found.writable and bool(x.flags.writeable)
+        return (_rebuild_array, (found, x.dtype, x.shape, x.strides, writable))
 
     setattr(reduce_array, _MARK, True)
     return reduce_array
@@ -177,23 +166,21 @@ def _check_file(path: str, needed: int, what: str) -> None:
 
 
 def _rebuild_array(
-    path: str,
-    offset: int,
-    nbytes: int,
-    data_offset: int,
+    where: pages.FileRange,
     dtype: np.dtype[Any],
     shape: tuple[int, ...],
     strides: tuple[int, ...],
     writable: bool,
 ) -> np.ndarray:
-    """Map ``nbytes`` of ``path`` from ``offset`` and view them as the sent array."""
+    """Map the file range ``where`` and view it as the sent array."""
+    path, offset, nbytes = where.path, where.offset, where.nbytes
     _check_file(path, offset + nbytes, f"a {list(shape)} {dtype} array")
     mode: Literal["r+", "r"] = "r+" if writable else "r"
-    if data_offset == 0 and _c_strides(shape, dtype.itemsize, strides):
+    if where.data_offset == 0 and _c_strides(shape, dtype.itemsize, strides):
         x: np.ndarray = np.memmap(path, dtype=dtype, mode=mode, offset=offset, shape=shape)
     else:
         raw = np.memmap(path, dtype=np.uint8, mode=mode, offset=offset, shape=(nbytes,))
-        x = np.ndarray(shape, dtype, buffer=raw, offset=data_offset, strides=strides)
+        x = np.ndarray(shape, dtype, buffer=raw, offset=where.data_offset, strides=strides)
     mapping, _ = pages._owner(x)
     assert mapping is not None
     remember_mapping(mapping, path)
@@ -293,42 +280,40 @@ def _tensor_reducer(previous: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return previous(t)  # torch's own path, and its error for non-leaf tensors
         extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
         nbytes = (t.storage_offset() + extent + 1) * t.element_size()
-        return (
-            _rebuild_tensor,
-            (
-                origin.path,
-                origin.writable,
-                nbytes,
-                str(t.dtype).removeprefix("torch."),
-                tuple(t.shape),
-                tuple(t.stride()),
-                t.storage_offset(),
-                bool(t.requires_grad),
-            ),
+        layout = _TensorLayout(
+            dtype=str(t.dtype).removeprefix("torch."),
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            offset=t.storage_offset(),
+            requires_grad=bool(t.requires_grad),
         )
+        return (_rebuild_tensor, (origin.path, origin.writable, nbytes, layout))
 
     setattr(reduce_tensor, _MARK, True)
     return reduce_tensor
 
 
-def _rebuild_tensor(
-    path: str,
-    writable: bool,
-    nbytes: int,
-    dtype: str,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    offset: int,
-    requires_grad: bool,
-) -> Any:
+@dataclass(frozen=True, kw_only=True)
+class _TensorLayout:
+    """How a sent tensor lies in its storage (elements, not bytes), and its autograd flag."""
+
+    dtype: str  # torch's name without "torch."
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+
+
+def _rebuild_tensor(path: str, writable: bool, nbytes: int, layout: _TensorLayout) -> Any:
+    """Map ``nbytes`` of ``path`` as a storage and view it as the sent tensor."""
     torch = _torch()
     _install_torch(torch)
-    _check_file(path, nbytes, f"a {list(shape)} torch.{dtype} tensor")
+    _check_file(path, nbytes, f"a {list(layout.shape)} torch.{layout.dtype} tensor")
     storage = torch.UntypedStorage.from_file(path, shared=writable, nbytes=nbytes)
     setattr(storage, _ORIGIN, _TensorOrigin(path, writable, None))
-    tensor = torch.empty((0,), dtype=getattr(torch, dtype))
-    tensor.set_(storage, offset, shape, stride)
-    if requires_grad:
+    tensor = torch.empty((0,), dtype=getattr(torch, layout.dtype))
+    tensor.set_(storage, layout.offset, layout.shape, layout.stride)
+    if layout.requires_grad:
         tensor.requires_grad_(True)
     return tensor
 

@@ -76,14 +76,12 @@ def check_room(nbytes: int, *, what: str = "a shared array", directory: str | No
     folder = directory or SHM_DIR
     free, size = shm_free(folder)
     need = -(-nbytes // os.sysconf("SC_PAGE_SIZE")) * os.sysconf("SC_PAGE_SIZE")
+    if need + margin(size) > free:
+        raise _no_room(folder, what, nbytes, free, size)
+
+
+def _no_room(folder: str, what: str, nbytes: int, free: int, size: int) -> SharedMemoryError:
     spare = margin(size)
-    if need + spare > free:
-        raise _no_room(folder, what, nbytes, free, size, spare)
-
-
-def _no_room(
-    folder: str, what: str, nbytes: int, free: int, size: int, spare: int
-) -> SharedMemoryError:
     return SharedMemoryError(
         errno.ENOSPC,
         f"not enough shared memory for {what} of {format_bytes(nbytes, 3)} ({nbytes} bytes): "
@@ -126,7 +124,7 @@ def shared_array(shape: Any, dtype: Any = "float64", *, directory: str | None = 
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
                 free, size = shm_free(folder)
-                raise _no_room(folder, what, nbytes, free, size, margin(size)) from exc
+                raise _no_room(folder, what, nbytes, free, size) from exc
             raise SharedMemoryError(
                 exc.errno or errno.EIO,
                 f"could not reserve {format_bytes(nbytes, 3)} for {what} in {folder}: "

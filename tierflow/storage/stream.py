@@ -167,7 +167,7 @@ def _scan(
             source.close()
 
 
-def chunks(
+def chunks(  # noqa: PLR0913 -- public (memory.chunks): a raw file's dtype, shape, offset as np.memmap names them
     source: Any,
     rows: int | None = None,
     *,
@@ -352,7 +352,7 @@ class _MapRun:
         self.store(k, i0, i1, self.call(k, i0, i1))
 
 
-def map(
+def map(  # noqa: PLR0913 -- public (memory.map): dtype and row_shape as map_blocks names them
     fn: Callable[[np.ndarray], Any],
     x: Any,
     rows: int | None = None,

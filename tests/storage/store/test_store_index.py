@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierflow.storage.store.index import Index, IndexDamaged, is_damage
+from tierflow.storage.store.index import Index, IndexDamaged, Row, is_damage
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def index(tmp_path: Path) -> Iterator[Index]:
 
 def put(idx: Index, name: str, size: int, atime: float, tag: str | None = None) -> None:
     with idx.write():
-        idx.put(name, name.encode(), tag, "pickle", size, atime)
+        idx.put(Row(name, name.encode(), tag, "pickle", size, atime))
 
 
 def test_a_new_file_gets_the_schema_in_wal_mode(tmp_path: Path, index: Index) -> None:
@@ -82,14 +82,14 @@ def test_tags_count_and_clear_separately(index: Index) -> None:
 def test_put_within_refuses_rows_that_would_pass_the_limit(index: Index) -> None:
     put(index, "a", 60, 1.0)
     index.limit(100)
-    assert not index.put_within("b", b"b", None, "pickle", 41, 2.0)
+    assert not index.put_within(Row("b", b"b", None, "pickle", 41, 2.0))
     assert index.totals() == (1, 60) and not index.has("b")  # nothing written
-    assert index.put_within("b", b"b", None, "pickle", 40, 2.0)
+    assert index.put_within(Row("b", b"b", None, "pickle", 40, 2.0))
     assert index.totals() == (2, 100)
     # A replacement counts the row it replaces: 100 - 60 + 61 is over, + 60 is not.
-    assert not index.put_within("a", b"a", None, "pickle", 61, 3.0)
+    assert not index.put_within(Row("a", b"a", None, "pickle", 61, 3.0))
     assert index.size_of("a") == 60
-    assert index.put_within("a", b"a", None, "pickle", 60, 3.0)
+    assert index.put_within(Row("a", b"a", None, "pickle", 60, 3.0))
     assert index.totals() == (2, 100)
 
 
@@ -99,13 +99,13 @@ def test_the_limit_belongs_to_one_connection_and_can_be_lifted(
     index.limit(10)
     other = Index(tmp_path / "index.sqlite")
     try:
-        assert other.put_within("big", b"big", None, "pickle", 50, 1.0)  # no limit there
+        assert other.put_within(Row("big", b"big", None, "pickle", 50, 1.0))  # no limit there
     finally:
         other.close()
     with pytest.raises(sqlite3.IntegrityError, match="over the size limit"):
-        index.put("more", b"more", None, "pickle", 1, 2.0)
+        index.put(Row("more", b"more", None, "pickle", 1, 2.0))
     index.limit(None)
-    index.put("more", b"more", None, "pickle", 1, 2.0)
+    index.put(Row("more", b"more", None, "pickle", 1, 2.0))
     assert index.totals() == (2, 51)
     assert index.size_of("more") == 1 and index.size_of("missing") is None
 
@@ -113,7 +113,7 @@ def test_the_limit_belongs_to_one_connection_and_can_be_lifted(
 def test_a_failed_transaction_changes_nothing(index: Index) -> None:
     put(index, "a", 1, 1.0)
     with pytest.raises(RuntimeError), index.write():
-        index.put("b", b"b", None, "pickle", 5, 2.0)
+        index.put(Row("b", b"b", None, "pickle", 5, 2.0))
         raise RuntimeError
     assert index.totals() == (1, 1) and not index.has("b")
 

@@ -30,6 +30,7 @@ import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["SCHEMA_VERSION", "Index", "IndexDamaged"]
 
@@ -89,6 +90,17 @@ WHEN (SELECT size FROM main.totals WHERE id = 0) + new.size
      - coalesce((SELECT size FROM main.entries WHERE name = new.name), 0) > {limit}
 BEGIN SELECT RAISE(ABORT, '{message}'); END
 """
+
+
+class Row(NamedTuple):
+    """One entry's row: its file name, encoded key, tag, kind, file size and access time."""
+
+    name: str
+    key: bytes
+    tag: str | None
+    kind: str
+    size: int
+    atime: float
 
 
 class IndexDamaged(Exception):
@@ -178,28 +190,24 @@ class Index:
         if size is not None:
             self._db.execute(_GUARD.format(limit=int(size), message=_OVER_LIMIT))
 
-    def put(
-        self, name: str, key: bytes, tag: str | None, kind: str, size: int, atime: float
-    ) -> None:
-        """Insert or replace the row of ``name``; the triggers update the totals."""
-        self._db.execute(_UPSERT, (name, key, tag, kind, size, atime))
+    def put(self, row: Row) -> None:
+        """Insert or replace the row of ``row.name``; the triggers update the totals."""
+        self._db.execute(_UPSERT, row)
 
-    def put_within(
-        self, name: str, key: bytes, tag: str | None, kind: str, size: int, atime: float
-    ) -> bool:
+    def put_within(self, row: Row) -> bool:
         """Like :meth:`put`, unless the total would exceed the :meth:`limit`: then
         nothing is written and the answer is False. One statement: outside
         :meth:`write` it is a transaction of its own, checked and committed at once."""
         try:
-            self._db.execute(_UPSERT, (name, key, tag, kind, size, atime))
+            self._db.execute(_UPSERT, row)
         except sqlite3.IntegrityError as exc:
             if str(exc) == _OVER_LIMIT:
                 return False
             raise
         return True
 
-    def put_many(self, rows: Iterable[tuple[str, bytes, str | None, str, int, float]]) -> None:
-        """Insert rows (name, key, tag, kind, size, atime), replacing existing ones."""
+    def put_many(self, rows: Iterable[Row]) -> None:
+        """Insert rows, replacing existing ones."""
         self._db.executemany(_UPSERT, rows)
 
     def size_of(self, name: str) -> int | None:

@@ -110,9 +110,16 @@ class Meta:
     torch: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
-        return _meta_json(
-            self.key, self.kind, self.tag, self.body, self.digest, self.header, self.torch
-        )
+        """The JSON of this meta, formatted by hand: ``json.dumps`` of the whole dict
+        costs a tenth of a small set. Every field is a number, hex, a kind name, or
+        passes through ``json.dumps``."""
+        tag_json = "null" if self.tag is None else json.dumps(self.tag)
+        torch_json = "null" if self.torch is None else json.dumps(self.torch, sort_keys=True)
+        return (
+            f'{{"v":1,"key":"{self.key.hex()}","kind":"{self.kind}","tag":{tag_json},'
+            f'"body":{int(self.body)},"digest":"{self.digest}","header":{int(self.header)},'
+            f'"torch":{torch_json}}}'
+        ).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Meta:
@@ -133,27 +140,6 @@ class Meta:
         if fields.get("v") != 1 or meta.kind not in KINDS:
             raise EntryDamaged(f"its trailer has version {fields.get('v')!r}, kind {meta.kind!r}")
         return meta
-
-
-def _meta_json(
-    key: bytes,
-    kind: str,
-    tag: str | None,
-    body: int,
-    digest: str,
-    header: int = 0,
-    torch: dict[str, Any] | None = None,
-) -> bytes:
-    """The JSON of a :class:`Meta`, formatted by hand: ``json.dumps`` of the whole dict
-    costs a tenth of a small set. Every field is a number, hex, a kind name, or passes
-    through ``json.dumps``."""
-    tag_json = "null" if tag is None else json.dumps(tag)
-    torch_json = "null" if torch is None else json.dumps(torch, sort_keys=True)
-    return (
-        f'{{"v":1,"key":"{key.hex()}","kind":"{kind}","tag":{tag_json},'
-        f'"body":{int(body)},"digest":"{digest}","header":{int(header)},'
-        f'"torch":{torch_json}}}'
-    ).encode()
 
 
 class Written(NamedTuple):
@@ -225,7 +211,7 @@ def _write_all(fd: int, data: Any) -> None:
 def _write_pickle(fd: int, value: Any, key: bytes, tag: str | None, signer: Signer) -> Written:
     payload = pickle.dumps(value, protocol=5)
     digest = hashlib.blake2b(payload, digest_size=32).hexdigest()
-    trailer = _trailer(_meta_json(key, "pickle", tag, len(payload), digest), signer)
+    trailer = _trailer(Meta(key, "pickle", tag, len(payload), digest).to_json(), signer)
     if len(payload) < _ONE_WRITE:
         _write_all(fd, payload + trailer)
     else:
@@ -304,7 +290,7 @@ def _npy_meta(
     """The ``.npy`` header of ``arr``, the meta JSON of its entry, and the body length."""
     header, digest = _npy_header(arr)
     body = len(header) + arr.nbytes
-    return header, _meta_json(key, kind, tag, body, digest, len(header), torch), body
+    return header, Meta(key, kind, tag, body, digest, len(header), torch).to_json(), body
 
 
 def _write_npy(fd: int, arr: np.ndarray, key: bytes, tag: str | None, signer: Signer) -> Written:

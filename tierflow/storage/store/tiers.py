@@ -108,7 +108,7 @@ from ...config import GB, MB, format_bytes
 from ...errors import StoreError
 from ...system import pressure, processes
 from ...system.types import Level
-from .index import Index, IndexDamaged, is_damage
+from .index import Index, IndexDamaged, Row, is_damage
 from .keys import Key, decode_key, encode_key, name_of, relative_path
 from .ram import RamTier
 from .serial import EntryDamaged, StoreWarning, file_ident, read_entry, read_meta, write_entry
@@ -451,7 +451,7 @@ class Store(MutableMapping[Any, Any]):
                             _unlink(entry.path)
                             dropped += 1
                             continue
-                        rows.append((entry.name, meta.key, meta.tag, meta.kind, size, atime))
+                        rows.append(Row(entry.name, meta.key, meta.tag, meta.kind, size, atime))
         with index.write():
             index.remove_all()
             index.put_many(rows)
@@ -610,7 +610,8 @@ class Store(MutableMapping[Any, Any]):
                 held = written.holder()
             with self._lock:
                 self._check_usable()
-                victims = self._commit(name, encoded, tag, written.kind, written.size, tmp)
+                row = Row(name, encoded, tag, written.kind, written.size, time.time())
+                victims = self._commit(row, tmp)
                 for victim in victims:
                     self._ram.discard(victim)
                 if held is _MISSING:
@@ -621,11 +622,9 @@ class Store(MutableMapping[Any, Any]):
             _unlink(tmp)  # a no-op once renamed; otherwise the key keeps its previous value
             raise
 
-    def _commit(
-        self, name: str, encoded: bytes, tag: str | None, kind: str, size: int, tmp: str
-    ) -> list[str]:
-        """Record the entry, evicting for it if the SSD tier would overflow, then rename
-        its file into place; the names evicted. Needs _lock; takes the flock.
+    def _commit(self, row: Row, tmp: str) -> list[str]:
+        """Record the entry's ``row``, evicting for it if the SSD tier would overflow, then
+        rename its file ``tmp`` into place; the names evicted. Needs _lock; takes the flock.
 
         A set that fits is one SQLite statement, its own transaction: the index's limit
         guard checks the total inside it. One that does not fit records this process's
@@ -637,13 +636,13 @@ class Store(MutableMapping[Any, Any]):
         try:
             victims: list[str] = []
             try:
-                if not index.put_within(name, encoded, tag, kind, size, time.time()):
+                if not index.put_within(row):
                     with index.write():
-                        victims = self._make_room(name, size)
-                        index.put(name, encoded, tag, kind, size, time.time())
+                        victims = self._make_room(row.name, row.size)
+                        index.put(row._replace(atime=time.time()))
             except sqlite3.DatabaseError as exc:
                 raise self._index_error(exc) from exc
-            self._place(tmp, name)
+            self._place(tmp, row.name)
             return victims
         finally:
             fcntl.flock(lock_fd, fcntl.LOCK_UN)
