@@ -28,6 +28,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,20 @@ def _pieces(rows: int, limit: int | None) -> list[tuple[int, int]]:
     return [(i, min(i + limit, rows)) for i in range(0, rows, limit)]
 
 
+@dataclass(frozen=True)
+class _Operator:
+    """The operator being halved: its node ``key`` (sizes are remembered by it), and its
+    ``label`` and ``where`` (the block, or a callable giving it) for the final error."""
+
+    key: str
+    label: str
+    where: Any
+
+
+def _rows(blocks: Sequence[np.ndarray]) -> int:
+    return blocks[0].shape[0] if blocks else 0
+
+
 def call(
     key: str,
     label: str,
@@ -121,60 +136,49 @@ def call(
         try:
             return fn(*blocks, out=out)
         except Exception as exc:
-            rows = blocks[0].shape[0] if blocks else 0
-            if not _retry(label, where, rows, exc, ()):
+            if not _retry(label, where, _rows(blocks), exc, ()):
                 raise
-        return _halves(key, label, where, fn, blocks, out, rows, [rows])
-    rows = blocks[0].shape[0] if blocks else 0
+        return _halves(_Operator(key, label, where), fn, blocks, out, [_rows(blocks)])
+    op = _Operator(key, label, where)
+    rows = _rows(blocks)
     pieces = _pieces(rows, remembered(key))
     if len(pieces) == 1:
-        return _block(key, label, where, fn, blocks, out, rows, [])
+        return _block(op, fn, blocks, out, [])
     results = []
     for a, b in pieces:
         part = out[a:b] if out is not None else None
-        results.append(_block(key, label, where, fn, [x[a:b] for x in blocks], part, b - a, []))
+        results.append(_block(op, fn, [x[a:b] for x in blocks], part, []))
     return out if out is not None else np.concatenate(results)
 
 
 def _block(
-    key: str,
-    label: str,
-    where: Any,
+    op: _Operator,
     fn: Callable[..., np.ndarray],
     blocks: Sequence[np.ndarray],
     out: np.ndarray | None,
-    rows: int,
     tried: list[int],
 ) -> np.ndarray:
     try:
         return fn(*blocks, out=out)
     except Exception as exc:
-        if not _retry(label, where, rows, exc, tried):
+        if not _retry(op.label, op.where, _rows(blocks), exc, tried):
             raise
-    return _halves(key, label, where, fn, blocks, out, rows, [*tried, rows])
+    return _halves(op, fn, blocks, out, [*tried, _rows(blocks)])
 
 
 def _halves(
-    key: str,
-    label: str,
-    where: Any,
+    op: _Operator,
     fn: Callable[..., np.ndarray],
     blocks: Sequence[np.ndarray],
     out: np.ndarray | None,
-    rows: int,
     tried: list[int],
 ) -> np.ndarray:
+    rows = _rows(blocks)
     half = (rows + 1) // 2
-    _remember(key, half)
-    log.info("%s ran out of memory on %d rows; retrying on halves", label, rows)
-    left = _block(
-        key, label, where, fn, [b[:half] for b in blocks],
-        None if out is None else out[:half], half, tried,
-    )  # fmt: skip
-    right = _block(
-        key, label, where, fn, [b[half:] for b in blocks],
-        None if out is None else out[half:], rows - half, tried,
-    )  # fmt: skip
+    _remember(op.key, half)
+    log.info("%s ran out of memory on %d rows; retrying on halves", op.label, rows)
+    left = _block(op, fn, [b[:half] for b in blocks], None if out is None else out[:half], tried)
+    right = _block(op, fn, [b[half:] for b in blocks], None if out is None else out[half:], tried)
     if out is not None:
         return out
     return np.concatenate([left, right])
@@ -196,51 +200,36 @@ def call_chunk(
         try:
             return op.chunk(*blocks, row_offset=row_offset)
         except Exception as exc:
-            rows = blocks[0].shape[0] if blocks else 0
-            if not _retry(label, where, rows, exc, ()):
+            if not _retry(label, where, _rows(blocks), exc, ()):
                 raise
-        return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [rows])
-    rows = blocks[0].shape[0] if blocks else 0
+        who = _Operator(key, label, where)
+        return _chunk_halves(who, op, blocks, row_offset, [_rows(blocks)])
+    who = _Operator(key, label, where)
     partial: Any = None
-    for a, b in _pieces(rows, remembered(key)):
-        piece = _chunk(key, label, where, op, [x[a:b] for x in blocks], row_offset + a, b - a, [])
+    for a, b in _pieces(_rows(blocks), remembered(key)):
+        piece = _chunk(who, op, [x[a:b] for x in blocks], row_offset + a, [])
         partial = piece if a == 0 else op.combine(partial, piece)
     return partial
 
 
 def _chunk(
-    key: str,
-    label: str,
-    where: Any,
-    op: Any,
-    blocks: Sequence[np.ndarray],
-    row_offset: int,
-    rows: int,
-    tried: list[int],
+    who: _Operator, op: Any, blocks: Sequence[np.ndarray], row_offset: int, tried: list[int]
 ) -> Any:
     try:
         return op.chunk(*blocks, row_offset=row_offset)
     except Exception as exc:
-        if not _retry(label, where, rows, exc, tried):
+        if not _retry(who.label, who.where, _rows(blocks), exc, tried):
             raise
-    return _chunk_halves(key, label, where, op, blocks, row_offset, rows, [*tried, rows])
+    return _chunk_halves(who, op, blocks, row_offset, [*tried, _rows(blocks)])
 
 
 def _chunk_halves(
-    key: str,
-    label: str,
-    where: Any,
-    op: Any,
-    blocks: Sequence[np.ndarray],
-    row_offset: int,
-    rows: int,
-    tried: list[int],
+    who: _Operator, op: Any, blocks: Sequence[np.ndarray], row_offset: int, tried: list[int]
 ) -> Any:
+    rows = _rows(blocks)
     half = (rows + 1) // 2
-    _remember(key, half)
-    log.info("%s ran out of memory on %d rows; retrying on halves", label, rows)
-    left = _chunk(key, label, where, op, [b[:half] for b in blocks], row_offset, half, tried)
-    right = _chunk(
-        key, label, where, op, [b[half:] for b in blocks], row_offset + half, rows - half, tried
-    )
+    _remember(who.key, half)
+    log.info("%s ran out of memory on %d rows; retrying on halves", who.label, rows)
+    left = _chunk(who, op, [b[:half] for b in blocks], row_offset, tried)
+    right = _chunk(who, op, [b[half:] for b in blocks], row_offset + half, tried)
     return op.combine(left, right)

@@ -287,6 +287,24 @@ def token(value: Any, *, loose: bool = False) -> str:
     key = getattr(value, "key", None)
     if isinstance(key, str) and (hasattr(value, "inputs") or hasattr(value, "_node")):
         return f"node({key})"  # a graph node, or a lazy array over one
+    found = _scalar_token(value)
+    if found is None and _torch_tensor(value):
+        found = _tensor_token(value)
+    if found is None:
+        found = _container_token(value, loose)
+    if found is not None:
+        return found
+    if isinstance(value, type):
+        return _type_token(value)
+    if isinstance(value, types.ModuleType):
+        return f"module({value.__name__})"
+    if callable(value) and not _is_plain_object(value):
+        return function_token(value)
+    return _object_token(value, loose=loose)
+
+
+def _scalar_token(value: Any) -> str | None:
+    """The token of a number, string, NumPy scalar, array, dtype or ufunc; else None."""
     if isinstance(value, (bool, int, str, bytes)):
         return f"{type(value).__name__}({value!r})"
     if isinstance(value, float):
@@ -301,8 +319,12 @@ def token(value: Any, *, loose: bool = False) -> str:
         return f"dtype({value.str},{value.descr if value.fields else ''})"
     if isinstance(value, np.ufunc):
         return f"ufunc({value.__name__})"
-    if _torch_tensor(value):
-        return _tensor_token(value)
+    return None
+
+
+def _container_token(value: Any, loose: bool) -> str | None:
+    """The token of a slice, range, tuple, list, set or dict (exactly those types,
+    not subclasses, whose state may be more than their items); else None."""
     if isinstance(value, slice):
         return f"slice({token(value.start)},{token(value.stop)},{token(value.step)})"
     if isinstance(value, range):
@@ -316,13 +338,7 @@ def token(value: Any, *, loose: bool = False) -> str:
     if type(value) is dict:
         items = sorted((token(k), token(v, loose=loose)) for k, v in value.items())
         return "dict(" + ",".join(f"{k}:{v}" for k, v in items) + ")"
-    if isinstance(value, type):
-        return _type_token(value)
-    if isinstance(value, types.ModuleType):
-        return f"module({value.__name__})"
-    if callable(value) and not _is_plain_object(value):
-        return function_token(value)
-    return _object_token(value, loose=loose)
+    return None
 
 
 def _is_plain_object(value: Any) -> bool:

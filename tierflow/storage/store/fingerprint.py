@@ -103,6 +103,41 @@ def _feed(h: Any, value: Any, where: str, label: str, depth: int) -> None:
             f"@cached {label}(): {where} is nested more than {_MAX_DEPTH} levels deep "
             "(does it contain itself?)"
         )
+    if _feed_plain(h, value, where, label):
+        return
+    if isinstance(value, (tuple, list)):
+        h.update((b"(" if isinstance(value, tuple) else b"[") + _LEN.pack(len(value)))
+        for i, item in enumerate(value):
+            _feed(h, item, f"{where}[{i}]", label, depth + 1)
+    elif isinstance(value, dict):
+        pairs = [
+            _digest(k, f"{where} (a key)", label, depth + 1)
+            + _digest(v, f"{where}[{k!r}]", label, depth + 1)
+            for k, v in value.items()
+        ]
+        h.update(b"{" + _LEN.pack(len(pairs)))
+        for pair in sorted(pairs):
+            h.update(pair)
+    elif isinstance(value, (set, frozenset)):
+        items = [_digest(item, f"{where} (an element)", label, depth + 1) for item in value]
+        h.update(b"S" + _LEN.pack(len(items)))
+        for digest in sorted(items):
+            h.update(digest)
+    else:
+        _unsupported(value, where, label)
+
+
+def _digest(value: Any, where: str, label: str, depth: int) -> bytes:
+    """The digest of ``value`` alone: a dict's keys and values and a set's elements are
+    hashed one by one and sorted, so their order does not matter."""
+    h = hashlib.blake2b(digest_size=32)
+    _feed(h, value, where, label, depth)
+    return h.digest()
+
+
+def _feed_plain(h: Any, value: Any, where: str, label: str) -> bool:
+    """Feed ``value`` if it is None, a number, a string, bytes or a NumPy array, scalar
+    or dtype; False for anything else (containers and the unsupported)."""
     if value is None:
         h.update(b"N")
     elif isinstance(value, bool):
@@ -133,32 +168,9 @@ def _feed(h: Any, value: Any, where: str, label: str, depth: int) -> None:
     elif isinstance(value, (bytes, bytearray)):
         h.update(b"b")
         _put(h, bytes(value))
-    elif isinstance(value, (tuple, list)):
-        h.update((b"(" if isinstance(value, tuple) else b"[") + _LEN.pack(len(value)))
-        for i, item in enumerate(value):
-            _feed(h, item, f"{where}[{i}]", label, depth + 1)
-    elif isinstance(value, dict):
-        pairs = []
-        for k, v in value.items():
-            kh = hashlib.blake2b(digest_size=32)
-            _feed(kh, k, f"{where} (a key)", label, depth + 1)
-            vh = hashlib.blake2b(digest_size=32)
-            _feed(vh, v, f"{where}[{k!r}]", label, depth + 1)
-            pairs.append(kh.digest() + vh.digest())
-        h.update(b"{" + _LEN.pack(len(pairs)))
-        for pair in sorted(pairs):
-            h.update(pair)
-    elif isinstance(value, (set, frozenset)):
-        items = []
-        for item in value:
-            ih = hashlib.blake2b(digest_size=32)
-            _feed(ih, item, f"{where} (an element)", label, depth + 1)
-            items.append(ih.digest())
-        h.update(b"S" + _LEN.pack(len(items)))
-        for digest in sorted(items):
-            h.update(digest)
     else:
-        _unsupported(value, where, label)
+        return False
+    return True
 
 
 def _dtype_text(dtype: np.dtype[Any]) -> bytes:
