@@ -149,7 +149,6 @@ def test_a_source_file_changed_after_build_is_refused_by_name(
 ) -> None:
     path = save(tmp_path / "a.npy", data)
     x = tw.from_npy(path)
-    time.sleep(0.01)
     np.save(path, data[:10])
     with pytest.raises(
         SourceError, match=r"a\.npy changed after the array was built.*size 16128 -> 288 bytes"
@@ -178,8 +177,9 @@ def test_keys_are_stable_and_follow_content(tmp_path: Path, data: np.ndarray) ->
 
     x = tw.from_array(data)
     assert x.map_blocks(f).key != x.map_blocks(g).key
-    time.sleep(0.01)
-    np.save(path, data)  # same bytes, new modification time
+    before = os.stat(path)
+    np.save(path, data)  # same bytes, a later modification time (set, not waited for)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
     assert (np.sqrt(tw.from_npy(path) * 2 + 1).sum(axis=0)).key != k1
 
 
