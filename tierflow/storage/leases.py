@@ -95,7 +95,7 @@ def held(lease: int) -> bool:
         return False
 
 
-def map_leased(
+def map_leased(  # noqa: PLR0913 -- dtype, shape, offset, mode, order: np.memmap's own
     lease: int,
     path: str,
     dtype: np.dtype[Any],
