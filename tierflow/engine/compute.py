@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,23 +34,26 @@ __all__ = ["compute", "persist", "to_npy"]
 log = logging.getLogger("tierflow.engine")
 
 
-def _run(
-    requests: list[Target],
-    *,
-    progress: bool | None = None,
-    executor: str | Executor | None = None,
-    workers: int | None = None,
-    callbacks: Any = None,
-    cache: Any = None,
-) -> tuple[list[Any], scheduler.Stats]:
-    session = cache_module.session(cache, [r.node for r in requests])
-    chosen, owned = make_executor(executor, workers)
-    hooks = [*progress_callbacks(progress), *callback_list(callbacks)]
+@dataclass(frozen=True)
+class RunOptions:
+    """The options every sink takes (see :func:`compute`)."""
+
+    progress: bool | None = None
+    executor: str | Executor | None = None
+    workers: int | None = None
+    callbacks: Any = None
+    cache: Any = None
+
+
+def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], scheduler.Stats]:
+    session = cache_module.session(options.cache, [t.node for t in targets])
+    chosen, owned = make_executor(options.executor, options.workers)
+    hooks = [*progress_callbacks(options.progress), *callback_list(options.callbacks)]
     try:
         if session is not None:
-            session.resolve([r.node for r in requests])
+            session.resolve([t.node for t in targets])
         plan = build_plan(
-            requests, workers=chosen.workers, budget=budget_module.budget_bytes(), cache=session
+            targets, workers=chosen.workers, budget=budget_module.budget_bytes(), cache=session
         )
         log.debug("plan of %s: %s", plan.what, describe(plan))
         plan.open()
@@ -109,14 +113,8 @@ def compute(
     requests = [
         Target(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None) for a in items
     ]
-    outputs, _ = _run(
-        requests,
-        progress=progress,
-        executor=executor,
-        workers=workers,
-        callbacks=callbacks,
-        cache=cache,
-    )
+    options = RunOptions(progress, executor, workers, callbacks, cache)
+    outputs, _ = _run(requests, options)
     return tuple(outputs)
 
 
@@ -164,7 +162,7 @@ def to_npy(
         (value,) = compute(array, **options)
         _save_atomic(np.asarray(value), os.fspath(path), fsync)
         return
-    _run([Target(node, NpySink(node, path, fsync=fsync))], **options)
+    _run([Target(node, NpySink(node, path, fsync=fsync))], RunOptions(**options))
 
 
 def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import OutOfMemoryError
 from ..storage import oom
 
-__all__ = ["call", "call_chunk", "forget", "remembered", "retries"]
+__all__ = ["Site", "call", "call_chunk", "forget", "remembered", "retries"]
 
 log = logging.getLogger("tierflow.engine")
 
@@ -103,6 +103,16 @@ def _pieces(rows: int, limit: int | None) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class Site:
+    """Where halving runs: an operator's node ``key`` (what a working size is
+    remembered by) and its ``label`` (named in the final error). A step makes its own
+    once, when it is built."""
+
+    key: str
+    label: str
+
+
+@dataclass(frozen=True)
 class _Operator:
     """The operator being halved: its node ``key`` (sizes are remembered by it), and its
     ``label`` and ``where`` (the block, or a callable giving it) for the final error."""
@@ -117,8 +127,7 @@ def _rows(blocks: Sequence[np.ndarray]) -> int:
 
 
 def call(
-    key: str,
-    label: str,
+    site: Site,
     where: Any,
     fn: Callable[..., np.ndarray],
     blocks: Sequence[np.ndarray],
@@ -126,11 +135,11 @@ def call(
 ) -> np.ndarray:
     """``fn(*blocks, out=out)`` with out-of-memory halving (see the module docstring).
 
-    ``key`` is the operator's node key (what a working size is remembered by);
-    ``label`` names the operator and ``where`` the block (a string, or a callable that
-    gives one) in the final error. The halves write into their halves of ``out`` when
-    it is given, else their results are concatenated.
+    ``site`` names the operator (:class:`Site`), ``where`` the block (a string, or a
+    callable that gives one) in the final error. The halves write into their halves of
+    ``out`` when it is given, else their results are concatenated.
     """
+    key, label = site.key, site.label
     if key not in _sizes:
         # The common case: one call, nothing remembered, nothing to split.
         try:
@@ -185,16 +194,12 @@ def _halves(
 
 
 def call_chunk(
-    key: str,
-    label: str,
-    where: Any,
-    op: Any,
-    blocks: Sequence[np.ndarray],
-    row_offset: int,
+    site: Site, where: Any, op: Any, blocks: Sequence[np.ndarray], row_offset: int
 ) -> Any:
     """``op.chunk(*blocks, row_offset=row_offset)`` with out-of-memory halving; the
     halves' partials are combined left before right (``op.combine``). The arguments
     are :func:`call`'s."""
+    key, label = site.key, site.label
     if key not in _sizes:
         # The common case: one call, nothing remembered, nothing to split.
         try:

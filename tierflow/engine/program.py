@@ -211,6 +211,7 @@ class KernelStep(Step):
         self.inputs = inputs
         self.user = user
         self._label = label or node.label()
+        self._site = halving.Site(node.ident, self._label)
 
     def label(self) -> str:
         return self._label
@@ -218,9 +219,7 @@ class KernelStep(Step):
     def _run(self, ctx: Context, req: Request, out: np.ndarray | None) -> np.ndarray:
         blocks = [s.eval(ctx, req) for s in self.inputs]
         try:
-            return halving.call(
-                self.node.ident, self._label, ctx.describe, self.op.apply, blocks, out
-            )
+            return halving.call(self._site, ctx.describe, self.op.apply, blocks, out)
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:
@@ -546,11 +545,13 @@ class ReduceRoot:
     chunker: Any = None
     cache: Any = None
     label: str = field(init=False)
+    site: halving.Site = field(init=False)
 
     def __post_init__(self) -> None:
         if self.chunker is None:
             self.chunker = self.op
         self.label = self.node.label()
+        self.site = halving.Site(self.node.ident, self.label)
 
     def __getstate__(self) -> dict[str, Any]:
         # Travels without its accumulator: partials go back to the driver, which adds
@@ -572,9 +573,7 @@ class ReduceRoot:
         blocks = [s.eval(ctx, req) for s in self.inputs]
         offset = req.start if isinstance(req, RowRange) else 0
         try:
-            partial = halving.call_chunk(
-                self.node.ident, self.label, ctx.describe, self.chunker, blocks, offset
-            )
+            partial = halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:

@@ -268,6 +268,10 @@ class _Kind:
         self.admitted = 0
         self.mean = 0.0
 
+    def probe_busy(self) -> bool:
+        """Whether a probed task of this kind is still running (probes run one at a time)."""
+        return self.probing and self.admitted > len(self.samples)
+
     def observe(self, seconds: float) -> None:
         """Time one finished task: judge the kind after :data:`LANE_PROBE` tasks, then
         move it when its running mean leaves a wide band around the threshold (times on
@@ -357,7 +361,6 @@ class _Run:
         keep: set[int],
         callbacks: Sequence[Any],
         what: str,
-        nested: bool = False,
     ) -> None:
         self.tasks = tasks
         self.executor = executor
@@ -366,7 +369,8 @@ class _Run:
         self.what = what
         # Admits one task whenever it has nothing in flight, whatever other computes
         # run: a nested run, and one that starved (see the module docstring).
-        self.one_always = nested
+        self.one_always = False  # set by run() for a nested run
+        self._room: int | None = None  # the budget's room, read once per _admit call
         self.waiting_since: float | None = None  # when it began waiting for others
         n = len(tasks)
         self.waiting = [len(t.deps) + len(t.after) for t in tasks]
@@ -498,8 +502,7 @@ class _Run:
         ready, tasks, needs, limits, kinds = (
             self.ready, self.tasks, self.needs, self.limits, self.kinds,
         )  # fmt: skip
-        ledger = budget_module.ledger
-        room: int | None = None
+        self._room = None
         lane: list[Any] = []
         admitted = True
         while ready:
@@ -510,21 +513,11 @@ class _Run:
             kind = kinds[i]
             if kind is not None and not kind.lane:
                 kind = None  # runs on the workers
-            if kind is not None and kind.probing and kind.admitted > len(kind.samples):
+            if kind is not None and kind.probe_busy():
                 break  # probed one at a time, so no other thread slows it down
-            if need:
-                if self.in_flight == 0 and self.one_always:
-                    ledger.force(need)
-                # Alone first: with no other compute running, no room to read.
-                elif not (self.in_flight == 0 and ledger.admit(need, -1, alone=True)):
-                    if self.level in _HIGH:
-                        admitted = False
-                        break
-                    if room is None:
-                        room = budget_module.budget_bytes() - placement.ram_held()
-                    if not ledger.admit(need, room):
-                        admitted = False
-                        break
+            if need and not self._reserve(need):
+                admitted = False
+                break
             heapq.heappop(ready)
             if kind is None:
                 self._submit(i, tasks[i], need, None)
@@ -539,6 +532,24 @@ class _Run:
                 if tasks[i].prefetch is not None:
                     self._prefetch(tasks[i])
         return admitted
+
+    def _reserve(self, need: int) -> bool:
+        """Reserve ``need`` bytes in the process's ledger for a task, by the rules of
+        :meth:`_admit`; False when the task must wait."""
+        ledger = budget_module.ledger
+        if self.in_flight == 0:
+            if self.one_always:
+                ledger.force(need)
+                return True
+            # Alone first: with no other compute running, no room to read.
+            if ledger.admit(need, -1, alone=True):
+                return True
+        if self.level in _HIGH:
+            return False
+        room = self._room
+        if room is None:  # read once per _admit call
+            room = self._room = budget_module.budget_bytes() - placement.ram_held()
+        return ledger.admit(need, room)
 
     # -- results ----------------------------------------------------------------------
 
@@ -721,7 +732,8 @@ def run(
         # A compute started by a task: the workers run that task (maybe this one is
         # one of them), so this compute's tasks run here, one after another.
         executor = SerialExecutor()
-    state = _Run(tasks, executor, set(keep or ()), callbacks, what, nested)
+    state = _Run(tasks, executor, set(keep or ()), callbacks, what)
+    state.one_always = nested
     retries_before = halving.retries()
     started = time.perf_counter()
     error: BaseException | None = None
