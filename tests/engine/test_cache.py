@@ -71,6 +71,7 @@ def entry_files(name: str = "cache") -> list[Path]:
     return sorted(p for p in (store_dir() / name / "data").rglob("*") if p.is_file())
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_a_second_compute_reads_every_block_from_the_cache(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))
@@ -90,6 +91,7 @@ def test_a_second_compute_reads_every_block_from_the_cache(src: Path, data: np.n
     ] == pytest.approx(data[0, 0] * 2 + 1)
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_to_npy_and_persist_cache_blocks_that_compute_then_reads(
     tmp_path: Path, src: Path, data: np.ndarray
 ) -> None:
@@ -103,6 +105,7 @@ def test_to_npy_and_persist_cache_blocks_that_compute_then_reads(
     assert info().hits == 10
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_values_and_partials_are_cached_and_skip_the_pass(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))
@@ -117,6 +120,7 @@ def test_values_and_partials_are_cached_and_skip_the_pass(src: Path, data: np.nd
     np.testing.assert_allclose(mean, (data * 2 + 1).mean(axis=0), rtol=1e-6)
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_a_resumed_pipeline_needs_no_value_below_a_cached_one(
     tmp_path: Path, src: Path, data: np.ndarray
 ) -> None:
@@ -143,6 +147,7 @@ def test_a_compute_sharing_part_of_a_cached_graph_reads_it(src: Path, data: np.n
     assert calls.n == 20, "cache=False reads nothing"
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_unknown_row_counts_are_cached_per_block(
     tmp_path: Path, src: Path, data: np.ndarray
 ) -> None:
@@ -174,6 +179,7 @@ def test_a_marked_node_is_cached_without_caching_the_rest(src: Path, data: np.nd
     assert calls.n == 30
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_values_under_a_marked_node_are_kept_with_it(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))
@@ -311,6 +317,7 @@ def test_writes_under_high_pressure_go_straight_to_the_disk(
     assert resident <= 0.1 * data.nbytes, f"{resident} bytes of the cache left in RAM"
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_a_failing_write_is_one_warning_and_the_result_is_complete(
     src: Path, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -343,6 +350,7 @@ def test_a_full_disk_stops_the_writes_of_that_compute(
     np.testing.assert_array_equal(result, data * 2 + 1)
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_a_partial_that_cannot_be_pickled_is_a_warning(src: Path, data: np.ndarray) -> None:
     x = tw.from_npy(src, rows=ROWS)
 
@@ -383,6 +391,7 @@ def test_a_tampered_entry_is_recomputed_and_never_unpickled(
     assert info().misses >= 11
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_a_damaged_block_header_is_a_miss(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))
@@ -398,6 +407,7 @@ def test_a_damaged_block_header_is_a_miss(src: Path, data: np.ndarray) -> None:
     assert calls.n == 11
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_an_entry_of_another_shape_is_a_miss(src: Path, data: np.ndarray) -> None:
     calls = Calls()
     y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))

@@ -269,6 +269,7 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls or patches the store here
 def test_a_cache_on_a_full_disk_warns_and_the_compute_completes(
     full_disk: Path, tmp_path: Path
 ) -> None:

@@ -262,3 +262,69 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["result 380.0"]  # the workers did not run it again
+
+
+def _counted(folder: str) -> object:
+    """A function that records each block it computes in ``folder`` (from any process)."""
+
+    def work(block: np.ndarray) -> np.ndarray:
+        with open(os.path.join(folder, "calls"), "a") as f:
+            f.write(".")
+        return block * 2 + 1
+
+    return work
+
+
+def _calls(folder: Path) -> int:
+    path = folder / "calls"
+    return path.stat().st_size if path.exists() else 0
+
+
+def test_workers_read_and_write_the_cache_and_report_to_the_driver(tmp_path: Path) -> None:
+    data = np.arange(4000.0, dtype=np.float32).reshape(1000, 4)
+    np.save(tmp_path / "src.npy", data)
+    count = tmp_path / "count"
+    count.mkdir()
+
+    def y() -> tw.Array:
+        x = tw.from_npy(tmp_path / "src.npy", rows=100)
+        return x.map_blocks(_counted(str(count)), dtype=np.float32, row_shape=(4,))
+
+    store = tmp_path / "store"
+    np.testing.assert_array_equal(y().compute(cache=store), data * 2 + 1)
+    assert _calls(count) == 10
+    (first,) = tw.cache_info(store).values()
+    assert (first.hits, first.misses, first.writes, first.entries) == (0, 10, 10, 10)
+    assert first.bytes_written == data.nbytes
+    total = y().sum(axis=0).compute(cache=store)  # blocks from the cache, in the workers
+    np.testing.assert_allclose(total, (data * 2 + 1).sum(axis=0))
+    assert _calls(count) == 10
+    (second,) = tw.cache_info(store).values()
+    assert (second.hits, second.bytes_read) == (10, data.nbytes)
+
+
+def _warns(block: np.ndarray) -> np.ndarray:
+    import warnings
+
+    warnings.warn(f"odd block of {len(block)} rows", RuntimeWarning, stacklevel=1)
+    return block
+
+
+def test_warnings_raised_in_a_worker_reach_the_driver() -> None:
+    x = tw.from_array(np.zeros((30, 1)), rows=10)
+    with pytest.warns(RuntimeWarning, match="odd block of 10 rows"):
+        x.map_blocks(_warns, dtype=np.float64, row_shape=(1,)).compute()
+
+
+class _Locked:
+    """A partial result that does not pickle."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+def test_a_result_that_cannot_come_back_is_refused_clearly() -> None:
+    x = tw.from_array(np.zeros((30, 1)), rows=10)
+    r = x.reduction(lambda b: _Locked(), lambda a, b: a, lambda p: 0.0, dtype=np.float64, shape=())
+    with pytest.raises(PortabilityError, match="result cannot be sent back from a worker"):
+        r.compute()

@@ -213,8 +213,12 @@ class _Handle:
 
     def reset(self) -> None:
         with self.lock:
-            self.hits = self.misses = self.writes = self.failed_writes = 0
-            self.bytes_read = self.bytes_written = 0
+            self.reset_unlocked()
+
+    def reset_unlocked(self) -> None:
+        """Zero the counters; the caller holds ``lock``."""
+        self.hits = self.misses = self.writes = self.failed_writes = 0
+        self.bytes_read = self.bytes_written = 0
 
     def info(self) -> CacheInfo:
         use = self.store.usage()
@@ -347,6 +351,13 @@ class Entry:
         self.row_shape = tuple(node.shape[1:])
         self._partition: str | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # To a worker process: the store by path (opened there with the same SSD limit)
+        # and the node; what the worker counts and what fails there comes back with
+        # the task's result (take_reports / add_reports).
+        store_ = self.handle.store
+        return (_entry_here, (str(store_.path), store_.disk_limit, self.node, self._partition))
+
     # -- keys --
 
     def _extent(self, req: Request) -> tuple[Any, ...]:
@@ -468,6 +479,60 @@ class Entry:
         self._put(self._key("value"), value, nbytes)
 
 
+def _entry_here(path: str, disk_limit: int, node: Node, partition: str | None) -> Entry:
+    """An entry sent from the driver, in this (worker) process: the same store, opened
+    here by path, and this process's session of reports (see :func:`take_reports`)."""
+    with _registry_lock:
+        handle = _registry.get(path)
+        if handle is None or handle.store.closed:
+            opened = store(path, ram_mb=0, disk_gb=disk_limit / GB)
+            handle = _registry[path] = _Handle(opened, owned=True)
+    entry = Entry(_here, handle, node)
+    entry._partition = partition
+    return entry
+
+
+def take_reports() -> list[tuple[str, tuple[int, ...], list[tuple[str, BaseException]]]]:
+    """In a worker process: per store, the counters (hits, misses, bytes read, writes,
+    failed writes, bytes written) and failures since the last call, which are reset.
+    The driver adds them to its own with :func:`add_reports`."""
+    reports: list[tuple[str, tuple[int, ...], list[tuple[str, BaseException]]]] = []
+    with _registry_lock:
+        handles = list(_registry.values())
+    failures = _here.take_failures()
+    for h in handles:
+        with h.lock:
+            counts = (h.hits, h.misses, h.bytes_read, h.writes, h.failed_writes, h.bytes_written)
+            h.reset_unlocked()
+        mine = [(what, exc) for handle, what, exc in failures if handle is h]
+        if any(counts) or mine:
+            reports.append((str(h.store.path), counts, mine))
+    return reports
+
+
+def add_reports(
+    reports: list[tuple[str, tuple[int, ...], list[tuple[str, BaseException]]]],
+    session: Session | None,
+) -> None:
+    """In the driver: what workers counted and what failed there, as if it happened here."""
+    for path, counts, failures in reports:
+        with _registry_lock:
+            handle = _registry.get(path)
+        if handle is None:
+            continue
+        hits, misses, read, writes, failed, written = counts
+        with handle.lock:
+            handle.hits += hits
+            handle.misses += misses
+            handle.bytes_read += read
+            handle.writes += writes
+            handle.failed_writes += failed
+            handle.bytes_written += written
+        if session is not None:
+            for what, exc in failures:
+                session.failed(handle, what, exc)
+
+
 class Session:
     """What one compute caches and where (``handles``: node ident -> store), the values
     found before planning (:attr:`resolved`), and the failures to warn about.
@@ -482,6 +547,7 @@ class Session:
         self._lock = threading.Lock()
         self._failures: dict[int, tuple[_Handle, str, int, BaseException]] = {}
         self._stopped: set[int] = set()
+        self._reported: list[tuple[_Handle, str, BaseException]] = []
 
     def entry(self, node: Node) -> Entry | None:
         """The entries of ``node`` if this compute caches it, else None."""
@@ -518,9 +584,18 @@ class Session:
         """Whether writes to ``handle`` stopped in this compute (its disk is full)."""
         return id(handle) in self._stopped
 
+    def take_failures(self) -> list[tuple[_Handle, str, BaseException]]:
+        """Every failure recorded since the last call (a worker's session sends them to
+        the driver), forgotten here."""
+        with self._lock:
+            taken, self._reported = self._reported, []
+        return taken
+
     def failed(self, handle: _Handle, what: str, exc: BaseException) -> None:
         """Record a failed ``what`` ("read" or "write"); a full disk stops the writes."""
         with self._lock:
+            if self is _here:
+                self._reported.append((handle, what, exc))
             found = self._failures.get(id(handle))
             if found is None:
                 self._failures[id(handle)] = (handle, what, 1, exc)
@@ -537,6 +612,10 @@ class Session:
             self._failures.clear()
         for handle, what, count, exc in failures:
             warnings.warn(CacheWarning(_failure_message(handle, what, count, exc)), stacklevel=4)
+
+
+# Entries sent to this process (a worker's) report to this session: see take_reports.
+_here = Session({})
 
 
 def _disk_full(exc: BaseException) -> bool:

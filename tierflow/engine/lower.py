@@ -70,7 +70,9 @@ def lower_pass(
         return acc
 
     roots = [SinkRoot(n, lowering.step(n), sink) for n, sink in sinks]
-    return Program(roots, [lowering.reduce_root(r, acc_for) for r in reduces]), accs
+    program = Program(roots, [lowering.reduce_root(r, acc_for) for r in reduces])
+    program.session = cache
+    return program, accs
 
 
 class Lowering:

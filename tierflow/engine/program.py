@@ -46,6 +46,7 @@ from ..operators.types import block_bytes
 from ..storage import pages
 from ..system import pressure
 from ..system.types import Level
+from . import cache as cache_module
 from . import graph, halving
 from .cache import MISS
 from .graph import Chunked, Node
@@ -555,9 +556,9 @@ class ReduceRoot:
 
     def __getstate__(self) -> dict[str, Any]:
         # Travels without its accumulator: partials go back to the driver, which adds
-        # them (Program.receive). A cache entry never travels (Program.remote_ok).
+        # them (Program.receive). Its cache entry travels by store path.
         state = self.__dict__.copy()
-        state["acc"] = state["cache"] = None
+        state["acc"] = None
         return state
 
     def run(self, ctx: Context, req: Request) -> Any:
@@ -661,12 +662,14 @@ class Program:
         self.reductions = reductions
         self.name = name  # what the pass computes, for error messages
         self.count = count  # blocks in the pass
+        self.session: Any = None  # the compute's cache session (lower_pass sets it)
         self._memory: dict[int, TaskMemory] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_memory"] = {}
         state.pop("_wire", None)
+        state["session"] = None  # the driver's; a worker reports (cache.take_reports)
         return state
 
     def run(self, index: int, req: Request) -> Any:
@@ -707,11 +710,14 @@ class Program:
             partials = tuple(r.run(ctx, req) for r in self.reductions)
         finally:
             self._release(ctx)
-        return BlockResult(partials, blocks)
+        reports = tuple(cache_module.take_reports()) if self.uses_cache else ()
+        return BlockResult(partials, blocks, reports)
 
     def receive(self, index: int, req: Request, result: Any) -> Any:
         """In the driver, what a worker computed for block ``index``: its partials
         added, its blocks placed; returns what :meth:`run` would have."""
+        if result.cache:
+            cache_module.add_reports(list(result.cache), self.session)
         for r, partial in zip(self.reductions, result.partials, strict=True):
             if partial is not SKIPPED:
                 r.acc.add(index, partial)
@@ -721,15 +727,14 @@ class Program:
         return tuple(held)
 
     @property
-    def remote_ok(self) -> bool:
-        """Whether a worker process can run this program: one that reads or writes the
-        compute's cache holds handles on its store, and runs in the driver."""
-        found = self.__dict__.get("_remote_ok")
+    def uses_cache(self) -> bool:
+        """Whether a step or a reduction reads or writes the compute's cache."""
+        found = self.__dict__.get("_uses_cache")
         if found is None:
-            found = not any(r.cache is not None for r in self.reductions) and not any(
+            found = any(r.cache is not None for r in self.reductions) or any(
                 isinstance(s, CachedStep) for s in self.steps()
             )
-            self._remote_ok = found
+            self._uses_cache = found
         return bool(found)
 
     def reads_files(self) -> bool:

@@ -439,7 +439,8 @@ class _Run:
             lane.append((i, fn, args))
             return
         put = self.inbox.put
-        if task.block and self.remote and self._submit_remote(i, task, args):
+        if task.block and self.remote:
+            self._submit_remote(i, task, args)
             if task.prefetch is not None:
                 self._prefetch(task)
             return
@@ -455,14 +456,11 @@ class _Run:
         if task.prefetch is not None:
             self._prefetch(task)
 
-    def _submit_remote(self, i: int, task: Task, args: tuple[Any, ...]) -> bool:
-        """Send block task ``i`` to a worker process as data; False when its program
-        must run here (see :attr:`tierflow.engine.program.Program.remote_ok`). The
-        worker's result is received (partials added, blocks placed) on the thread
-        that reports it. Scheduler thread only."""
+    def _submit_remote(self, i: int, task: Task, args: tuple[Any, ...]) -> None:
+        """Send block task ``i`` to a worker process as data. The worker's result is
+        received (partials added, blocks placed) on the thread that reports it.
+        Scheduler thread only."""
         program = task.program if task.program is not None else args[-1][0]
-        if not program.remote_ok:
-            return False
         index, req = task.args
         desc = BlockTask(tasks_module.ship(program), index, req)
         put = self.inbox.put
@@ -477,7 +475,6 @@ class _Run:
             put((i, outcome, error))
 
         self.executor.submit_task(desc, done)  # type: ignore[attr-defined]
-        return True
 
     @staticmethod
     def _prefetch(task: Task) -> None:

@@ -21,8 +21,10 @@ worker at their offset in the file (by place); everything else comes back by val
 the driver places it (:meth:`~tierflow.engine.program.Program.receive`). The driver
 keeps the order, admission, halving decisions and the combining of partials.
 
-Programs that use the compute's cache hold handles on its store and run in the
-driver's threads (:attr:`~tierflow.engine.program.Program.remote_ok` is False).
+A program that reads or writes the compute's cache takes the cache's entries along by
+store path: the worker opens the same store and reads and writes its blocks and
+partials there; its counts (hits, misses, bytes) and failures come back with each
+result, so ``tw.cache_info()`` and the cache's warnings in the driver see them.
 """
 
 from __future__ import annotations
@@ -57,14 +59,17 @@ class BlockTask:
 @dataclass(frozen=True, slots=True)
 class BlockResult:
     """What a block task sends back: ``partials[k]`` of the program's ``k``-th
-    reduction (None where it was skipped) and ``blocks[k]`` of its ``k``-th sink (None
-    where the rows were written in place)."""
+    reduction (``SKIPPED`` where it was not needed), ``blocks[k]`` of its ``k``-th sink
+    (None where the rows were written in place), and ``cache``: what the worker counted
+    in the compute's cache and what failed there
+    (:func:`tierflow.engine.cache.take_reports`)."""
 
     partials: tuple[Any, ...]
     blocks: tuple[Any, ...]
+    cache: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (BlockResult, (self.partials, self.blocks))
+        return (BlockResult, (self.partials, self.blocks, self.cache))
 
 
 _lock = threading.Lock()

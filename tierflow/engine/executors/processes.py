@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from time import perf_counter
@@ -49,7 +50,7 @@ from typing import Any
 import cloudpickle
 
 from ... import config
-from ...errors import TierflowError
+from ...errors import PortabilityError, TierflowError
 from ...system import budget as budget_module
 from .. import tasks as tasks_module
 from ..types import Done
@@ -125,13 +126,35 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
         except Exception:
             log.warning("a worker could not take the driver's settings", exc_info=True)
         try:
-            if data is not None:
-                runtime.add(desc.program, data)
-            result = tasks_module.run_task(desc, runtime)
-            reply: tuple[Any, ...] = ("ok", tid, result, perf_counter() - start)
-            conn.send(reply)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if data is not None:
+                    runtime.add(desc.program, data)
+                result = tasks_module.run_task(desc, runtime)
+            reply = ("ok", tid, result, perf_counter() - start, _wire_warnings(caught))
+            try:
+                conn.send(reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise PortabilityError(
+                    f"block {desc.index}'s result cannot be sent back from a worker process: "
+                    f"{type(exc).__name__}: {exc}. Results must pickle (a reduction's "
+                    "partials, blocks of a custom dtype); run it with executor='threads'"
+                ) from exc
         except BaseException as exc:
             conn.send(("error", tid, *_wire_error(exc)))
+
+
+def _wire_warnings(caught: list[warnings.WarningMessage]) -> tuple[tuple[Any, str], ...]:
+    """The warnings a task raised, as (category, message) that pickle."""
+    found = []
+    for w in caught:
+        category = w.category
+        try:
+            pickle.dumps(category)
+        except Exception:
+            category = UserWarning
+        found.append((category, str(w.message)))
+    return tuple(found)
 
 
 class _Worker:
@@ -316,6 +339,8 @@ class _Pool:
         if pending is None:
             return  # cancelled meanwhile
         if message[0] == "ok":
+            for category, text in message[4]:  # the task's warnings, as if raised here
+                warnings.warn(text, category, stacklevel=1)
             pending.done((message[2], message[3]), None)
         else:
             pending.done(None, _unwire_error(message[2], message[3]))
