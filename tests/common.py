@@ -1,14 +1,16 @@
 """Helpers shared by test modules: waiting on a condition, sizing property tests.
 
-Importable from any test module as ``from common import wait_for, examples`` (``tests/``
+Importable from any test module as ``from common import wait_for, examples, Concurrency`` (``tests/``
 is on ``sys.path``, as for ``cgroups``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 from hypothesis import settings
 
 # Hypothesis's own default, which the `ci` and `default` profiles keep.
@@ -37,3 +39,25 @@ def examples(n: int, profile: settings | None = None) -> int:
     """
     chosen = profile or settings.default
     return max(1, n * chosen.max_examples // _BASE_EXAMPLES)
+
+
+class Concurrency:
+    """A block function that records how many of its calls run at once (over every
+    compute that uses it), sleeping ``pause`` seconds in each."""
+
+    def __init__(self, pause: float = 0.02) -> None:
+        self.pause = pause
+        self.lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+        self.calls = 0
+
+    def __call__(self, b: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.now += 1
+            self.calls += 1
+            self.most = max(self.most, self.now)
+        time.sleep(self.pause)
+        with self.lock:
+            self.now -= 1
+        return b * 2

@@ -4,7 +4,6 @@ admitted bytes stay within the one budget, and a compute inside a block function
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ import pytest
 import tierflow as tw
 from tierflow.engine import executors, scheduler, types
 from tierflow.system import budget
+
+from common import Concurrency
 
 MB = 1 << 20
 ROUNDS = 4
@@ -104,27 +105,6 @@ def test_two_threads_computing_on_shared_arrays_get_numpys_results(
     run_together([lambda: job(0), lambda: job(1)])
 
 
-class AtOnce:
-    """A block function that records how many of its calls run at once, over every
-    compute that uses it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.now = 0
-        self.most = 0
-        self.calls = 0
-
-    def __call__(self, b: np.ndarray) -> np.ndarray:
-        with self.lock:
-            self.now += 1
-            self.calls += 1
-            self.most = max(self.most, self.now)
-        time.sleep(0.02)  # long enough for the other compute's tasks to overlap
-        with self.lock:
-            self.now -= 1
-        return b * 2
-
-
 class Peak:
     """A callback keeping the run's peak projected bytes."""
 
@@ -139,7 +119,7 @@ class Peak:
 def test_two_computes_admit_within_one_budget_together_and_both_finish() -> None:
     tw.memory.budget("8MB")
     budget.ledger.reset_peak()
-    fn = AtOnce()
+    fn = Concurrency()
     rows = MB // 8
     x = tw.from_array(np.ones((rows * 6, 1)), rows=rows)
     # After a mask, blocks cannot be cut: each task projects about 4.2 MB, more than

@@ -22,6 +22,8 @@ from tierflow.storage import pages, spill
 from tierflow.system import pressure
 from tierflow.system.types import Level
 
+from common import Concurrency
+
 MB = 1 << 20
 
 
@@ -45,27 +47,6 @@ class Recorder:
         last = self.events[-1]
         assert isinstance(last, types.ComputeFinished)
         return last
-
-
-class Concurrency:
-    """A block function that records how many calls run at once."""
-
-    def __init__(self, pause: float = 0.02) -> None:
-        self.pause = pause
-        self.lock = threading.Lock()
-        self.now = 0
-        self.most = 0
-        self.calls = 0
-
-    def __call__(self, b: np.ndarray) -> np.ndarray:
-        with self.lock:
-            self.now += 1
-            self.calls += 1
-            self.most = max(self.most, self.now)
-        time.sleep(self.pause)
-        with self.lock:
-            self.now -= 1
-        return b * 2
 
 
 def worker_threads() -> list[str]:
