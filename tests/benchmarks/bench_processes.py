@@ -17,27 +17,34 @@ softmax, with Python floats (about 5 us a row). Two results of it:
   and the driver copies it into the result.
 
 Everything runs in one child process (``bench_processes.py --child PATH ROUNDS``), so the
-process pool starts inside the measurement: per case (source x result), one warm-up
-compute on each executor (the one on ``processes`` is reported as the *first* compute:
-the very first starts the pool, the others send their program to the workers), then
-``ROUNDS`` rounds of ``[serial, threads, processes]``. A round's ratios are
-``serial / threads`` and ``serial / processes`` of that round's times; the table shows
-the median over the rounds and the range (min-max). Every result is checked against
-the serial one (the computed array bitwise, a sum to 1e-6 relative), and the serial
-results of both sources against each other. The 1-minute load average
-(``os.getloadavg()``) is recorded at the start and after every round: on a machine
-shared with other work, two workers get less than two cores and the ratio drops with
-the load, so read a figure together with its load.
+process pool starts inside the measurement. First, per case (source x result), one
+warm-up compute on each executor; the one on ``processes`` is reported as the case's
+*first* compute (the very first starts the pool, the others send their program to the
+workers). Then ``ROUNDS`` rounds, each running ``[serial, threads, processes]`` on every
+case in turn, so that a burst of other work falls on all cases alike. A round's ratios
+are ``serial / threads`` and ``serial / processes`` of that round's times; the table
+shows the median over the rounds and the range (min-max). Every result is checked
+against the serial one (the computed array bitwise, a sum to 1e-6 relative), and the
+serial results of both sources against each other.
+
+On a machine shared with other work, two workers get less than two cores and the ratio
+drops with that work, so it is measured alongside: the 1-minute load average
+(``os.getloadavg()``, this benchmark's own processes included) at the start and after
+every round, and per compute the cores the rest of the machine used meanwhile (busy
+time from ``/proc/stat`` minus this benchmark's CPU time). ``--quiet CORES`` makes each
+round wait first (up to 2 min) until other work uses under ``CORES`` cores.
 
 Also per compute: the CPU seconds of the driver (``time.process_time``) and of the
 worker processes (``/proc/<pid>/stat``), and the seconds the block tasks ran (as the
-engine reports them, in the worker for ``processes``). ``--profile`` adds where the
-driver's time goes on ``processes`` (``cProfile`` of one compute per case), the fixed
-cost of one block task (a cheap function on the same blocks, one worker), and the cost
-of pickling a result block.
+engine reports them, in the worker for ``processes``): a worker's share of a core while
+it ran tasks, and serial CPU over the busiest worker's CPU (the ratio each process
+having a core of its own would give, before gaps between tasks). ``--profile`` adds
+where the driver's time goes on ``processes`` (``cProfile`` of the scheduler's thread
+for one compute per case), the fixed cost of one block task (a cheap function on the
+same blocks, one worker), and the cost of pickling a result block.
 
 ``python tests/benchmarks/bench_processes.py [--rows 200000] [--rounds 5] [--profile]
-[--json figures.json]`` prints the figures and a table of the targets (PASS/MISS; exit
+[--quiet CORES] [--json figures.json]`` prints the figures and a table of the targets (PASS/MISS; exit
 status 1 on a MISS only with ``--strict``). ``make bench`` runs the pytest-benchmark test
 below on 20,000 rows (``TIERFLOW_BENCH_PROCESSES_ROWS``) and one round: it asserts that
 every executor ran and gave the serial results, and records the figures in
@@ -84,6 +91,7 @@ EXECUTORS = ("serial", "threads", "processes")
 SOURCES = ("array", "npy")
 RESULTS = ("sum", "compute")
 PROFILE_LINES = 14
+QUIET_TIMEOUT_S = 120.0  # --quiet: longest wait for the machine before a round
 
 BENCH_ROWS = int(os.environ.get("TIERFLOW_BENCH_PROCESSES_ROWS", "20000"))
 
@@ -148,6 +156,16 @@ def _cpu_seconds(pids: Sequence[int]) -> dict[int, float]:
     return found
 
 
+def _machine_cpu() -> tuple[float, float]:
+    """CPU seconds the whole machine has been busy (all cores, steal left out) and
+    stolen by the hypervisor, from the first line of ``/proc/stat``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq) / ticks, steal / ticks
+
+
 def _timed(array: Any, executor: str) -> tuple[Any, dict[str, Any]]:
     """One compute of ``array`` on ``executor``: its result and figures. ``worker_cpu``
     counts the workers that are there at the end (a pool started by this compute too)."""
@@ -155,6 +173,7 @@ def _timed(array: Any, executor: str) -> tuple[Any, dict[str, Any]]:
     shipped = pool.shipped
     tasks = _Tasks()
     before = _cpu_seconds(pool.worker_pids())
+    busy, stolen = _machine_cpu()
     cpu = time.process_time()
     start = time.perf_counter()
     result = array.compute(executor=executor, progress=False, callbacks=tasks)
@@ -162,6 +181,8 @@ def _timed(array: Any, executor: str) -> tuple[Any, dict[str, Any]]:
     cpu = time.process_time() - cpu
     after = _cpu_seconds(pool.worker_pids())
     used = [t - before.get(pid, 0.0) for pid, t in after.items()]
+    busy_after, stolen_after = _machine_cpu()
+    others = max(0.0, busy_after - busy - cpu - sum(used))
     figures = {
         "seconds": seconds,
         "driver_cpu": cpu,
@@ -170,6 +191,8 @@ def _timed(array: Any, executor: str) -> tuple[Any, dict[str, Any]]:
         "busy": tasks.busy,
         "blocks": tasks.blocks,
         "shipped": pool.shipped - shipped,  # programs sent to workers
+        "other_cores": others / seconds,  # other work on the machine meanwhile, in cores
+        "steal_cores": (stolen_after - stolen) / seconds,
     }
     return result, figures
 
@@ -204,42 +227,60 @@ def _lazy(source: Any, result: str, fn: Callable[[np.ndarray], np.ndarray] = per
     return mapped.sum(axis=0) if result == "sum" else mapped
 
 
-def measure(path: str, rounds: int) -> dict[str, Any]:
-    """Every case: a warm-up compute per executor, then ``rounds`` rounds of
-    ``[serial, threads, processes]``."""
+def wait_quiet(limit: float, timeout: float) -> tuple[float, float]:
+    """Wait until the rest of the machine uses under ``limit`` cores (measured over a
+    second while this process sleeps), at most ``timeout`` seconds; returns the seconds
+    waited and the cores last measured."""
+    start = time.monotonic()
+    while True:
+        busy, _ = _machine_cpu()
+        time.sleep(1.0)
+        cores = _machine_cpu()[0] - busy
+        waited = time.monotonic() - start
+        if cores < limit or waited >= timeout:
+            return waited, cores
+
+
+def measure(path: str, rounds: int, quiet: float | None = None) -> dict[str, Any]:
+    """Each case's warm-up computes (one per executor), then ``rounds`` rounds, each of
+    ``[serial, threads, processes]`` on every case in turn (so that a burst of other work
+    on the machine falls on all cases alike). With ``quiet``, each round waits first until
+    the rest of the machine uses under that many cores (:func:`wait_quiet`)."""
+    arrays = _arrays(path)
+    names = [f"{source}/{result}" for source in SOURCES for result in RESULTS]
+    lazies = {n: _lazy(arrays[n.split("/")[0]], n.split("/")[1]) for n in names}
     cases: dict[str, Any] = {}
     references: dict[str, np.ndarray] = {}
-    arrays = _arrays(path)
-    for source in SOURCES:
-        for result in RESULTS:
-            lazy = _lazy(arrays[source], result)
-            reference, warm_serial = _timed(lazy, "serial")
-            _, warm_threads = _timed(lazy, "threads")
-            got, first = _timed(lazy, "processes")
-            difference = {"processes": _difference(got, reference, result)}
-            measured = []
-            for _ in range(rounds):
-                row: dict[str, Any] = {}
-                for executor in EXECUTORS:
-                    got, row[executor] = _timed(lazy, executor)
-                    found = _difference(got, reference, result)
-                    difference[executor] = max(difference.get(executor, 0.0), found)
-                row["load"] = _load()
-                measured.append(row)
-            name = f"{source}/{result}"
-            references[name] = np.asarray(reference)
-            cases[name] = {
-                "warm_serial": warm_serial,
-                "warm_threads": warm_threads,
-                "first": first,
-                "rounds": measured,
-                "difference": difference,
-            }
+    for name, lazy in lazies.items():
+        reference, warm_serial = _timed(lazy, "serial")
+        _, warm_threads = _timed(lazy, "threads")
+        got, first = _timed(lazy, "processes")
+        references[name] = np.asarray(reference)
+        cases[name] = {
+            "warm_serial": warm_serial,
+            "warm_threads": warm_threads,
+            "first": first,
+            "rounds": [],
+            "difference": {"processes": _difference(got, reference, name.split("/")[1])},
+        }
+    waits = []
+    for _ in range(rounds):
+        if quiet is not None:
+            waits.append(wait_quiet(quiet, QUIET_TIMEOUT_S))
+        for name, lazy in lazies.items():
+            case = cases[name]
+            row: dict[str, Any] = {}
+            for executor in EXECUTORS:
+                got, row[executor] = _timed(lazy, executor)
+                found = _difference(got, references[name], name.split("/")[1])
+                case["difference"][executor] = max(case["difference"].get(executor, 0.0), found)
+            row["load"] = _load()
+            case["rounds"].append(row)
     sources_agree = {
         result: bool(np.array_equal(references[f"array/{result}"], references[f"npy/{result}"]))
         for result in RESULTS
     }
-    return {"cases": cases, "sources_agree": sources_agree}
+    return {"cases": cases, "sources_agree": sources_agree, "quiet_waits": waits}
 
 
 def profile(path: str) -> dict[str, Any]:
@@ -292,13 +333,13 @@ def _top(profiler: cProfile.Profile) -> list[tuple[str, int, float, float]]:
     return rows[:PROFILE_LINES]
 
 
-def child_main(path: str, rounds: int, with_profile: bool) -> None:
+def child_main(path: str, rounds: int, with_profile: bool, quiet: float | None) -> None:
     figures: dict[str, Any] = {
         "load_start": os.getloadavg(),
         "cores": os.cpu_count(),
         "workers": default_workers(),
     }
-    figures.update(measure(path, rounds))
+    figures.update(measure(path, rounds, quiet))
     if with_profile:
         figures["profile"] = profile(path)
     figures["load_end"] = os.getloadavg()
@@ -322,13 +363,20 @@ class Target:
 
 
 def run_all(
-    rows: int, folder: Path, *, rounds: int = ROUNDS, with_profile: bool = False
+    rows: int,
+    folder: Path,
+    *,
+    rounds: int = ROUNDS,
+    with_profile: bool = False,
+    quiet: float | None = None,
 ) -> dict[str, Any]:
     """Generate the file in ``folder`` and run the measurement in a child process."""
     path = make_npy(folder / "x.npy", rows, WIDTH, block_rows=BLOCK_ROWS * 20)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", str(path), str(rounds)]
     if with_profile:
         cmd.append("--profile")
+    if quiet is not None:
+        cmd += ["--quiet", str(quiet)]
     env = dict(os.environ)
     env.pop("TIERFLOW_CACHE", None)
     env["TIERFLOW_SPILL_DIR"] = str(folder / "spill")
@@ -370,20 +418,25 @@ def print_report(report: dict[str, Any], rows: Sequence[Target]) -> None:
         f"{report['rounds']} rounds of [serial, threads, processes]"
     )
     print(f"load average at the start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min)")
-    header = (
-        f"  {'case':<16}{'serial s':>9}{'threads':>22}{'processes':>22}"
-        f"{'first proc. s':>15}{'later s':>9}{'load':>12}"
+    print(
+        "  ratios: serial / executor per round, median (min-max); seconds: medians; other"
+        " work: cores the rest of the machine used while processes ran (median); load: the"
+        " 1-minute load average after each round (ours included)"
     )
-    print(header)
+    print(
+        f"  {'case':<16}{'serial s':>9}{'threads':>20}{'processes':>20}"
+        f"{'first proc. s':>15}{'later s':>9}{'other work':>12}{'load':>12}"
+    )
     for name, case in report.get("cases", {}).items():
         rounds = case["rounds"]
         serial = statistics.median(r["serial"]["seconds"] for r in rounds)
         later = statistics.median(r["processes"]["seconds"] for r in rounds)
+        others = statistics.median(r["processes"].get("other_cores", 0.0) for r in rounds)
         loads = [r["load"] for r in rounds]
         print(
-            f"  {name:<16}{serial:>9.3f}{_span(ratios(case, 'threads')):>22}"
-            f"{_span(ratios(case, 'processes')):>22}{case['first']['seconds']:>15.3f}"
-            f"{later:>9.3f}{min(loads):>6.2f}-{max(loads):<5.2f}"
+            f"  {name:<16}{serial:>9.3f}{_span(ratios(case, 'threads')):>20}"
+            f"{_span(ratios(case, 'processes')):>20}{case['first']['seconds']:>15.3f}"
+            f"{later:>9.3f}{others:>12.2f}{min(loads):>7.2f}-{max(loads):<4.2f}"
         )
     print()
     print(
@@ -421,6 +474,12 @@ def print_report(report: dict[str, Any], rows: Sequence[Target]) -> None:
             f"  {name:<16}first compute on processes: {first['seconds']:.3f} s, "
             f"programs sent {first.get('shipped')}; differences from serial "
             + ", ".join(f"{k} {v:.1e}" for k, v in case["difference"].items())
+        )
+    waits = report.get("quiet_waits") or []
+    if waits:
+        print(
+            "  waits for a quiet machine before each round (s, other work in cores): "
+            + ", ".join(f"{w:.0f} ({c:.2f})" for w, c in waits)
         )
     agree = report.get("sources_agree", {})
     print(f"  serial results of from_array and from_npy equal: {agree}")
@@ -461,6 +520,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=ROWS, help="rows of the generated file")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of each executor")
     parser.add_argument("--profile", action="store_true", help="also show where time goes")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        metavar="CORES",
+        help="before each round, wait (up to 2 min) until other work uses under CORES cores",
+    )
     parser.add_argument("--dir", help="folder for the file (default: a temp folder)")
     parser.add_argument("--json", help="write the figures (JSON) here")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -468,11 +533,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         path, rounds = args.child
-        child_main(path, int(rounds), args.profile)
+        child_main(path, int(rounds), args.profile, args.quiet)
         return 0
     folder = Path(tempfile.mkdtemp(prefix="bench-processes-", dir=args.dir))
     try:
-        report = run_all(args.rows, folder, rounds=args.rounds, with_profile=args.profile)
+        report = run_all(
+            args.rows, folder, rounds=args.rounds, with_profile=args.profile, quiet=args.quiet
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     rows = targets(report)
