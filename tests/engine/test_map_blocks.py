@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,3 +118,17 @@ def test_device_auto_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPat
     x = tw.from_array(np.ones((10, 3), np.float32))
     with pytest.raises(ImportError, match=r"pip install 'tierflow\[torch\]'"):
         x.map_blocks(lambda b: b * 2, device="auto")
+
+
+def _kind_of(block: np.ndarray) -> np.ndarray:
+    """1 where the function got a plain array viewing memory it does not own."""
+    plain = type(block) is np.ndarray and not block.flags.owndata
+    return np.full((len(block), 1), 1.0 if plain else 0.0)
+
+
+def test_a_function_gets_file_blocks_as_plain_array_views(tmp_path: Path) -> None:
+    # np.memmap's indexing runs in Python: a per-row function would pay for it per row.
+    np.save(tmp_path / "a.npy", np.arange(400.0).reshape(100, 4))
+    x = tw.from_npy(tmp_path / "a.npy", rows=25)
+    got = x.map_blocks(_kind_of, dtype=np.float64, row_shape=(1,)).compute()
+    assert got.min() == 1.0
