@@ -208,26 +208,21 @@ class Lowering:
         acc = acc_for(node, op)
         source = chunked[0]
         builtin = isinstance(op, reductions.RowReduction) or type(op).__name__ == "HistogramCounts"
+        inputs: list[Chunked] = chunked
+        chunker = None  # the reduction itself
         if len(chunked) == 1 and builtin and self._fusable(source):
-            expr, leaves = self._expression(source)  # type: ignore[arg-type]
+            expr, inputs = self._expression(source)  # type: ignore[arg-type]
             kernel = fused.FusedKernel(
-                expr, [n.dtype for n in leaves], [n.row_shape for n in leaves]
+                expr, [n.dtype for n in inputs], [n.row_shape for n in inputs]
             )
-            return ReduceRoot(
-                node,
-                op,
-                [self.step(n) for n in leaves],
-                acc,
-                user=node.spec.user,
-                chunker=fused.FusedReduction(kernel, op),
-                cache=self._entry(node),
-            )
+            chunker = fused.FusedReduction(kernel, op)
         return ReduceRoot(
             node,
             op,
-            [self.step(c) for c in chunked],
+            [self.step(n) for n in inputs],
             acc,
             user=node.spec.user,
+            chunker=chunker,
             cache=self._entry(node),
         )
 
