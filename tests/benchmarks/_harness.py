@@ -316,3 +316,13 @@ def plot_rss(
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def save_figures(report: dict[str, Any], rows: list[Any], path: str | None) -> bool:
+    """Write ``report`` with its target ``rows`` (and their verdicts) as JSON to ``path``
+    when one is given; whether a target was missed."""
+    if path:
+        report["targets"] = [{**t.__dict__, "verdict": t.verdict} for t in rows]
+        Path(path).write_text(json.dumps(report, indent=1, default=str))
+        print(f"figures: {path}")
+    return any(t.verdict == "MISS" for t in rows)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -46,7 +45,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Measure, emit, ensure_warm, make_npy, run_sampled
+from _harness import Measure, emit, ensure_warm, make_npy, run_sampled, save_figures
 
 MB = 1 << 20
 WIDTH = 8
@@ -330,11 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     rows = targets(report)
     print_report(report, rows)
-    if args.json:
-        report["targets"] = [{**t.__dict__, "verdict": t.verdict} for t in rows]
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-        print(f"figures: {args.json}")
-    missed = any(t.verdict == "MISS" for t in rows)
+    missed = save_figures(report, rows, args.json)
     return 1 if missed and args.strict else 0
 
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import math
 import os
 import pickle
@@ -76,7 +75,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit, make_npy, run_sampled
+from _harness import emit, make_npy, run_sampled, save_figures
 
 from tierflow.engine.executors import ProcessExecutor, default_workers
 
@@ -544,11 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     rows = targets(report)
     print_report(report, rows)
-    if args.json:
-        report["targets"] = [{**t.__dict__, "verdict": t.verdict} for t in rows]
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-        print(f"figures: {args.json}")
-    missed = "error" in report or any(t.verdict == "MISS" for t in rows)
+    missed = save_figures(report, rows, args.json) or "error" in report
     return 1 if missed and args.strict else 0
 
 
