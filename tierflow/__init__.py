@@ -11,7 +11,7 @@ from . import config, errors, memory
 from .engine.array import Array, from_array, from_files, from_npy, from_raw
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
-from .engine.executors import use_executor
+from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.functions import concatenate, stack, where
 from .engine.types import Callback
 from .errors import TierflowError
@@ -21,6 +21,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Array",
     "Callback",
+    "DaskExecutor",
+    "ProcessExecutor",
+    "RayExecutor",
     "TierflowError",
     "__version__",
     "cache_clear",

@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "store_dir": "~/.tierflow/store",  # folder under which named stores live
     "cache": None,  # store (name or path) every compute caches in; None = none; "1" = "cache"
     "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
+    "shared_dir": None,  # folder every cluster worker sees; None = the spill folder on one host
 }
 
 ENVIRONMENT: dict[str, str] = {
@@ -56,6 +57,7 @@ ENVIRONMENT: dict[str, str] = {
     "spill_dir": "TIERFLOW_SPILL_DIR",
     "store_dir": "TIERFLOW_STORE_DIR",
     "cache": "TIERFLOW_CACHE",
+    "shared_dir": "TIERFLOW_SHARED_DIR",
 }
 
 _EXAMPLES = {
@@ -132,7 +134,7 @@ def _convert(name: str, value: Any, origin: str) -> Any:
         if not 0 < fraction <= 1:
             raise ConfigError(f"{origin}={value!r} must be a fraction in (0, 1], such as 0.7")
         return fraction
-    if name in ("spill_dir", "store_dir", "proc_root"):
+    if name in ("spill_dir", "store_dir", "proc_root", "shared_dir"):
         return os.fspath(value)
     if name == "cache":
         return value if value not in ("", "0", "false", "False") else None

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import OutOfMemoryError
 from ..storage import oom
 
-__all__ = ["Site", "call", "call_chunk", "forget", "remembered", "retries"]
+__all__ = ["Site", "call", "call_chunk", "cap", "forget", "remembered", "retries"]
 
 log = logging.getLogger("tierflow.engine")
 
@@ -57,6 +57,18 @@ def forget(key: str | None = None) -> None:
             _sizes.clear()
         else:
             _sizes.pop(key, None)
+
+
+def cap(key: str, rows: int) -> None:
+    """Call the operator with this node key on at most ``rows`` rows from now on in
+    this process (what another process learnt: a worker that died of memory on a
+    bigger block; see :mod:`tierflow.engine.executors.cluster`). Not counted as a
+    retry."""
+    rows = max(1, int(rows))
+    with _lock:
+        known = _sizes.get(key)
+        if known is None or rows < known:
+            _sizes[key] = rows
 
 
 def retries() -> int:

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ __all__ = [
     "ReduceRoot",
     "Request",
     "RowRange",
+    "SharedBlock",
     "SinkRoot",
     "Step",
 ]
@@ -212,7 +215,7 @@ class KernelStep(Step):
         self.inputs = inputs
         self.user = user
         self._label = label or node.label()
-        self._site = halving.Site(node.ident, self._label)
+        self.site = halving.Site(node.ident, self._label)
 
     def label(self) -> str:
         return self._label
@@ -220,7 +223,7 @@ class KernelStep(Step):
     def _run(self, ctx: Context, req: Request, out: np.ndarray | None) -> np.ndarray:
         blocks = [s.eval(ctx, req) for s in self.inputs]
         try:
-            return halving.call(self._site, ctx.describe, self.op.apply, blocks, out)
+            return halving.call(self.site, ctx.describe, self.op.apply, blocks, out)
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:
@@ -596,6 +599,44 @@ class ReduceRoot:
         return self.inputs
 
 
+SHARED_MIN = 64 << 10  # a held block at least this big goes by a shared file
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBlock:
+    """A block a worker wrote to a file in the shared folder, by path: ``.npy`` bytes
+    written under a temporary name and renamed, so a retried or duplicated task is
+    harmless. The driver reads it once (:meth:`take`) and deletes it."""
+
+    path: str
+
+    @staticmethod
+    def write(folder: str, block: np.ndarray) -> SharedBlock:
+        os.makedirs(folder, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=".tf-block-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(block), allow_pickle=False)
+            final = temp[: -len(".tmp")] + ".npy"
+            os.replace(temp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        return SharedBlock(final)
+
+    def take(self) -> np.ndarray:
+        """The block in this process's RAM; the file is gone afterwards."""
+        try:
+            return np.asarray(np.load(self.path, allow_pickle=False))
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SharedBlock, (self.path,))
+
+
 class SinkRoot:
     """A chunked result: known rows go into the sink's block, unknown rows are returned
     (held by the scheduler until written)."""
@@ -630,16 +671,23 @@ class SinkRoot:
             else block
         )
 
-    def run_remote(self, ctx: Context, req: Request) -> np.ndarray | None:
-        """In a worker: write known rows to the sink's place, else return the block."""
+    def run_remote(self, ctx: Context, req: Request, shared: str | None = None) -> Any:
+        """In a worker: write known rows to the sink's place, else return the block (by
+        value, or when ``shared`` names a folder, as a :class:`SharedBlock` file there
+        when it is bigger than :data:`SHARED_MIN`)."""
         place = getattr(self, "place", None)
         if place is not None and isinstance(req, RowRange):
             place.write(req.start, self.step.eval(ctx, req))
             return None
-        return self._held(ctx, req)
+        block = self._held(ctx, req)
+        if shared is not None and block.nbytes >= SHARED_MIN:
+            return SharedBlock.write(shared, block)
+        return block
 
-    def receive(self, req: Request, block: np.ndarray | None) -> Any:
+    def receive(self, req: Request, block: Any) -> Any:
         """In the driver: place a block a worker returned; the held block, if any."""
+        if isinstance(block, SharedBlock):
+            block = block.take()
         if block is None or not (isinstance(req, RowRange) and self.sink.known):
             return block
         a, b = req.start, req.stop
@@ -699,14 +747,15 @@ class Program:
                 reader.release(a, b, drop_cache=drop)
         ctx.memo.clear()
 
-    def run_remote(self, index: int, req: Request) -> Any:
+    def run_remote(self, index: int, req: Request, shared: str | None = None) -> Any:
         """Compute block ``index`` in a worker process (see :mod:`tierflow.engine.tasks`):
-        partials and blocks come back by value, known rows of a file go to its place."""
+        partials come back by value, known rows of a file go to its place, other blocks
+        come back by value or, when ``shared`` names a folder, by a file there."""
         from .tasks import BlockResult
 
         ctx = Context(index, req, self)
         try:
-            blocks = tuple(s.run_remote(ctx, req) for s in self.sinks)
+            blocks = tuple(s.run_remote(ctx, req, shared) for s in self.sinks)
             partials = tuple(r.run(ctx, req) for r in self.reductions)
         finally:
             self._release(ctx)
@@ -726,6 +775,18 @@ class Program:
             return None
         return tuple(held)
 
+    def sites(self) -> list[str]:
+        """The node keys of the operators whose calls halving sizes (each once)."""
+        keys = [r.site.key for r in self.reductions]
+        keys += [s.site.key for s in self.steps() if isinstance(s, KernelStep)]
+        return list(dict.fromkeys(keys))
+
+    def cap_rows(self, rows: int) -> None:
+        """Call every operator of this program on at most ``rows`` rows from now on in
+        this process (:func:`tierflow.engine.halving.cap`)."""
+        for key in self.sites():
+            halving.cap(key, rows)
+
     @property
     def uses_cache(self) -> bool:
         """Whether a step or a reduction reads or writes the compute's cache."""
@@ -736,6 +797,14 @@ class Program:
             )
             self._uses_cache = found
         return bool(found)
+
+    def files(self) -> list[str]:
+        """The source files this program reads, each once."""
+        found: dict[str, None] = {}
+        for s in self.steps():
+            if isinstance(s, SourceStep):
+                found.update(dict.fromkeys(s.reader.files()))
+        return list(found)
 
     def reads_files(self) -> bool:
         """Whether any step reads a file (else there is nothing to read ahead)."""

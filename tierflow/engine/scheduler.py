@@ -404,6 +404,10 @@ class _Run:
         ]
         # Block tasks travel to other processes when the executor runs tasks as data.
         self.remote = isinstance(executor, TaskExecutor)
+        if self.remote and getattr(executor, "admits_memory", False):
+            # A cluster admits block tasks against the budget of the worker that runs
+            # them (the task declares its bytes); this process's budget is not theirs.
+            self.needs = [0 if t.block else need for t, need in zip(tasks, self.needs, strict=True)]
         # Kinds of tasks that may run on the lane: those projecting under SMALL_TASK
         # (no lane beside worker processes: the lane saves thread hand-offs).
         kinds: dict[Any, _Kind] = {}
@@ -463,6 +467,7 @@ class _Run:
         program = task.program if task.program is not None else args[-1][0]
         index, req = task.args
         desc = BlockTask(tasks_module.ship(program), index, req)
+        executor: Any = self.executor
         put = self.inbox.put
 
         def done(outcome: Any, error: BaseException | None) -> None:
@@ -474,7 +479,10 @@ class _Run:
                     outcome, error = None, exc
             put((i, outcome, error))
 
-        self.executor.submit_task(desc, done)  # type: ignore[attr-defined]
+        if getattr(executor, "admits_memory", False):
+            executor.submit_task(desc, done, task.memory.total)
+        else:
+            executor.submit_task(desc, done)
 
     @staticmethod
     def _prefetch(task: Task) -> None:

@@ -41,7 +41,15 @@ import cloudpickle
 from ..errors import PortabilityError
 from .types import Request
 
-__all__ = ["BlockResult", "BlockTask", "Runtime", "program_bytes", "run_task", "ship"]
+__all__ = [
+    "BlockResult",
+    "BlockTask",
+    "Runtime",
+    "program_bytes",
+    "run_task",
+    "ship",
+    "shipped_program",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +107,17 @@ def ship(program: Any) -> str:
     return str(wire[0])
 
 
-def program_bytes(key: str) -> bytes:
-    """The pickled program ``key`` (:func:`ship` made it in this process)."""
+def shipped_program(key: str) -> Any:
+    """The program ``key`` (:func:`ship` made its hash in this process)."""
     program = _shipped.get(key)
     if program is None:
         raise KeyError(f"program {key} was not shipped from this process, or its plan is gone")
-    return bytes(program._wire[1])
+    return program
+
+
+def program_bytes(key: str) -> bytes:
+    """The pickled program ``key`` (:func:`ship` made it in this process)."""
+    return bytes(shipped_program(key)._wire[1])
 
 
 class Runtime:

@@ -6,6 +6,8 @@
 * ``"processes"``: block tasks travel as data to a persistent pool of spawned worker
   processes (:mod:`.processes`), for functions written in plain Python, which hold the
   GIL.
+* ``"dask"`` and ``"ray"``: block tasks on a Dask distributed or Ray cluster
+  (:mod:`.cluster`, :mod:`.dask`, :mod:`.ray`), tierflow still driving.
 * ``"serial"`` (alias ``"sync"``): each task at once in the calling thread, for
   debugging; ``"raise"``: refuses to compute, for laziness tests.
 
@@ -24,6 +26,8 @@ import contextvars
 from collections.abc import Callable
 
 from ..types import Executor
+from .cluster import ClusterExecutor, WorkerLost
+from .dask import DaskExecutor
 from .local import (
     ComputeForbidden,
     RaisingExecutor,
@@ -33,15 +37,20 @@ from .local import (
     in_task,
 )
 from .processes import ProcessExecutor, RemoteError, WorkerDied
+from .ray import RayExecutor
 
 __all__ = [
+    "ClusterExecutor",
     "ComputeForbidden",
+    "DaskExecutor",
     "ProcessExecutor",
     "RaisingExecutor",
+    "RayExecutor",
     "RemoteError",
     "SerialExecutor",
     "ThreadExecutor",
     "WorkerDied",
+    "WorkerLost",
     "default_workers",
     "in_task",
     "make_executor",
@@ -54,7 +63,29 @@ _NAMES: dict[str, Callable[[int | None], Executor]] = {
     "sync": lambda workers: SerialExecutor(),
     "raise": lambda workers: RaisingExecutor(),
     "processes": lambda workers: ProcessExecutor(workers),
+    "dask": lambda workers: _cluster("dask", workers),
+    "ray": lambda workers: _cluster("ray", workers),
 }
+_clusters: dict[tuple[str, int | None, int], ClusterExecutor] = {}
+
+
+def _cluster(name: str, workers: int | None) -> Executor:
+    """The cluster executor for ``name``, made once per client (Dask) or per process
+    (Ray): making one registers a worker plugin or starts Ray."""
+    from . import dask as dask_module
+
+    client = dask_module.current_client() if name == "dask" else None
+    key = (name, workers, id(client))
+    found = _clusters.get(key)
+    if found is None or (client is not None and getattr(found, "client", None) is not client):
+        found = (
+            DaskExecutor(client, workers=workers)
+            if name == "dask"
+            else RayExecutor(workers=workers)
+        )
+        _clusters[key] = found
+    return found
+
 
 _default: contextvars.ContextVar[str | Executor] = contextvars.ContextVar(
     "tierflow_executor", default="threads"

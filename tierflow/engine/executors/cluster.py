@@ -1,0 +1,457 @@
+"""What the Dask and Ray executors share: tierflow drives, the cluster lends task slots.
+
+tierflow stays the driver (the process that called ``compute``): it plans, admits,
+orders, and combines partials. A cluster engine is a pool of task slots that runs block
+tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
+:func:`run_block` in its worker processes::
+
+    driver: scheduler ──BlockTask + program ref──▶ Dask / Ray ──▶ worker: run_block
+                      ◀── BlockResult (partials, small blocks; big ones by path) ──
+
+* **Through the engine:** only task descriptions, the program once per worker (Dask's
+  ``scatter(broadcast=True)``, Ray's object store), and small results: partials, and
+  blocks under :data:`~tierflow.engine.program.SHARED_MIN`. A bigger block the driver
+  holds is written by the worker to the shared folder and travels by path
+  (:class:`~tierflow.engine.program.SharedBlock`); a ``.npy`` output's rows are written
+  by the workers in place.
+* **Memory per slot:** each task declares its projected bytes to the engine (a Dask
+  resource, Ray's ``memory``), counted against the budget of the worker that runs it;
+  the worker's own tierflow runs with that worker's budget. The driver does not count
+  block tasks that run elsewhere against its own RAM.
+* **Retries are tierflow's** (the engine's own are turned off): a task whose worker
+  died is sent again, up to :data:`TRIES` times; when it died of memory, on halved
+  blocks (every operator of its program is capped at half the rows that died, in the
+  worker, and the size that worked is used for every later task of the program). A
+  ``MemoryError`` inside a worker is halved there, as in a local run.
+* **Stragglers get a backup copy**: once at least :data:`STRAGGLER_MIN_TASKS` tasks of a
+  pass are known, at least half of them done, a task running over
+  :data:`STRAGGLER_FACTOR` times their median gets a second copy; the first result wins.
+  Duplicates are harmless: a file's rows are the same bytes, a shared block is renamed
+  into place, a partial is counted once.
+* **Sources are probed**: before a program's first task, every node checks that it sees
+  each file the program reads; a compute whose source a node cannot see is refused, with
+  the file and the worker named.
+
+Subclasses (:mod:`.dask`, :mod:`.ray`) say how a task is launched and cancelled, how a
+death is told apart from an error, and how a program reaches the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+from ... import config
+from ...errors import SourceError, TierflowError
+from .. import tasks as tasks_module
+from ..types import Done
+from .local import ThreadExecutor, mark_running_tasks
+
+__all__ = [
+    "STRAGGLER_FACTOR",
+    "STRAGGLER_MIN_TASKS",
+    "TRIES",
+    "ClusterExecutor",
+    "Death",
+    "WorkerLost",
+    "probe_files",
+    "run_block",
+]
+
+log = logging.getLogger("tierflow.engine")
+
+TRIES = 4  # times a task is sent before the deaths of its workers fail it
+STRAGGLER_MIN_TASKS = 10  # tasks of a pass before a straggler gets a backup copy ...
+STRAGGLER_DONE = 0.5  # ... at least this share of them done ...
+STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median
+WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
+_SETTINGS = ("spill_dir", "store_dir")
+
+
+class WorkerLost(TierflowError, RuntimeError):
+    """A cluster worker died each time it ran a task (or could not run it)."""
+
+
+@dataclass(frozen=True)
+class Death:
+    """How a task's worker died: ``memory`` when it ran out of memory (the engine said
+    so, or its last reported memory was near its limit); ``worker`` names it."""
+
+    worker: str
+    memory: bool
+    why: str
+
+
+# -- in the worker ----------------------------------------------------------------------
+
+_runtime_lock = threading.Lock()
+_runtime: tasks_module.Runtime | None = None
+_applied: dict[str, Any] = {}
+_capture = threading.local()  # .caught: the list the running task's warnings go to
+
+
+def _worker_runtime() -> tasks_module.Runtime:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = tasks_module.Runtime(64)
+            original = warnings.showwarning
+
+            def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+                caught = getattr(_capture, "caught", None)
+                if caught is None:
+                    original(message, category, *args, **kwargs)
+                else:
+                    caught.append((category, str(message)))
+
+            warnings.showwarning = show
+        return _runtime
+
+
+def _apply(settings: tuple[tuple[str, Any], ...]) -> None:
+    """The driver's settings (and this worker's budget), applied once each."""
+    changed = {k: v for k, v in settings if _applied.get(k, _applied) != v}
+    if changed:
+        with _runtime_lock:
+            config.set(**changed)
+            _applied.update(changed)
+
+
+def run_block(
+    desc: tasks_module.BlockTask,
+    data: bytes,
+    settings: tuple[tuple[str, Any], ...],
+    cap: int | None,
+    shared: str | None,
+) -> tuple[Any, float, tuple[tuple[Any, str], ...]]:
+    """Run block task ``desc`` in a cluster worker: ``(BlockResult, seconds, warnings)``.
+
+    ``data`` is the pickled program (kept by hash: unpickled once per worker process),
+    ``settings`` the driver's folders and this worker's budget, ``cap`` the rows every
+    operator is called on at most (after a worker died of memory on this program), and
+    ``shared`` the folder bigger held blocks are written to."""
+    runtime = _worker_runtime()
+    _apply(settings)
+    mark_running_tasks()  # a compute started inside a task runs serially, here
+    if not runtime.has(desc.program):
+        with _runtime_lock:
+            if not runtime.has(desc.program):
+                runtime.add(desc.program, data)
+    program = runtime.program(desc.program)
+    if cap is not None:
+        program.cap_rows(cap)
+    caught: list[tuple[Any, str]] = []
+    _capture.caught = caught
+    start = perf_counter()
+    try:
+        result = program.run_remote(desc.index, desc.request, shared)
+    finally:
+        _capture.caught = None
+    return result, perf_counter() - start, tuple(caught)
+
+
+def probe_files(paths: Sequence[str]) -> list[str]:
+    """The files among ``paths`` this process cannot open for reading."""
+    missing = []
+    for path in paths:
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            missing.append(f"{path} ({type(exc).__name__}: {exc.strerror or exc})")
+    return missing
+
+
+# -- in the driver ----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A block task the driver waits for, and its attempts (a backup is a second)."""
+
+    desc: tasks_module.BlockTask
+    need: int
+    done: Done
+    tries: int = 0
+    finished: bool = False
+    handles: list[Any] = field(default_factory=list)
+    started: float = 0.0
+    backed_up: bool = False
+    deaths: list[Death] = field(default_factory=list)
+
+
+@dataclass
+class _Kind:
+    """The tasks of one program (one pass): their durations, for stragglers."""
+
+    count: int
+    seconds: list[float] = field(default_factory=list)
+    cap: int | None = None  # rows per operator call after a death of memory
+    probed: bool = False
+
+
+class ClusterExecutor:
+    """The driver's side of a cluster engine (see the module docstring)."""
+
+    name = "cluster"
+    workers: int
+    admits_memory = True  # block tasks are admitted by the engine, per worker
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._local = ThreadExecutor(1, prefix="tierflow-driver")
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}  # id(pending) -> pending
+        self._kinds: dict[str, _Kind] = {}
+        self._closed = False
+        self._watch: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.backups = 0  # backup copies launched for stragglers
+        self.resent = 0  # tasks sent again after their worker died
+
+    # -- what a subclass provides -----------------------------------------------------
+
+    def _launch(self, pending: _Pending, program: str, cap: int | None) -> Any:
+        """Start one attempt of ``pending`` on the engine; its handle. The attempt's
+        end must reach :meth:`_landed`."""
+        raise NotImplementedError
+
+    def _cancel(self, handles: Sequence[Any]) -> None:
+        """Stop these attempts (running or queued), best effort."""
+        raise NotImplementedError
+
+    def _death(self, error: BaseException) -> Death | None:
+        """``error`` as a worker's death, or None when the task itself raised it."""
+        raise NotImplementedError
+
+    def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
+        """Per worker (or node), the files among ``paths`` it cannot read."""
+        raise NotImplementedError
+
+    def shared_dir(self) -> str | None:
+        """The folder workers write bigger held blocks to (None: by value)."""
+        shared = config.get("shared_dir")
+        return str(shared) if shared else None
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((n, config.get(n)) for n in _SETTINGS)
+
+    # -- the executor protocol --------------------------------------------------------
+
+    def submit(self, fn: Callable[[], Any], done: Done) -> None:
+        self._local.submit(fn, done)
+
+    def submit_task(self, desc: tasks_module.BlockTask, done: Done, need: int = 0) -> None:
+        kind = self._kind(desc.program)
+        pending = _Pending(desc, need, done)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} executor was shut down")
+            self._pending[id(pending)] = pending
+        self._start_watch()
+        self._attempt(pending, kind)
+
+    def _kind(self, key: str) -> _Kind:
+        kind = self._kinds.get(key)
+        if kind is None:
+            program = tasks_module.shipped_program(key)
+            kind = self._kinds.setdefault(key, _Kind(max(1, int(program.count))))
+        if not kind.probed:
+            self._check_sources(key)
+            kind.probed = True
+        return kind
+
+    def _check_sources(self, key: str) -> None:
+        paths = sorted(set(tasks_module.shipped_program(key).files()))
+        if not paths:
+            return
+        missing = {w: m for w, m in self._probe(paths).items() if m}
+        if missing:
+            worker, files = next(iter(missing.items()))
+            more = f" (and {len(missing) - 1} more workers)" if len(missing) > 1 else ""
+            raise SourceError(
+                f"worker {worker}{more} cannot read {len(files)} of the compute's "
+                f"{len(paths)} source files: {'; '.join(files[:3])}. Workers read sources "
+                "by path: put them on storage every node mounts at the same path"
+            )
+
+    def _attempt(self, pending: _Pending, kind: _Kind) -> None:
+        pending.tries += 1
+        if not pending.started:
+            pending.started = perf_counter()
+        handle = self._launch(pending, pending.desc.program, kind.cap)
+        with self._lock:
+            pending.handles.append(handle)
+
+    def _landed(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
+        """An attempt ended: ``outcome`` is ``(result, seconds, warnings)``."""
+        with self._lock:
+            if pending.finished:
+                return  # a backup's twin won
+            with contextlib.suppress(ValueError):
+                pending.handles.remove(handle)
+            death = self._death(error) if error is not None else None
+            if death is not None and pending.handles:
+                return  # its backup still runs
+            if death is None:
+                pending.finished = True
+                others, pending.handles = pending.handles, []
+                self._pending.pop(id(pending), None)
+        if death is not None:
+            self._died(pending, death)
+            return
+        if others:
+            self._cancel(others)
+        if error is not None:
+            pending.done(None, error)
+            return
+        result, seconds, caught = outcome
+        kind = self._kinds.get(pending.desc.program)
+        if kind is not None:
+            kind.seconds.append(perf_counter() - pending.started)
+        for category, text in caught:
+            warnings.warn(text, category, stacklevel=1)
+        pending.done((result, seconds), None)
+
+    def _died(self, pending: _Pending, death: Death) -> None:
+        pending.deaths.append(death)
+        kind = self._kinds[pending.desc.program]
+        if death.memory:
+            rows = _rows(pending.desc.request, kind.cap)
+            if rows is not None:
+                half = max(1, (rows + 1) // 2)
+                kind.cap = half if kind.cap is None else min(kind.cap, half)
+        if pending.tries >= TRIES or self._closed:
+            with self._lock:
+                pending.finished = True
+                self._pending.pop(id(pending), None)
+            whys = "; ".join(f"{d.worker}: {d.why}" for d in pending.deaths)
+            pending.done(
+                None,
+                WorkerLost(
+                    f"block {pending.desc.index} was sent {pending.tries} times and the "
+                    f"worker died each time ({whys}). The operator may crash the process, "
+                    "or the workers' memory is too small for one block: give the workers "
+                    "more memory or lower the block size"
+                ),
+            )
+            return
+        log.warning(
+            "a %s worker died running block %d (%s); sending it again%s",
+            self.name,
+            pending.desc.index,
+            death.why,
+            f" with operators capped at {kind.cap} rows" if death.memory else "",
+        )
+        self.resent += 1
+        self._attempt(pending, kind)
+
+    # -- stragglers -------------------------------------------------------------------
+
+    def _start_watch(self) -> None:
+        if self._watch is None:
+            with self._lock:
+                if self._watch is None:
+                    self._watch = threading.Thread(
+                        target=self._watching, name=f"tierflow-{self.name}-watch", daemon=True
+                    )
+                    self._watch.start()
+
+    def _watching(self) -> None:
+        while not self._closed:
+            self._wake.wait(WATCH_SECONDS)
+            if self._closed:
+                return
+            for pending in self.stragglers(perf_counter()):
+                kind = self._kinds.get(pending.desc.program)
+                if kind is None or pending.finished:
+                    continue
+                pending.backed_up = True
+                self.backups += 1
+                log.info("block %d runs long: a backup copy starts", pending.desc.index)
+                with contextlib.suppress(Exception):
+                    self._attempt(pending, kind)
+
+    def stragglers(self, now: float) -> list[_Pending]:
+        """Tasks that deserve a backup copy now (see the module docstring)."""
+        with self._lock:
+            running = [p for p in self._pending.values() if not p.backed_up and p.handles]
+        found = []
+        medians: dict[str, float | None] = {}
+        for pending in running:
+            key = pending.desc.program
+            if key not in medians:
+                kind = self._kinds.get(key)
+                medians[key] = _median_if_enough(kind)
+            median = medians[key]
+            if median is not None and now - pending.started > STRAGGLER_FACTOR * median:
+                found.append(pending)
+        return found
+
+    # -- stopping ---------------------------------------------------------------------
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        if cancel:
+            with self._lock:
+                dropped = list(self._pending.values())
+                self._pending.clear()
+                handles = [h for p in dropped for h in p.handles]
+                for p in dropped:
+                    p.finished = True
+                    p.handles = []
+            if handles:
+                self._cancel(handles)
+        self._local.shutdown(cancel=cancel)
+
+    def close(self) -> None:
+        """Stop the straggler watch; the cluster itself is left running."""
+        self._closed = True
+        self._wake.set()
+        self.shutdown(cancel=True)
+
+
+def _median_if_enough(kind: _Kind | None) -> float | None:
+    if kind is None:
+        return None
+    done = len(kind.seconds)
+    if done < STRAGGLER_MIN_TASKS or done < STRAGGLER_DONE * kind.count:
+        return None
+    return statistics.median(kind.seconds)
+
+
+def _rows(request: Any, cap: int | None) -> int | None:
+    """The rows a task's operators were called on at most: its request's, or the cap."""
+    rows = getattr(request, "stop", None)
+    if rows is not None:
+        rows = request.stop - request.start
+    if cap is not None:
+        rows = cap if rows is None else min(rows, cap)
+    if rows is None:  # a block of unknown rows: halve from the default block size
+        rows = 1 << 16
+    return int(rows)
+
+
+def node_budget(memory_limit: int | None, slots: int = 1) -> int:
+    """The tierflow budget of one of ``slots`` task slots of this worker process:
+    ``budget_fraction`` of the smaller of its memory limit (None: none) and the usable
+    memory of its machine or cgroup, shared by the slots."""
+    from ...system.limits import read_memory
+
+    limits = [int(read_memory().usable)]
+    if memory_limit:
+        limits.append(int(memory_limit))
+    fraction = float(config.get("budget_fraction"))
+    return max(1 << 20, int(min(limits) * fraction) // max(1, slots))
+
+
+def host_name() -> str:
+    """This machine's name, as workers on it report it."""
+    return os.uname().nodename

@@ -1,0 +1,201 @@
+"""``executor="dask"``: block tasks on a Dask distributed cluster's workers.
+
+``tw.DaskExecutor(client)`` uses a client; ``executor="dask"`` the current one
+(``distributed.get_client()``). Its task slots are the workers' threads. What it does to
+the cluster, once per client (see :mod:`.cluster` for what every cluster executor
+shares):
+
+* A worker plugin named ``tierflow`` runs on every worker, now and when one (re)starts:
+  it gives the worker's tierflow the budget of that worker
+  (:func:`~.cluster.node_budget`: ``budget_fraction`` of the smaller of its
+  ``memory_limit`` and its cgroup's memory), declares it as the worker resource
+  ``tierflow-bytes``, and turns off Dask's spilling in that worker (tierflow's blocks
+  never sit in Dask's memory; the pause and terminate thresholds stay, as a backstop).
+  Each block task asks for its projected bytes of that resource, so Dask runs it only
+  on a worker where it fits beside the others.
+* The scheduler's ``allowed-failures`` is set to 0: Dask does not send a task whose
+  worker died to another at the same size; tierflow does, on halved blocks when the
+  worker had reported memory near its limit.
+* Programs are scattered once to every worker (``scatter(broadcast=True)``), and tasks
+  are submitted with ``retries=0`` and ``pure=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ... import config
+from ...errors import TierflowError
+from .. import tasks as tasks_module
+from .cluster import ClusterExecutor, Death, host_name, probe_files, run_block
+
+__all__ = ["RESOURCE", "DaskExecutor", "current_client"]
+
+log = logging.getLogger("tierflow.engine")
+
+RESOURCE = "tierflow-bytes"  # the worker resource block tasks ask for
+MEMORY_DEATH = 0.7  # a worker last seen above this share of its limit died of memory
+PROGRAMS_KEPT = 32  # scattered programs kept on the cluster, least recent dropped
+
+
+def current_client() -> Any:
+    """The current Dask client (``distributed.get_client()``), with errors that say
+    what to do."""
+    return _client(None)
+
+
+def _client(client: Any) -> Any:
+    try:
+        import distributed
+    except ImportError as exc:  # pragma: no cover - the extra is in the test environment
+        raise ImportError(
+            "executor='dask' needs Dask distributed: pip install 'tierflow[dask]'"
+        ) from exc
+    if client is not None:
+        return client
+    try:
+        return distributed.get_client()
+    except ValueError as exc:
+        raise TierflowError(
+            "executor='dask' found no Dask client: start one first "
+            "(from distributed import Client; client = Client() for a local cluster, or "
+            "Client('tcp://scheduler:8786')), or pass tw.DaskExecutor(client)"
+        ) from exc
+
+
+def _outcome(future: Any) -> tuple[Any, BaseException | None]:
+    if future.cancelled():
+        return None, None
+    try:
+        return future.result(), None
+    except BaseException as exc:
+        return None, exc
+
+
+class DaskExecutor(ClusterExecutor):
+    """Block tasks on the workers of a Dask distributed ``client`` (default: the
+    current client); ``workers``: the task slots counted (default: the workers'
+    threads). See the module docstring."""
+
+    name = "dask"
+
+    def __init__(self, client: Any = None, *, workers: int | None = None) -> None:
+        self.client = _client(client)
+        info = self.client.scheduler_info(n_workers=-1)
+        threads = sum(int(w.get("nthreads", 1)) for w in info["workers"].values())
+        if not threads:
+            raise TierflowError(
+                f"the Dask cluster at {info.get('address', '?')} has no workers; start "
+                "some (or wait for them: client.wait_for_workers(n))"
+            )
+        super().__init__(int(workers) if workers is not None else threads)
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        hosts = {w.get("host") for w in info["workers"].values()}
+        self._one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
+        self._programs: OrderedDict[str, Any] = OrderedDict()
+        self._setup()
+
+    def _setup(self) -> None:
+        settings = self._settings()
+        from .dask_worker import TierflowPlugin
+
+        self.client.register_plugin(TierflowPlugin(settings), name="tierflow")
+        with contextlib.suppress(Exception):
+            self.client.run_on_scheduler(_no_engine_retries)
+        info = self.client.scheduler_info(n_workers=-1)
+        self._largest = max(
+            (int(w.get("resources", {}).get(RESOURCE, 0)) for w in info["workers"].values()),
+            default=0,
+        )
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return tuple(super()._settings()) if self._one_host_now() else ()
+
+    def _one_host_now(self) -> bool:
+        return bool(getattr(self, "_one_host", False))
+
+    def shared_dir(self) -> str | None:
+        shared = super().shared_dir()
+        if shared is None and self._one_host:
+            shared = os.path.expanduser(str(config.get("spill_dir")))
+        return shared
+
+    # -- ClusterExecutor --------------------------------------------------------------
+
+    def _program(self, key: str) -> Any:
+        found = self._programs.get(key)
+        if found is None:
+            data = tasks_module.program_bytes(key)
+            found = self.client.scatter(data, broadcast=True)
+            self._programs[key] = found
+            while len(self._programs) > PROGRAMS_KEPT:
+                self._programs.popitem(last=False)
+        self._programs.move_to_end(key)
+        return found
+
+    def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
+        need = min(int(pending.need), self._largest) if self._largest else 0
+        future = self.client.submit(
+            run_block,
+            pending.desc,
+            self._program(program),
+            (),
+            cap,
+            self.shared_dir(),
+            key=f"tierflow-block-{pending.desc.index}-{uuid.uuid4().hex[:12]}",
+            pure=False,
+            retries=0,
+            resources={RESOURCE: need} if need else None,
+        )
+
+        def landed(f: Any) -> None:
+            result, error = _outcome(f)
+            if error is None and result is None:
+                return  # cancelled
+            self._landed(pending, f, result, error)
+
+        future.add_done_callback(landed)
+        return future
+
+    def _cancel(self, handles: Sequence[Any]) -> None:
+        with contextlib.suppress(Exception):
+            self.client.cancel(list(handles), force=True)
+
+    def _death(self, error: BaseException) -> Death | None:
+        from distributed.scheduler import KilledWorker
+
+        if not isinstance(error, KilledWorker):
+            return None
+        ws = error.last_worker
+        address = getattr(ws, "address", "?")
+        limit = getattr(ws, "memory_limit", 0) or 0
+        seen = getattr(getattr(ws, "memory", None), "process", 0) or 0
+        memory = bool(limit) and seen >= MEMORY_DEATH * limit
+        why = f"its last reported memory was {seen >> 20} MB of its {limit >> 20} MB limit"
+        return Death(address, memory, why)
+
+    def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
+        found = self.client.run(probe_files, list(paths))
+        return {str(k): list(v) for k, v in found.items()}
+
+    def __repr__(self) -> str:
+        return f"DaskExecutor(workers={self.workers}, scheduler={self.client.scheduler.address})"
+
+
+def _no_engine_retries(dask_scheduler: Any) -> None:
+    dask_scheduler.allowed_failures = 0
+
+
+def _my_ip() -> str:
+    import socket
+
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"

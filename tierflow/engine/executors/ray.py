@@ -1,0 +1,176 @@
+"""``executor="ray"``: block tasks on a Ray cluster's workers.
+
+``executor="ray"`` uses the Ray instance this process is connected to, or starts a
+local one (saying so on the ``tierflow.engine`` logger); ``tw.RayExecutor(address=...)``
+connects to a cluster. Its task slots are the cluster's CPUs. See :mod:`.cluster` for
+what every cluster executor shares; what is Ray's:
+
+* Each block task runs as a Ray task with ``num_cpus=1``, ``max_retries=0`` and
+  ``retry_exceptions=False`` (tierflow retries), asking for its projected bytes as
+  Ray's ``memory`` resource, so Ray places it on a node where it fits.
+* A worker's tierflow budget is its node's memory per CPU
+  (:func:`~.cluster.node_budget` of the node's usable memory, over the node's CPUs).
+* Programs go to the object store once (``ray.put``); each worker process unpickles a
+  program once.
+* A task whose worker crashed (``WorkerCrashedError``, a node that died) is sent again;
+  one Ray killed for memory (``OutOfMemoryError``) is sent again on halved blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ... import config
+from .. import tasks as tasks_module
+from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_block
+
+__all__ = ["RayExecutor"]
+
+log = logging.getLogger("tierflow.engine")
+
+PROGRAMS_KEPT = 32  # programs kept in the object store, least recent dropped
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - the extra is in the test environment
+        raise ImportError("executor='ray' needs Ray: pip install 'tierflow[ray]'") from exc
+    return ray
+
+
+_node_cpus: int | None = None
+
+
+def _ray_block(
+    desc: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, shared: Any
+) -> Any:
+    """A block task in a Ray worker: this node's budget per CPU, then :func:`run_block`."""
+    global _node_cpus
+    if _node_cpus is None:
+        ray = _ray()
+        node = ray.get_runtime_context().get_node_id()
+        cpus = 1
+        for n in ray.nodes():
+            if n.get("NodeID") == node:
+                cpus = max(1, int(n.get("Resources", {}).get("CPU", 1)))
+        _node_cpus = cpus
+        config.set(ram_budget=node_budget(None, cpus))
+    return run_block(desc, data, settings, cap, shared)
+
+
+def _ray_probe(paths: list[str]) -> tuple[str, list[str]]:
+    ray = _ray()
+    return ray.get_runtime_context().get_node_id(), probe_files(paths)
+
+
+class RayExecutor(ClusterExecutor):
+    """Block tasks on a Ray cluster: the one this process is connected to, the one at
+    ``address``, or a local one started now; ``workers``: the task slots counted
+    (default: the cluster's CPUs). See the module docstring."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, *, workers: int | None = None) -> None:
+        ray = self._ray = _ray()
+        if not ray.is_initialized():
+            if address is None:
+                log.warning(
+                    "executor='ray' started a local Ray instance (connect to a cluster "
+                    "with tw.RayExecutor(address='ray://host:10001') or ray.init first)"
+                )
+                ray.init(include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+        resources = ray.cluster_resources()
+        cpus = int(resources.get("CPU", 0))
+        super().__init__(int(workers) if workers is not None else max(1, cpus))
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        self._largest = max((int(n["Resources"].get("memory", 0)) for n in nodes), default=0)
+        here = {host_name(), "127.0.0.1", "localhost", ray.util.get_node_ip_address()}
+        self._one_host = all(n.get("NodeManagerAddress") in here for n in nodes)
+        self._nodes = [n["NodeID"] for n in nodes]
+        self._task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_ray_block)
+        self._programs: OrderedDict[str, Any] = OrderedDict()
+
+    def shared_dir(self) -> str | None:
+        import os
+
+        shared = super().shared_dir()
+        if shared is None and self._one_host:
+            shared = os.path.expanduser(str(config.get("spill_dir")))
+        return shared
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return super()._settings() if self._one_host else ()
+
+    # -- ClusterExecutor --------------------------------------------------------------
+
+    def _program(self, key: str) -> Any:
+        found = self._programs.get(key)
+        if found is None:
+            found = self._programs[key] = self._ray.put(tasks_module.program_bytes(key))
+            while len(self._programs) > PROGRAMS_KEPT:
+                self._programs.popitem(last=False)
+        self._programs.move_to_end(key)
+        return found
+
+    def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
+        need = min(int(pending.need), self._largest) if self._largest else 0
+        task = self._task.options(memory=need) if need else self._task
+        ref = task.remote(
+            pending.desc, self._program(program), self._settings(), cap, self.shared_dir()
+        )
+
+        def landed(future: Any) -> None:
+            if future.cancelled():
+                return
+            error = future.exception()
+            self._landed(pending, ref, None if error else future.result(), error)
+
+        ref.future().add_done_callback(landed)
+        return ref
+
+    def _cancel(self, handles: Sequence[Any]) -> None:
+        for ref in handles:
+            with contextlib.suppress(Exception):
+                self._ray.cancel(ref, force=True)
+
+    def _death(self, error: BaseException) -> Death | None:
+        exceptions = self._ray.exceptions
+        if isinstance(error, exceptions.OutOfMemoryError):
+            return Death("a Ray worker", True, "Ray killed it for memory")
+        if isinstance(error, (exceptions.WorkerCrashedError, exceptions.NodeDiedError)):
+            return Death("a Ray worker", False, f"{type(error).__name__}")
+        if isinstance(error, exceptions.TaskCancelledError):
+            return None
+        return None
+
+    def _landed(self, pending: Any, handle: Any, outcome: Any, error: Any) -> None:
+        exceptions = self._ray.exceptions
+        if isinstance(error, exceptions.RayTaskError):
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, BaseException):
+                error = cause
+        super()._landed(pending, handle, outcome, error)
+
+    def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = self._ray.remote(_ray_probe)
+        refs = [
+            probe.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(list(paths))
+            for node in self._nodes
+        ]
+        return {f"on node {node[:12]}": missing for node, missing in self._ray.get(refs)}
+
+    def __repr__(self) -> str:
+        return f"RayExecutor(workers={self.workers})"
