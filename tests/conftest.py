@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -44,6 +45,36 @@ def _isolated_settings(
     yield
     config.reset()
     pressure.reset()
+
+
+@pytest.fixture(scope="session")
+def dask_client() -> Iterator[Any]:
+    """A Dask distributed ``LocalCluster`` of 2 worker processes with 1 thread each, and
+    its client, started once for the session."""
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    )
+    client = Client(cluster)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def ray_runtime() -> Iterator[Any]:
+    """A local Ray runtime with 2 CPUs, started once for the session (the ``ray``
+    module)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture

@@ -38,27 +38,35 @@ def src(tmp_path: Path, data: np.ndarray) -> Path:
 
 
 EXECUTORS = ("threads", "serial", "processes")
+CLUSTERS = ("dask", "ray")  # only for tests whose marker names them
 # TIERFLOW_TEST_EXECUTORS=processes (a comma-separated list) runs the engine's tests on
 # some executors only.
 _CHOSEN = [
     n
-    for n in os.environ.get("TIERFLOW_TEST_EXECUTORS", ",".join(EXECUTORS)).split(",")
-    if n in EXECUTORS
+    for n in os.environ.get("TIERFLOW_TEST_EXECUTORS", ",".join(EXECUTORS + CLUSTERS)).split(",")
+    if n in EXECUTORS + CLUSTERS
 ]
+# The session fixture each cluster executor needs running.
+_RUNTIMES = {"dask": "dask_client", "ray": "ray_runtime"}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Every engine test runs on each executor: threads, serial and worker processes;
-    ``@pytest.mark.executors("threads")`` names the ones a test is about."""
+    """Every engine test runs on each local executor: threads, serial and worker
+    processes; ``@pytest.mark.executors("threads")`` names the ones a test is about,
+    and only a test whose marker names ``"dask"`` or ``"ray"`` runs on a cluster."""
     if "executor_name" not in metafunc.fixturenames:
         return
     marker = metafunc.definition.get_closest_marker("executors")
-    names = [n for n in _CHOSEN if marker is None or n in marker.args]
+    names = [n for n in _CHOSEN if (n in marker.args if marker is not None else n in EXECUTORS)]
     metafunc.parametrize("executor_name", names, indirect=True)
 
 
 @pytest.fixture(autouse=True)
 def executor_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The default executor of the test's computes (see pytest_generate_tests)."""
+    """The default executor of the test's computes (see pytest_generate_tests); a
+    cluster's session runtime is started first."""
+    runtime = _RUNTIMES.get(request.param)
+    if runtime is not None:
+        request.getfixturevalue(runtime)
     with use_executor(request.param):
         yield request.param

@@ -163,6 +163,7 @@ def step(x: tw.Array, a: np.ndarray, data: st.DataObject) -> tuple[Any, Any]:
 
 
 @SETTINGS
+@pytest.mark.executors("threads", "serial", "processes", "dask", "ray")
 @given(a=arrays(), data=st.data())
 def test_random_elementwise_chains_equal_numpy(a: np.ndarray, data: st.DataObject) -> None:
     x = lazy(a, data)
@@ -175,14 +176,14 @@ def test_random_elementwise_chains_equal_numpy(a: np.ndarray, data: st.DataObjec
             # NumPy refuses (a bad dtype, a Python int out of range): so must tierflow,
             # when the pipeline is built or at the latest when it runs.
             if got[0] == "ok":
-                got = outcome(lambda v=got[1]: v.compute(executor="serial"))
+                got = outcome(lambda v=got[1]: v.compute())
             assert got == want
             return
         assert got[0] == "ok", got
         x, expected = got[1], want[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = x.compute(executor=data.draw(st.sampled_from(["serial", "threads"])))
+        result = x.compute()
     same(result, expected)
 
 
@@ -221,6 +222,7 @@ def _mask(x: tw.Array, expected: np.ndarray) -> tuple[tw.Array, Any]:
 
 
 @SETTINGS
+@pytest.mark.executors("threads", "serial", "processes", "dask", "ray")
 @given(a=arrays(), data=st.data())
 def test_random_selections_equal_numpy(a: np.ndarray, data: st.DataObject) -> None:
     x = lazy(a, data)
@@ -264,7 +266,7 @@ def test_random_selections_equal_numpy(a: np.ndarray, data: st.DataObject) -> No
                 continue
             x = x.filter(lambda b, w=width: b.reshape(len(b), w)[:, 0].astype(bool))
             expected = expected[expected.reshape(expected.shape[0], width)[:, 0].astype(bool)]
-    same(x.compute(executor="serial"), expected)
+    same(x.compute(), expected)
 
 
 REDUCTIONS = ["sum", "prod", "mean", "min", "max", "std", "var", "any", "all", "argmin",
@@ -279,6 +281,7 @@ def _float_oracle(kind: str, a: np.ndarray, kwargs: dict[str, Any]) -> Any:
 
 
 @SETTINGS
+@pytest.mark.executors("threads", "serial", "processes", "dask", "ray")
 @given(a=arrays(), data=st.data())
 def test_reductions_equal_numpy(a: np.ndarray, data: st.DataObject) -> None:
     x = lazy(a, data)
@@ -301,7 +304,7 @@ def test_reductions_equal_numpy(a: np.ndarray, data: st.DataObject) -> None:
         kwargs["dtype"] = data.draw(st.sampled_from(["int64", "float64", "float32"]))
     fn = np.count_nonzero if kind == "count_nonzero" else getattr(np, kind)
     want = outcome(lambda: fn(a, **kwargs))
-    got = outcome(lambda: np.asarray(fn(x, **kwargs).compute(executor="serial")))
+    got = outcome(lambda: np.asarray(fn(x, **kwargs).compute()))
     if want[0] == "error":
         assert got == want
         return
@@ -327,6 +330,6 @@ def test_zero_and_one_rows_keep_numpy_results(dtype: str) -> None:
     for rows in (0, 1):
         a = np.ones((rows, 3), dtype)
         x = tw.from_array(a, rows=2)
-        same((x + 1).compute(executor="serial"), a + 1)
-        same(x.sum(axis=0).compute(executor="serial"), a.sum(axis=0))
-        same(x[::-1].compute(executor="serial"), a[::-1])
+        same((x + 1).compute(), a + 1)
+        same(x.sum(axis=0).compute(), a.sum(axis=0))
+        same(x[::-1].compute(), a[::-1])

@@ -146,7 +146,7 @@ class DaskExecutor(ClusterExecutor):
             run_block,
             pending.desc,
             self._program(program),
-            (),
+            self._settings(),
             cap,
             self.shared_dir(),
             key=f"tierflow-block-{pending.desc.index}-{uuid.uuid4().hex[:12]}",
