@@ -82,6 +82,16 @@ CASES: dict[str, Case] = {
             r"^scores\.npy: \(40000, 1\) float64, first rows match: True$",
         ),
     ),
+    "cluster_pipeline.py": Case(
+        args=("--rows", "40000"),
+        expect=(
+            r"^40,000 rows x 8 float32 on DaskExecutor\(workers=2, ",
+            r"^standardised file identical: True$",
+            r"^score sums identical: True$",
+            r"^masked rows identical: True \([\d,]+ rows\)$",
+        ),
+        marks=(pytest.mark.slow,),  # starts a LocalCluster of two processes
+    ),
     "explore.py": Case(
         args=("--rows", "200000", "--budget", "8MB"),
         expect=(
@@ -178,3 +188,20 @@ def test_feature_extraction_without_torch_says_so_and_exits_0(tmp_path: Path) ->
     )
     check_output(result, (r"^this example needs torch, .*pip install 'tierflow\[torch\]'",))
     assert files_under(tmp_path) == []
+
+
+@pytest.mark.slow  # starts a local Ray
+def test_cluster_example_runs_on_ray(tmp_path: Path) -> None:
+    result = run_example("cluster_pipeline.py", ("--rows", "40000", "--ray"), tmp_path)
+    check_output(
+        result,
+        (
+            r"^40,000 rows x 8 float32 on RayExecutor\(workers=2\)$",
+            r"^standardised file identical: True$",
+            r"^score sums identical: True$",
+            r"^masked rows identical: True \([\d,]+ rows\)$",
+        ),
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    spill = Path(os.environ["TIERFLOW_SPILL_DIR"])
+    assert files_under(spill) == [], f"left spill files: {files_under(spill)}"
