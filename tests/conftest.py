@@ -70,7 +70,15 @@ def ray_runtime() -> Iterator[Any]:
     module)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Workers import the tests' modules (functions defined there pickle by reference).
+    tests = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     try:
         yield ray
     finally:

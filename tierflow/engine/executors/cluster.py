@@ -44,6 +44,7 @@ import os
 import statistics
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -73,6 +74,7 @@ STRAGGLER_MIN_TASKS = 10  # tasks of a pass before a straggler gets a backup cop
 STRAGGLER_DONE = 0.5  # ... at least this share of them done ...
 STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
+READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 _SETTINGS = ("spill_dir", "store_dir")
 
 
@@ -96,6 +98,7 @@ _runtime_lock = threading.Lock()
 _runtime: tasks_module.Runtime | None = None
 _applied: dict[str, Any] = {}
 _capture = threading.local()  # .caught: the list the running task's warnings go to
+here: str | None = None  # this worker, as its engine names it (set by the engine's hook)
 
 
 def _worker_runtime() -> tasks_module.Runtime:
@@ -131,8 +134,10 @@ def run_block(
     settings: tuple[tuple[str, Any], ...],
     cap: int | None,
     shared: str | None,
-) -> tuple[Any, float, tuple[tuple[Any, str], ...]]:
-    """Run block task ``desc`` in a cluster worker: ``(BlockResult, seconds, warnings)``.
+) -> tuple[Any, float, tuple[tuple[Any, str], ...], str | None]:
+    """Run block task ``desc`` in a cluster worker: ``(BlockResult, seconds, warnings,
+    where)``, ``where`` naming the worker (its engine's name for it: a Dask worker's
+    address, a Ray node's id), so that later tasks on the same rows can prefer it.
 
     ``data`` is the pickled program (kept by hash: unpickled once per worker process),
     ``settings`` the driver's folders and this worker's budget, ``cap`` the rows every
@@ -155,7 +160,7 @@ def run_block(
         result = program.run_remote(desc.index, desc.request, shared)
     finally:
         _capture.caught = None
-    return result, perf_counter() - start, tuple(caught)
+    return result, perf_counter() - start, tuple(caught), here
 
 
 def probe_files(paths: Sequence[str]) -> list[str]:
@@ -171,6 +176,20 @@ def probe_files(paths: Sequence[str]) -> list[str]:
 
 
 # -- in the driver ----------------------------------------------------------------------
+
+
+class LRU(OrderedDict[Any, Any]):
+    """A dict that keeps its ``size`` most recently set items."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
 
 
 @dataclass(eq=False)
@@ -196,6 +215,7 @@ class _Kind:
     seconds: list[float] = field(default_factory=list)
     cap: int | None = None  # rows per operator call after a death of memory
     probed: bool = False
+    files: tuple[str, ...] = ()  # the source files its tasks read
 
 
 class ClusterExecutor:
@@ -214,14 +234,17 @@ class ClusterExecutor:
         self._closed = False
         self._watch: threading.Thread | None = None
         self._wake = threading.Event()
+        # Which worker last read the rows of a task, by (source files, request): a
+        # later task on the same rows prefers it (its page cache holds them).
+        self._read_by = LRU(READ_BY_KEPT)
         self.backups = 0  # backup copies launched for stragglers
         self.resent = 0  # tasks sent again after their worker died
 
     # -- what a subclass provides -----------------------------------------------------
 
-    def _launch(self, pending: _Pending, program: str, cap: int | None) -> Any:
-        """Start one attempt of ``pending`` on the engine; its handle. The attempt's
-        end must reach :meth:`_landed`."""
+    def _launch(self, pending: _Pending, program: str, cap: int | None, prefer: str | None) -> Any:
+        """Start one attempt of ``pending`` on the engine, on worker ``prefer`` if it
+        can (None: anywhere); its handle. The attempt's end must reach :meth:`_landed`."""
         raise NotImplementedError
 
     def _cancel(self, handles: Sequence[Any]) -> None:
@@ -263,7 +286,8 @@ class ClusterExecutor:
         kind = self._kinds.get(key)
         if kind is None:
             program = tasks_module.shipped_program(key)
-            kind = self._kinds.setdefault(key, _Kind(max(1, int(program.count))))
+            files = tuple(sorted(set(program.files())))
+            kind = self._kinds.setdefault(key, _Kind(max(1, int(program.count)), files=files))
         if not kind.probed:
             self._check_sources(key)
             kind.probed = True
@@ -287,12 +311,15 @@ class ClusterExecutor:
         pending.tries += 1
         if not pending.started:
             pending.started = perf_counter()
-        handle = self._launch(pending, pending.desc.program, kind.cap)
+        prefer = self._read_by.get((kind.files, pending.desc.request)) if kind.files else None
+        if pending.tries > 1:
+            prefer = None  # sent again: wherever there is room
+        handle = self._launch(pending, pending.desc.program, kind.cap, prefer)
         with self._lock:
             pending.handles.append(handle)
 
     def _landed(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
-        """An attempt ended: ``outcome`` is ``(result, seconds, warnings)``."""
+        """An attempt ended: ``outcome`` is ``(result, seconds, warnings, where)``."""
         with self._lock:
             if pending.finished:
                 return  # a backup's twin won
@@ -313,10 +340,12 @@ class ClusterExecutor:
         if error is not None:
             pending.done(None, error)
             return
-        result, seconds, caught = outcome
+        result, seconds, caught, where = outcome
         kind = self._kinds.get(pending.desc.program)
         if kind is not None:
             kind.seconds.append(perf_counter() - pending.started)
+            if where is not None and kind.files:
+                self._read_by[(kind.files, pending.desc.request)] = where
         for category, text in caught:
             warnings.warn(text, category, stacklevel=1)
         pending.done((result, seconds), None)

@@ -140,7 +140,7 @@ class DaskExecutor(ClusterExecutor):
         self._programs.move_to_end(key)
         return found
 
-    def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
+    def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
         need = min(int(pending.need), self._largest) if self._largest else 0
         future = self.client.submit(
             run_block,
@@ -153,6 +153,8 @@ class DaskExecutor(ClusterExecutor):
             pure=False,
             retries=0,
             resources={RESOURCE: need} if need else None,
+            workers=[prefer] if prefer else None,
+            allow_other_workers=bool(prefer),
         )
 
         def landed(f: Any) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ... import config
+from . import cluster
 from .cluster import node_budget
 from .dask import RESOURCE
 
@@ -33,4 +34,5 @@ class TierflowPlugin(WorkerPlugin):
             worker.memory_manager.memory_spill_fraction = False
             worker.memory_manager.memory_target_fraction = False
         worker.tierflow_slots = slots
+        cluster.here = str(worker.address)
         await worker.set_resources(**{RESOURCE: budget})

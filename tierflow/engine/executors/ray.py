@@ -26,6 +26,7 @@ from typing import Any
 
 from ... import config
 from .. import tasks as tasks_module
+from . import cluster
 from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_block
 
 __all__ = ["RayExecutor"]
@@ -60,6 +61,7 @@ def _ray_block(
                 cpus = max(1, int(n.get("Resources", {}).get("CPU", 1)))
         _node_cpus = cpus
         config.set(ram_budget=node_budget(None, cpus))
+        cluster.here = str(node)
     return run_block(desc, data, settings, cap, shared)
 
 
@@ -121,9 +123,14 @@ class RayExecutor(ClusterExecutor):
         self._programs.move_to_end(key)
         return found
 
-    def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
+    def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
         need = min(int(pending.need), self._largest) if self._largest else 0
-        task = self._task.options(memory=need) if need else self._task
+        options: dict[str, Any] = {"memory": need} if need else {}
+        if prefer is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(prefer, soft=True)
+        task = self._task.options(**options) if options else self._task
         ref = task.remote(
             pending.desc, self._program(program), self._settings(), cap, self.shared_dir()
         )

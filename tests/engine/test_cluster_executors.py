@@ -1,0 +1,222 @@
+"""The cluster executors' own rules: placement, budgets, shipping, shared blocks.
+
+On the session's real clusters (``dask_client``: a LocalCluster of 2 worker processes;
+``ray_runtime``: a local Ray with 2 CPUs). What happens in a worker is observed through
+what the workers return, never through this process's memory. Faults, stragglers and
+memory limits are in ``test_clusters.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow import config
+from tierflow.engine import halving, tasks
+from tierflow.engine.executors import DaskExecutor, RayExecutor, cluster
+from tierflow.engine.executors.dask import RESOURCE
+from tierflow.engine.types import RowRange
+
+pytestmark = pytest.mark.executors("threads")  # the executor is passed to each compute
+
+
+@pytest.fixture
+def dask_executor(dask_client: Any) -> DaskExecutor:
+    return DaskExecutor(dask_client)
+
+
+@pytest.fixture
+def ray_executor(ray_runtime: Any) -> RayExecutor:
+    return RayExecutor()
+
+
+def _pid_rows(block: np.ndarray) -> np.ndarray:
+    return np.full((len(block), 1), os.getpid(), np.int64)
+
+
+def test_dask_workers_get_their_budget_as_a_resource_and_as_tierflow_budget(
+    dask_client: Any, dask_executor: DaskExecutor
+) -> None:
+    info = dask_client.scheduler_info(n_workers=-1)["workers"]
+    budgets = dask_client.run(lambda: config.get("ram_budget"))
+    for address, worker in info.items():
+        expected = dask_client.run(
+            cluster.node_budget, worker["memory_limit"], 1, workers=[address]
+        )[address]
+        assert worker["resources"][RESOURCE] == expected == budgets[address]
+        assert expected <= 0.7 * worker["memory_limit"] + 1
+    spilling = dask_client.run(lambda dask_worker: dask_worker.memory_manager.memory_spill_fraction)
+    assert set(spilling.values()) == {False}
+
+
+def test_dask_slots_are_the_workers_threads(dask_client: Any) -> None:
+    assert DaskExecutor(dask_client).workers == 2
+    assert DaskExecutor(dask_client, workers=1).workers == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        DaskExecutor(dask_client, workers=0)
+
+
+def test_ray_slots_are_the_cluster_cpus(ray_executor: RayExecutor) -> None:
+    assert ray_executor.workers == 2
+
+
+@pytest.mark.parametrize("engine", ["dask", "ray"])
+def test_blocks_run_in_cluster_workers_and_equal_threads(
+    engine: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    executor = request.getfixturevalue(f"{engine}_executor")
+    data = np.random.default_rng(1).random((3000, 4), dtype=np.float32)
+    np.save(tmp_path / "a.npy", data)
+    x = tw.from_npy(tmp_path / "a.npy", rows=300)
+    pids = x.map_blocks(_pid_rows, dtype=np.int64, row_shape=(1,)).compute(executor=executor)
+    assert os.getpid() not in set(pids[:, 0].tolist())
+    y = np.sqrt(x * 2 + 1)
+    there = y.compute(executor=executor)
+    assert np.array_equal(there, y.compute(executor="threads"))
+    y.to_npy(tmp_path / "there.npy", executor=executor)
+    y.to_npy(tmp_path / "here.npy", executor="threads")
+    assert (tmp_path / "there.npy").read_bytes() == (tmp_path / "here.npy").read_bytes()
+    total = y.sum(axis=0).compute(executor=executor)
+    assert np.array_equal(total, y.sum(axis=0).compute(executor="threads"))
+
+
+@pytest.mark.parametrize("engine", ["dask", "ray"])
+def test_big_held_blocks_come_back_by_the_shared_folder_and_are_removed(
+    engine: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    executor = request.getfixturevalue(f"{engine}_executor")
+    shared = tmp_path / "shared"
+    config.set(shared_dir=str(shared))
+    data = np.arange(200_000, dtype=np.float64).reshape(50_000, 4)
+    x = tw.from_array(data, rows=10_000)  # 320 KB blocks, over SHARED_MIN
+    seen: list[str] = []
+    original = tw.engine.program.SharedBlock.take
+
+    def take(block: Any) -> np.ndarray:
+        seen.append(block.path)
+        return original(block)
+
+    tw.engine.program.SharedBlock.take = take  # type: ignore[method-assign]
+    try:
+        kept = x[x[:, 0] % 3 == 0].compute(executor=executor)  # unknown rows: held blocks
+        doubled = (x * 2).compute(executor=executor)
+    finally:
+        tw.engine.program.SharedBlock.take = original  # type: ignore[method-assign]
+    assert np.array_equal(kept, data[data[:, 0] % 3 == 0])
+    assert np.array_equal(doubled, data * 2)
+    assert len(seen) == 10 and all(Path(p).parent == shared for p in seen)
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.parametrize("engine", ["dask", "ray"])
+def test_a_program_is_sent_once_per_compute_pass(
+    engine: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    executor = request.getfixturevalue(f"{engine}_executor")
+    np.save(tmp_path / "a.npy", np.arange(3000.0).reshape(1000, 3))
+    x = tw.from_npy(tmp_path / "a.npy", rows=10)  # 100 blocks
+    before = len(executor._programs)
+    shipped: list[str] = []
+    original = executor._program
+
+    def program(key: str) -> Any:
+        if key not in executor._programs:
+            shipped.append(key)
+        return original(key)
+
+    executor._program = program  # type: ignore[method-assign]
+    try:
+        total = np.sqrt(x * 2 + 1).sum(axis=0).compute(executor=executor)
+    finally:
+        del executor._program
+    np.testing.assert_allclose(total, np.sqrt(np.arange(3000.0).reshape(1000, 3) * 2 + 1).sum(0))
+    assert len(shipped) == 1 and len(executor._programs) <= before + 1
+
+
+def test_a_task_prefers_the_worker_that_read_its_rows_before(
+    dask_executor: DaskExecutor, tmp_path: Path
+) -> None:
+    np.save(tmp_path / "a.npy", np.ones((4000, 2), np.float32))
+    x = tw.from_npy(tmp_path / "a.npy", rows=250)  # 16 blocks
+    x.sum(axis=0).compute(executor=dask_executor)
+    files = (str(tmp_path / "a.npy"),)
+    keys = [k for k in dask_executor._read_by if k[0] == files]
+    assert len(keys) == 16
+    workers = sorted(set(dask_executor._read_by.values()))
+    chosen = workers[0]
+    for k in keys:  # as if one worker had read every block
+        dask_executor._read_by[k] = chosen
+    pids = x.map_blocks(_pid_rows, dtype=np.int64, row_shape=(1,)).compute(executor=dask_executor)
+    ran = {dask_executor._read_by[k] for k in keys}
+    assert ran == {chosen}  # without the preference, both workers would take blocks
+    assert len(set(pids[:, 0].tolist())) == 1
+
+
+def test_run_block_caps_every_operator_of_its_program(tmp_path: Path) -> None:
+    # run_block runs in any process: here, to see the worker's halving state.
+    data = np.arange(600.0).reshape(200, 3)
+    y = (tw.from_array(data, rows=100) + 1).sum(axis=0)
+    plan_program: list[Any] = []
+    original = tasks.ship
+
+    def ship(program: Any) -> str:
+        plan_program.append(program)
+        return original(program)
+
+    tasks.ship = ship  # type: ignore[assignment]
+    try:
+        y.compute(executor=DaskLike())
+    finally:
+        tasks.ship = original  # type: ignore[assignment]
+    program = plan_program[0]
+    key = tasks.ship(program)
+    sites = program.sites()
+    assert sites
+    for site in sites:
+        halving.forget(site)
+    desc = tasks.BlockTask(key, 0, RowRange(0, 100))
+    whole, _, _, _ = cluster.run_block(desc, tasks.program_bytes(key), (), None, None)
+    assert all(halving.remembered(site) is None for site in sites)
+    try:
+        capped, seconds, caught, where = cluster.run_block(
+            desc, tasks.program_bytes(key), (), 7, None
+        )
+        assert all(halving.remembered(site) == 7 for site in sites)
+    finally:
+        for site in sites:
+            halving.forget(site)
+    assert repr(capped.partials) == repr(whole.partials)  # 100 rows in pieces of 7: same sum
+    assert seconds >= 0 and caught == () and where is None
+
+
+class DaskLike:
+    """Runs block tasks as data in this process (run_block), as a worker would."""
+
+    name = "inline"
+    workers = 1
+
+    def submit(self, fn: Any, done: Any) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            done(None, exc)
+            return
+        done(result, None)
+
+    def submit_task(self, desc: Any, done: Any) -> None:
+        try:
+            result, seconds, _, _ = cluster.run_block(
+                desc, tasks.program_bytes(desc.program), (), None, None
+            )
+        except BaseException as exc:
+            done(None, exc)
+            return
+        done((result, seconds), None)
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        pass
