@@ -38,14 +38,15 @@ def src(tmp_path: Path, data: np.ndarray) -> Path:
 
 
 EXECUTORS = ("threads", "serial", "processes")
-CLUSTERS = ("dask", "ray")  # only for tests whose marker names them
+CLUSTERS = ("dask", "ray")  # by default, only for tests whose marker names them
 # TIERFLOW_TEST_EXECUTORS=processes (a comma-separated list) runs the engine's tests on
-# some executors only.
+# those executors only; naming a cluster there runs every engine test on it
+# (TIERFLOW_TEST_EXECUTORS=dask: the whole engine suite on the Dask LocalCluster).
+_ASKED = os.environ.get("TIERFLOW_TEST_EXECUTORS")
 _CHOSEN = [
-    n
-    for n in os.environ.get("TIERFLOW_TEST_EXECUTORS", ",".join(EXECUTORS + CLUSTERS)).split(",")
-    if n in EXECUTORS + CLUSTERS
+    n for n in (_ASKED or ",".join(EXECUTORS + CLUSTERS)).split(",") if n in EXECUTORS + CLUSTERS
 ]
+_UNMARKED = _CHOSEN if _ASKED else [n for n in _CHOSEN if n in EXECUTORS]
 # The session fixture each cluster executor needs running.
 _RUNTIMES = {"dask": "dask_client", "ray": "ray_runtime"}
 
@@ -57,7 +58,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "executor_name" not in metafunc.fixturenames:
         return
     marker = metafunc.definition.get_closest_marker("executors")
-    names = [n for n in _CHOSEN if (n in marker.args if marker is not None else n in EXECUTORS)]
+    names = [n for n in _CHOSEN if n in marker.args] if marker is not None else _UNMARKED
     metafunc.parametrize("executor_name", names, indirect=True)
 
 
