@@ -53,6 +53,7 @@ from typing import Any
 from ... import config
 from ...errors import SourceError, TierflowError
 from .. import tasks as tasks_module
+from ..program import SharedBlock
 from ..types import Done
 from .local import ThreadExecutor, mark_running_tasks
 
@@ -322,7 +323,8 @@ class ClusterExecutor:
         """An attempt ended: ``outcome`` is ``(result, seconds, warnings, where)``."""
         with self._lock:
             if pending.finished:
-                return  # a backup's twin won
+                _discard(outcome)  # a backup's twin won, or the compute was cancelled
+                return
             with contextlib.suppress(ValueError):
                 pending.handles.remove(handle)
             death = self._death(error) if error is not None else None
@@ -445,6 +447,16 @@ class ClusterExecutor:
         self._closed = True
         self._wake.set()
         self.shutdown(cancel=True)
+
+
+def _discard(outcome: Any) -> None:
+    """Delete the shared-folder files of a result nobody will take."""
+    if outcome is None:
+        return
+    for block in getattr(outcome[0], "blocks", ()):
+        if isinstance(block, SharedBlock):
+            with contextlib.suppress(OSError):
+                os.unlink(block.path)
 
 
 def _median_if_enough(kind: _Kind | None) -> float | None:
