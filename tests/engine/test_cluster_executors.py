@@ -9,6 +9,8 @@ memory limits are in ``test_clusters.py``.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +222,40 @@ class DaskLike:
 
     def shutdown(self, *, cancel: bool = False) -> None:
         pass
+
+
+def _run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": "/tmp"},  # Ray's socket paths must stay short
+    )
+
+
+def test_executor_dask_without_a_client_says_how_to_start_one(tmp_path: Path) -> None:
+    code = (
+        "import numpy as np, tierflow as tw\n"
+        "try:\n"
+        "    tw.from_array(np.ones((4, 2))).sum().compute(executor='dask')\n"
+        "except tw.TierflowError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    result = _run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "refused: executor='dask' found no Dask client: start one first" in result.stdout
+    assert "tw.DaskExecutor(client)" in result.stdout
+
+
+@pytest.mark.slow  # starts a local Ray
+def test_executor_ray_without_ray_starts_a_local_one_and_says_so(tmp_path: Path) -> None:
+    code = (
+        "import numpy as np, tierflow as tw\n"
+        "print('sum', tw.from_array(np.ones((40, 2)), rows=8).sum().compute(executor='ray'))\n"
+    )
+    result = _run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sum 80.0" in result.stdout
+    assert "executor='ray' started a local Ray instance" in result.stderr
