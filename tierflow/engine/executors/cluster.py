@@ -55,7 +55,7 @@ from ...errors import SourceError, TierflowError
 from .. import tasks as tasks_module
 from ..program import SharedBlock
 from ..types import Done
-from .local import ThreadExecutor, mark_running_tasks
+from .local import ThreadExecutor, running_task
 
 __all__ = [
     "STRAGGLER_FACTOR",
@@ -146,7 +146,6 @@ def run_block(
     ``shared`` the folder bigger held blocks are written to."""
     runtime = _worker_runtime()
     _apply(settings)
-    mark_running_tasks()  # a compute started inside a task runs serially, here
     if not runtime.has(desc.program):
         with _runtime_lock:
             if not runtime.has(desc.program):
@@ -158,7 +157,8 @@ def run_block(
     _capture.caught = caught
     start = perf_counter()
     try:
-        result = program.run_remote(desc.index, desc.request, shared)
+        with running_task():  # a compute started inside the task runs serially, here
+            result = program.run_remote(desc.index, desc.request, shared)
     finally:
         _capture.caught = None
     return result, perf_counter() - start, tuple(caught), here
@@ -388,19 +388,21 @@ class ClusterExecutor:
     # -- stragglers -------------------------------------------------------------------
 
     def _start_watch(self) -> None:
-        if self._watch is None:
-            with self._lock:
-                if self._watch is None:
-                    self._watch = threading.Thread(
-                        target=self._watching, name=f"tierflow-{self.name}-watch", daemon=True
-                    )
-                    self._watch.start()
+        """Start the straggler watch unless it runs (it stops when nothing is pending)."""
+        with self._lock:
+            if self._watch is None:
+                self._watch = threading.Thread(
+                    target=self._watching, name=f"tierflow-{self.name}-watch", daemon=True
+                )
+                self._watch.start()
 
     def _watching(self) -> None:
-        while not self._closed:
+        while True:
             self._wake.wait(WATCH_SECONDS)
-            if self._closed:
-                return
+            with self._lock:
+                if self._closed or not self._pending:
+                    self._watch = None
+                    return
             for pending in self.stragglers(perf_counter()):
                 kind = self._kinds.get(pending.desc.program)
                 if kind is None or pending.finished:

@@ -8,9 +8,10 @@ processes.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...errors import TierflowError
@@ -25,6 +26,7 @@ __all__ = [
     "default_workers",
     "in_task",
     "mark_running_tasks",
+    "running_task",
 ]
 
 _task = threading.local()  # .running: this thread runs a task (a worker, or serial submit)
@@ -33,6 +35,16 @@ _task = threading.local()  # .running: this thread runs a task (a worker, or ser
 def mark_running_tasks() -> None:
     """Mark the calling thread as one that runs tasks (a worker's)."""
     _task.running = True
+
+
+@contextlib.contextmanager
+def running_task() -> Iterator[None]:
+    """Mark the calling thread as running a task while in the block (as it was after)."""
+    outer, _task.running = in_task(), True
+    try:
+        yield
+    finally:
+        _task.running = outer
 
 
 def in_task() -> bool:
