@@ -103,6 +103,7 @@ class DaskReader(Reader):
     """The rows of a dask array, computed chunk by chunk (see the module docstring)."""
 
     makes_blocks = True
+    computes = True
 
     def __init__(self, array: Any) -> None:
         chunks = array.chunks

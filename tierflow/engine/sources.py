@@ -47,7 +47,9 @@ class Reader(abc.ABC):
     ``n_rows`` is None when the row count is known only after loading; then
     ``nblocks`` gives how many blocks :meth:`read_block` serves and
     :meth:`block_rows` about how many rows each holds. ``makes_blocks``: blocks are
-    made when read (loaded, computed), not views of data already in memory or a file.
+    made when read (loaded, computed), not views of data already in memory or a file;
+    ``computes``: they are the result of a computation, which the engine's cache keeps
+    like any other result (sources that only read are not kept).
     """
 
     dtype: np.dtype
@@ -56,6 +58,7 @@ class Reader(abc.ABC):
     label: str = "source"
     file_backed = False
     makes_blocks = False
+    computes = False
 
     @property
     def row_nbytes(self) -> int:
