@@ -318,7 +318,7 @@ def test_from_dask_refuses_what_it_cannot_serve() -> None:
 def test_a_chunk_of_the_wrong_shape_is_named() -> None:
     d = da.from_array(np.zeros((40, 2), np.float32), chunks=(10, 2))
     lying = d.map_blocks(lambda b: b[:5], dtype=np.float32)  # the chunks say 10 rows
-    with pytest.raises(BlockError, match=r"row chunk 0 of .* computed to shape \(5, 2\)"):
+    with pytest.raises(BlockError, match=r"row chunk \d+ of .* computed to shape \(5, 2\)"):
         tw.from_dask(lying).compute()
 
 
