@@ -54,7 +54,7 @@ class Calls:
 # -- from_dask ----------------------------------------------------------------------------
 
 
-@pytest.mark.executors("threads", "serial", "processes", "dask")  # the source travels
+@pytest.mark.executors("threads", "serial", "processes", "dask", "ray")  # the source travels
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_from_dask_computes_the_dask_arrays_rows_in_its_row_chunks(case: str) -> None:
     shape, chunks, dtype = CASES[case]
