@@ -89,6 +89,44 @@ def test_from_dask_runs_the_dask_graph_not_a_copy_of_its_values() -> None:
     assert calls.n == 6, "a row range inside one chunk computes that chunk only"
 
 
+@pytest.mark.executors("threads", "serial")  # counts calls in this process
+def test_a_chunk_too_big_for_the_budget_is_read_in_pieces_computed_once() -> None:
+    tw.memory.budget("2MB")
+    data = _data((200_000, 4), np.float32)  # two chunks of 1.6 MB
+    calls = Calls()
+
+    def counted(block: np.ndarray) -> np.ndarray:
+        if block.size:
+            calls.add()
+        return block - 1
+
+    d = da.from_array(data, chunks=(100_000, 4)).map_blocks(counted, dtype=np.float32)
+    x = tw.from_dask(d)
+    tasks = []
+    total = x.sum(axis=0).compute(callbacks=[_Tasks(tasks)])
+    np.testing.assert_allclose(total, (data.astype(np.float64) - 1).sum(axis=0), rtol=1e-6)
+    assert len(tasks) > 3, "the chunks were cut to fit the budget"
+    assert calls.n == 2, "each chunk computed once for all its pieces"
+    assert x._node.reader._pieces == {}, "nothing kept once every row was read"
+
+
+class _Tasks:
+    """A callback that lists the block tasks a compute ran."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def start(self, event: Any) -> None:
+        return None
+
+    def task_done(self, event: Any) -> None:
+        if event.name.startswith("block"):
+            self.names.append(event.name)
+
+    def finish(self, event: Any) -> None:
+        return None
+
+
 @pytest.mark.executors("threads")
 def test_a_dask_graph_with_tasks_shared_across_row_chunks_computes_right() -> None:
     data = _data((400, 6), np.float64)

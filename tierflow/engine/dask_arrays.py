@@ -23,7 +23,10 @@ optimisations (blockwise fusion) are left out: they cost more than they save whe
 row chunk runs at a time. Why synchronous: tierflow's scheduler already decides how
 many blocks are computed at once and admits each against the memory budget; a nested
 thread pool would work around that. Tasks that several row chunks share (a rechunk, an overlap) are
-computed once for each row chunk that needs them.
+computed once for each row chunk that needs them. A block read in pieces (cut to fit
+the budget, or halved after running out of memory) computes its chunk once for all its
+pieces: the reader keeps the chunk until every row has been asked for (a few chunks at
+most; a slice that ends inside a chunk leaves that one kept until others push it out).
 
 Chunk sizes along axis 0 that dask does not know (NaN, after a boolean mask) make a
 source whose row counts are known once computed, as after a tierflow mask: block ``j``
@@ -52,6 +55,7 @@ import bisect
 import itertools
 import math
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -101,6 +105,22 @@ def _joined(parts: Any) -> np.ndarray:
 
 # -- from_dask ----------------------------------------------------------------------------
 
+# Row chunks read in pieces that a reader keeps at once (see DaskReader._piece): enough
+# for the cut blocks a few workers have in flight, few enough that chunks a slice reads
+# only in part (its first and last) do not pile up while the array lives.
+PIECES_KEPT = 4
+
+
+class _Pieces:
+    """A row chunk read in pieces: its block once computed, and its rows not asked for."""
+
+    __slots__ = ("block", "left", "lock")
+
+    def __init__(self, rows: int) -> None:
+        self.block: np.ndarray | None = None
+        self.left = rows
+        self.lock = threading.Lock()
+
 
 class DaskReader(Reader):
     """The rows of a dask array, computed chunk by chunk (see the module docstring)."""
@@ -142,6 +162,7 @@ class DaskReader(Reader):
         self._keys: list[Any] = list(array.__dask_keys__())
         self._graph: dict[Any, Any] | None = None
         self._lock = threading.Lock()
+        self._pieces: OrderedDict[int, _Pieces] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
         # The graph by value, functions in it too; the dict of tasks is made again.
@@ -199,10 +220,31 @@ class DaskReader(Reader):
             return np.empty((0, *self.row_shape), self.dtype)
         first = bisect.bisect_right(bounds, a) - 1
         last = bisect.bisect_left(bounds, b)  # one past the last chunk needed
-        parts = [self.chunk(i) for i in range(first, last)]
-        block = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        start = bounds[first]
-        return block[a - start : b - start]
+        parts = []
+        for i in range(first, last):
+            lo, hi = max(a, bounds[i]) - bounds[i], min(b, bounds[i + 1]) - bounds[i]
+            whole = lo == 0 and hi == bounds[i + 1] - bounds[i]
+            parts.append(self.chunk(i) if whole else self._piece(i, lo, hi))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _piece(self, i: int, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` of row chunk ``i``, read in pieces (a block cut to fit the
+        budget, or halved after running out of memory): the chunk is computed once for
+        all its pieces and dropped once every row has been asked for. At most
+        :data:`PIECES_KEPT` chunks are kept; one pushed out is computed again."""
+        with self._lock:
+            entry = self._pieces.pop(i, None)
+            if entry is None:
+                entry = _Pieces(self.bounds[i + 1] - self.bounds[i])  # type: ignore[index]
+            entry.left -= hi - lo
+            if entry.left > 0:  # rows still to come: kept, as the most recent
+                self._pieces[i] = entry
+                while len(self._pieces) > PIECES_KEPT:
+                    self._pieces.popitem(last=False)
+        with entry.lock:  # one thread computes, the others wait for its block
+            if entry.block is None:
+                entry.block = self.chunk(i)
+        return entry.block[lo:hi]
 
     def read_block(self, j: int) -> np.ndarray:
         return self.chunk(j)
