@@ -358,6 +358,12 @@ def test_a_chunk_of_the_wrong_shape_is_named() -> None:
     lying = d.map_blocks(lambda b: b[:5], dtype=np.float32)  # the chunks say 10 rows
     with pytest.raises(BlockError, match=r"row chunk \d+ of .* computed to shape \(5, 2\)"):
         tw.from_dask(lying).compute()
+    wider = d.map_blocks(lambda b: b.astype(np.float64) + 0.5, dtype=np.float32)
+    got = tw.from_dask(wider).compute()  # float64 chunks, the dask array says float32
+    assert got.dtype == np.float32 and got[0, 0] == 0.5
+    complex_ = d.map_blocks(lambda b: b + 1j, dtype=np.float32)
+    with pytest.raises(BlockError, match=r"computed to complex64, which does not cast"):
+        tw.from_dask(complex_).compute()
 
 
 @pytest.mark.executors("threads")

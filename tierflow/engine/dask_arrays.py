@@ -189,7 +189,8 @@ class DaskReader(Reader):
         keys = self._keys[i]
         needed, _ = cull(self._materialised(), keys)
         block = _joined(dask.local.get_sync(needed, keys))
-        want = None if self.bounds is None else self.bounds[i + 1] - self.bounds[i]
+        start, stop = (0, 0) if self.bounds is None else self.bounds[i : i + 2]
+        want = None if self.bounds is None else stop - start
         if block.shape[1:] != self.row_shape or (want is not None and block.shape[0] != want):
             rows = "?" if want is None else str(want)
             raise BlockError(
@@ -197,8 +198,8 @@ class DaskReader(Reader):
                 f"but the dask array says ({rows}, {', '.join(map(str, self.row_shape))}); "
                 "the graph's chunk sizes are wrong (a map_blocks without the right chunks=?)",
                 index=i,
-                start=0 if self.bounds is None else self.bounds[i],
-                stop=0 if self.bounds is None else self.bounds[i + 1],
+                start=start,
+                stop=stop,
             )
         if block.dtype != self.dtype:
             if not np.can_cast(block.dtype, self.dtype, casting="same_kind"):
@@ -207,8 +208,8 @@ class DaskReader(Reader):
                     f"does not cast to the dask array's {self.dtype}; give map_blocks the "
                     "right dtype=",
                     index=i,
-                    start=0,
-                    stop=0,
+                    start=start,
+                    stop=stop,
                 )
             block = block.astype(self.dtype)
         return block
