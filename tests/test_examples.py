@@ -92,6 +92,16 @@ CASES: dict[str, Case] = {
         ),
         marks=(pytest.mark.slow,),  # starts a LocalCluster of two processes
     ),
+    "dask_interop.py": Case(
+        # The cluster path: its worker processes unpickle the tierflow graph.
+        args=("--rows", "40000", "--distributed"),
+        expect=(
+            r"^on a distributed cluster of 2 worker processes$",
+            r"^dask -> tierflow -> dask: \(40000, 1\) float32 in 8 chunks, .*matches dask alone: True$",
+            r"^after a dask mask: shape \(None, 8\), 8 blocks of unknown size; .*matches dask's: True$",
+        ),
+        marks=(pytest.mark.slow,),  # starts a LocalCluster of two processes
+    ),
     "explore.py": Case(
         args=("--rows", "200000", "--budget", "8MB"),
         expect=(

@@ -11,6 +11,7 @@ from . import config, errors, memory
 from .engine.array import Array, from_array, from_files, from_npy, from_raw
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
+from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.functions import concatenate, stack, where
 from .engine.types import Callback
@@ -33,6 +34,7 @@ __all__ = [
     "config",
     "errors",
     "from_array",
+    "from_dask",
     "from_files",
     "from_npy",
     "from_raw",

@@ -1,5 +1,6 @@
 """The lazy :class:`Array` and its constructors: ``tw.from_npy``, ``tw.from_raw``,
-``tw.from_array``, ``tw.from_files``.
+``tw.from_array``, ``tw.from_files`` (and ``tw.from_dask``, in
+:mod:`tierflow.engine.dask_arrays`).
 
 An Array is a handle on a graph node (:mod:`tierflow.engine.graph`). Building one reads
 no data and runs no operator: NumPy operators, ufuncs, reductions, selections and
@@ -514,6 +515,19 @@ class Array:
         from .compute import to_npy
 
         to_npy(self, path, **options)
+
+    def to_dask(self) -> Any:
+        """A ``dask.array.Array`` of this array whose chunks compute through tierflow.
+
+        Its chunks along axis 0 are this array's blocks (NaN sizes while the row count
+        is unknown), one dask task each; an in-memory result (a reduction) is one chunk.
+        It runs on any dask scheduler, a ``distributed`` cluster included (the graph
+        travels by value, files by path). Computes nothing now. Needs the ``dask``
+        extra; see :mod:`tierflow.engine.dask_arrays`.
+        """
+        from .dask_arrays import to_dask
+
+        return to_dask(self)
 
     def cache(self, store: Any = True) -> Array:
         """Mark this array's node for caching: every compute that needs it keeps its

@@ -652,8 +652,11 @@ def _failure_message(handle: _Handle, what: str, count: int, exc: BaseException)
 
 
 def _cacheable(node: Node) -> bool:
-    # Sources are already on disk or in memory, constants in memory: nothing to save.
-    return not isinstance(node, (graph.Source, graph.Const))
+    # Sources that read are already on disk or in memory, constants in memory: nothing
+    # to save. A source that computes its rows (from_dask) is kept like any result.
+    if isinstance(node, graph.Source):
+        return bool(node.reader.computes)
+    return not isinstance(node, graph.Const)
 
 
 def _open_quietly(spec: Any) -> _Handle | None:

@@ -610,7 +610,7 @@ def upper_rows(node: Chunked, j: int) -> int:
     if node.bounds is not None:
         return node.bounds[j + 1] - node.bounds[j]
     if isinstance(node, graph.Source):
-        return int(getattr(node.reader, "files_per_block", 1))
+        return int(node.reader.block_rows())
     if isinstance(node, graph.Concat):
         k, jj = node.block_table[j]
         return upper_rows(node.inputs[k], jj)  # type: ignore[arg-type]

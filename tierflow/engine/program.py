@@ -52,7 +52,6 @@ from . import cache as cache_module
 from . import graph, halving
 from .cache import MISS
 from .graph import Chunked, Node
-from .sources import FilesReader
 from .types import BlockIndex, Request, RowRange, TaskMemory
 
 __all__ = [
@@ -193,8 +192,8 @@ class SourceStep(Step):
         nbytes = rows * self.reader.row_nbytes
         if self.reader.file_backed:
             return TaskMemory(inputs=nbytes)  # file pages faulted in, released after
-        if isinstance(self.reader, FilesReader):
-            return TaskMemory(outputs=nbytes)  # rows loaded from the files
+        if self.reader.makes_blocks:
+            return TaskMemory(outputs=nbytes)  # rows loaded or computed
         return TaskMemory()  # views of an array already in memory
 
 

@@ -45,7 +45,11 @@ class Reader(abc.ABC):
     """Base of the readers; see the module docstring for the contract.
 
     ``n_rows`` is None when the row count is known only after loading; then
-    ``block_files`` gives how many blocks :meth:`read_block` serves.
+    ``nblocks`` gives how many blocks :meth:`read_block` serves and
+    :meth:`block_rows` about how many rows each holds. ``makes_blocks``: blocks are
+    made when read (loaded, computed), not views of data already in memory or a file;
+    ``computes``: they are the result of a computation, which the engine's cache keeps
+    like any other result (sources that only read are not kept).
     """
 
     dtype: np.dtype
@@ -53,6 +57,8 @@ class Reader(abc.ABC):
     n_rows: int | None
     label: str = "source"
     file_backed = False
+    makes_blocks = False
+    computes = False
 
     @property
     def row_nbytes(self) -> int:
@@ -69,6 +75,10 @@ class Reader(abc.ABC):
             f"{type(self).__name__} knows its {self.n_rows} rows and reads row ranges "
             "(read(a, b)); read_block is for readers whose row count is unknown"
         )
+
+    def block_rows(self) -> int:
+        """About how many rows a block of :meth:`read_block` holds (for the memory plan)."""
+        return 1
 
     def readahead(self, a: int, b: int) -> None:
         """Ask for rows ``a:b`` ahead of use (a hint)."""
@@ -221,6 +231,8 @@ class FilesReader(Reader):
     block when the row count is unknown.
     """
 
+    makes_blocks = True
+
     def __init__(
         self,
         paths: Sequence[str],
@@ -314,6 +326,9 @@ class FilesReader(Reader):
         first, last = a // k, -(-b // k)
         block = self._stack(first, last)
         return block[a - first * k : b - first * k]
+
+    def block_rows(self) -> int:
+        return self.files_per_block
 
     def read_block(self, j: int) -> np.ndarray:
         first = j * self.files_per_block
