@@ -236,6 +236,10 @@ class ClusterExecutor:
         """Per worker (or node), the files among ``paths`` it cannot read."""
         raise NotImplementedError
 
+    def _observe(self) -> None:
+        """Called by the straggler watch while tasks run: a subclass notes what it
+        needs to tell a death of memory later (the workers' reported memory)."""
+
     def shared_dir(self) -> str | None:
         """The folder workers write bigger held blocks to (None: by value)."""
         shared = config.get("shared_dir")
@@ -292,13 +296,28 @@ class ClusterExecutor:
             pending.handles.append(handle)
 
     def _landed(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
-        """An attempt ended: ``outcome`` is ``(result, seconds, warnings)``."""
+        """An attempt ended: ``outcome`` is ``(result, seconds, warnings)``. Whatever
+        goes wrong here reaches the task's ``done``: a task never goes unreported."""
+        try:
+            self._settle(pending, handle, outcome, error)
+        except BaseException as exc:
+            with self._lock:
+                if pending.finished:
+                    return
+                pending.finished = True
+                self._pending.pop(id(pending), None)
+            pending.done(None, exc)
+
+    def _settle(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
+        if pending.finished:
+            return  # a backup's twin won
+        # Told apart outside the lock: a subclass may ask the engine.
+        death = self._death(error) if error is not None else None
         with self._lock:
             if pending.finished:
-                return  # a backup's twin won
+                return
             with contextlib.suppress(ValueError):
                 pending.handles.remove(handle)
-            death = self._death(error) if error is not None else None
             if death is not None and pending.handles:
                 return  # its backup still runs
             if death is None:
@@ -370,6 +389,8 @@ class ClusterExecutor:
             self._wake.wait(WATCH_SECONDS)
             if self._closed:
                 return
+            if self._pending:
+                self._observe()
             for pending in self.stragglers(perf_counter()):
                 kind = self._kinds.get(pending.desc.program)
                 if kind is None or pending.finished:

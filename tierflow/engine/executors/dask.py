@@ -15,7 +15,10 @@ shares):
   on a worker where it fits beside the others.
 * The scheduler's ``allowed-failures`` is set to 0: Dask does not send a task whose
   worker died to another at the same size; tierflow does, on halved blocks when the
-  worker had reported memory near its limit.
+  worker died of memory: its nanny restarted it for going over its limit (the
+  ``worker-restart-memory`` event), or the memory it last reported (read from the
+  scheduler while tasks run) was near its limit. The client's copy of a dead worker
+  carries no memory figures.
 * Programs are scattered once to every worker (``scatter(broadcast=True)``), and tasks
   are submitted with ``retries=0`` and ``pure=False``.
 """
@@ -25,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any
 
 from ... import config
@@ -41,6 +46,9 @@ log = logging.getLogger("tierflow.engine")
 
 RESOURCE = "tierflow-bytes"  # the worker resource block tasks ask for
 MEMORY_DEATH = 0.7  # a worker last seen above this share of its limit died of memory
+RESTART_TOPIC = "worker-restart-memory"  # the event a nanny logs when it kills for memory
+RESTART_EVENT_WAIT = 1.0  # seconds a death waits for that event at most
+SEEN_EVERY = 0.25  # seconds between readings of the workers' reported memory
 PROGRAMS_KEPT = 32  # scattered programs kept on the cluster, least recent dropped
 
 
@@ -100,6 +108,8 @@ class DaskExecutor(ClusterExecutor):
         hosts = {w.get("host") for w in info["workers"].values()}
         self._one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
         self._programs: OrderedDict[str, Any] = OrderedDict()
+        self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
+        self._seen_at = 0.0
         self._setup()
 
     def _setup(self) -> None:
@@ -173,13 +183,48 @@ class DaskExecutor(ClusterExecutor):
 
         if not isinstance(error, KilledWorker):
             return None
+        # The client's copy of the worker's state has no metrics: what it used comes
+        # from its nanny's restart event, or from what this executor last saw.
         ws = error.last_worker
-        address = getattr(ws, "address", "?")
-        limit = getattr(ws, "memory_limit", 0) or 0
-        seen = getattr(getattr(ws, "memory", None), "process", 0) or 0
-        memory = bool(limit) and seen >= MEMORY_DEATH * limit
+        address = str(getattr(ws, "address", "?"))
+        limit = int(getattr(ws, "memory_limit", 0) or 0)
+        if not limit:
+            return Death(address, False, "it died (it had no memory limit)")
+        restarted = self._restarted_for_memory(address)
+        if restarted is not None:
+            why = f"its nanny restarted it at {restarted >> 20} MB of its {limit >> 20} MB limit"
+            return Death(address, True, why)
+        seen = self._seen.get(address)
+        if seen is None:
+            return Death(address, False, "it died before this compute saw its memory")
         why = f"its last reported memory was {seen >> 20} MB of its {limit >> 20} MB limit"
-        return Death(address, memory, why)
+        return Death(address, seen >= MEMORY_DEATH * limit, why)
+
+    def _restarted_for_memory(self, address: str) -> int | None:
+        """The memory at which the nanny of worker ``address`` restarted it for going
+        over its limit (its ``worker-restart-memory`` event), or None. The event may
+        reach the scheduler just after the worker's death does: asked a few times."""
+        for wait in (0.0, *[RESTART_EVENT_WAIT / 4] * 4):
+            if wait:
+                threading.Event().wait(wait)
+            with contextlib.suppress(Exception):
+                for _, event in self.client.get_events(RESTART_TOPIC):
+                    if isinstance(event, dict) and event.get("worker") == address:
+                        return int(event.get("rss", 0))
+        return None
+
+    def _observe(self) -> None:
+        """Note each worker's reported memory (at most every :data:`SEEN_EVERY` s)."""
+        now = perf_counter()
+        if now - self._seen_at < SEEN_EVERY:
+            return
+        self._seen_at = now
+        with contextlib.suppress(Exception):
+            info = self.client.scheduler_info(n_workers=-1)
+            for address, w in info["workers"].items():
+                memory = w.get("metrics", {}).get("memory")
+                if memory is not None:
+                    self._seen[str(address)] = int(memory)
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         found = self.client.run(probe_files, list(paths))
