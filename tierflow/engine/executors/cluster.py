@@ -25,7 +25,10 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   ``MemoryError`` inside a worker is halved there, as in a local run.
 * **Stragglers get a backup copy**: once at least :data:`STRAGGLER_MIN_TASKS` tasks of a
   pass are known, at least half of them done, a task running over
-  :data:`STRAGGLER_FACTOR` times their median gets a second copy; the first result wins.
+  :data:`STRAGGLER_FACTOR` times their median (as the workers timed them), and over
+  :data:`STRAGGLER_MIN_SECONDS`, gets a second copy; the first result wins. A task's
+  clock starts when it is among the oldest ``workers`` tasks not done (the engine runs
+  tasks about in the order they were sent; the younger ones wait in its queue).
   Duplicates are harmless: a file's rows are the same bytes, a shared block is renamed
   into place, a partial is counted once.
 * **Sources are probed**: before a program's first task, every node checks that it sees
@@ -57,6 +60,7 @@ from .local import ThreadExecutor, mark_running_tasks
 
 __all__ = [
     "STRAGGLER_FACTOR",
+    "STRAGGLER_MIN_SECONDS",
     "STRAGGLER_MIN_TASKS",
     "TRIES",
     "ClusterExecutor",
@@ -71,7 +75,8 @@ log = logging.getLogger("tierflow.engine")
 TRIES = 4  # times a task is sent before the deaths of its workers fail it
 STRAGGLER_MIN_TASKS = 10  # tasks of a pass before a straggler gets a backup copy ...
 STRAGGLER_DONE = 0.5  # ... at least this share of them done ...
-STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median
+STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median ...
+STRAGGLER_MIN_SECONDS = 1.0  # ... and this long (a copy of a shorter task gains nothing)
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
 _SETTINGS = ("spill_dir", "store_dir")
 
@@ -289,11 +294,20 @@ class ClusterExecutor:
 
     def _attempt(self, pending: _Pending, kind: _Kind) -> None:
         pending.tries += 1
-        if not pending.started:
-            pending.started = perf_counter()
         handle = self._launch(pending, pending.desc.program, kind.cap)
         with self._lock:
             pending.handles.append(handle)
+            self._clock_front(perf_counter())
+
+    def _clock_front(self, now: float) -> None:
+        """Start the clocks of the oldest ``workers`` tasks not done: the engine runs
+        tasks about in the order they were sent, so those are the ones running (the
+        others wait in its queue, and waiting is not straggling). Needs ``_lock``."""
+        for k, pending in enumerate(self._pending.values()):
+            if k >= self.workers:
+                return
+            if not pending.started:
+                pending.started = now
 
     def _landed(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
         """An attempt ended: ``outcome`` is ``(result, seconds, warnings)``. Whatever
@@ -324,6 +338,7 @@ class ClusterExecutor:
                 pending.finished = True
                 others, pending.handles = pending.handles, []
                 self._pending.pop(id(pending), None)
+                self._clock_front(perf_counter())
         if death is not None:
             self._died(pending, death)
             return
@@ -335,7 +350,7 @@ class ClusterExecutor:
         result, seconds, caught = outcome
         kind = self._kinds.get(pending.desc.program)
         if kind is not None:
-            kind.seconds.append(perf_counter() - pending.started)
+            kind.seconds.append(seconds)
         for category, text in caught:
             warnings.warn(text, category, stacklevel=1)
         pending.done((result, seconds), None)
@@ -371,6 +386,7 @@ class ClusterExecutor:
             f" with operators capped at {kind.cap} rows" if death.memory else "",
         )
         self.resent += 1
+        pending.started = 0.0  # its clock starts again with the new attempt
         self._attempt(pending, kind)
 
     # -- stragglers -------------------------------------------------------------------
@@ -413,7 +429,10 @@ class ClusterExecutor:
                 kind = self._kinds.get(key)
                 medians[key] = _median_if_enough(kind)
             median = medians[key]
-            if median is not None and now - pending.started > STRAGGLER_FACTOR * median:
+            if median is None or not pending.started:
+                continue
+            ran = now - pending.started
+            if ran > STRAGGLER_FACTOR * median and ran > STRAGGLER_MIN_SECONDS:
                 found.append(pending)
         return found
 
