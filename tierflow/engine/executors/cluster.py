@@ -189,6 +189,7 @@ class _Pending:
     finished: bool = False
     handles: list[Any] = field(default_factory=list)
     started: float = 0.0
+    cap: int | None = None  # the rows its latest attempt capped operators at
     backed_up: bool = False
     deaths: list[Death] = field(default_factory=list)
 
@@ -294,6 +295,7 @@ class ClusterExecutor:
 
     def _attempt(self, pending: _Pending, kind: _Kind) -> None:
         pending.tries += 1
+        pending.cap = kind.cap
         handle = self._launch(pending, pending.desc.program, kind.cap)
         with self._lock:
             pending.handles.append(handle)
@@ -359,7 +361,9 @@ class ClusterExecutor:
         pending.deaths.append(death)
         kind = self._kinds[pending.desc.program]
         if death.memory:
-            rows = _rows(pending.desc.request, kind.cap)
+            # Halved from the size this attempt ran at: the tasks that died with it
+            # (one death, many tasks) halve the cap once, not once each.
+            rows = _rows(pending.desc.request, pending.cap)
             if rows is not None:
                 half = max(1, (rows + 1) // 2)
                 kind.cap = half if kind.cap is None else min(kind.cap, half)
