@@ -19,8 +19,9 @@ shares):
   ``worker-restart-memory`` event), or the memory it last reported (read from the
   scheduler while tasks run) was near its limit. The client's copy of a dead worker
   carries no memory figures.
-* Programs are scattered once to every worker (``scatter(broadcast=True)``), and tasks
-  are submitted with ``retries=0`` and ``pure=False``.
+* Programs are scattered once to every worker (``scatter(broadcast=True)``), and again
+  after a worker died (it may have held the only copy); tasks are submitted with
+  ``retries=0`` and ``pure=False``.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class DaskExecutor(ClusterExecutor):
         hosts = {w.get("host") for w in info["workers"].values()}
         self._one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
         self._programs: OrderedDict[str, Any] = OrderedDict()
+        self._programs_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
         self._seen_at = 0.0
         self._setup()
@@ -140,15 +142,17 @@ class DaskExecutor(ClusterExecutor):
     # -- ClusterExecutor --------------------------------------------------------------
 
     def _program(self, key: str) -> Any:
-        found = self._programs.get(key)
-        if found is None:
-            data = tasks_module.program_bytes(key)
-            found = self.client.scatter(data, broadcast=True)
-            self._programs[key] = found
-            while len(self._programs) > PROGRAMS_KEPT:
-                self._programs.popitem(last=False)
-        self._programs.move_to_end(key)
-        return found
+        with self._programs_lock:
+            found = self._programs.get(key)
+            if found is None or found.status != "finished":
+                # Not scattered yet, or lost: every worker that held it died.
+                data = tasks_module.program_bytes(key)
+                found = self.client.scatter(data, broadcast=True, hash=False)
+                self._programs[key] = found
+                while len(self._programs) > PROGRAMS_KEPT:
+                    self._programs.popitem(last=False)
+            self._programs.move_to_end(key)
+            return found
 
     def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
         need = min(int(pending.need), self._largest) if self._largest else 0
@@ -185,6 +189,10 @@ class DaskExecutor(ClusterExecutor):
             return None
         # The client's copy of the worker's state has no metrics: what it used comes
         # from its nanny's restart event, or from what this executor last saw.
+        with self._programs_lock:
+            # The dead worker may have held the only copy of a program; the client
+            # learns that later than this, so they are scattered again.
+            self._programs.clear()
         ws = error.last_worker
         address = str(getattr(ws, "address", "?"))
         limit = int(getattr(ws, "memory_limit", 0) or 0)
