@@ -29,8 +29,9 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   :data:`STRAGGLER_MIN_SECONDS`, gets a second copy; the first result wins. A task's
   clock starts when it is among the oldest ``workers`` tasks not done (the engine runs
   tasks about in the order they were sent; the younger ones wait in its queue).
-  Duplicates are harmless: a file's rows are the same bytes, a shared block is renamed
-  into place, a partial is counted once.
+  Duplicates are harmless: a file's rows are the same bytes, a partial is counted once,
+  and the shared block of the copy that lost is deleted, as is one that comes back
+  after its compute was stopped.
 * **Sources are probed**: before a program's first task, every node checks that it sees
   each file the program reads; a compute whose source a node cannot see is refused, with
   the file and the worker named.
@@ -55,6 +56,7 @@ from typing import Any
 from ... import config
 from ...errors import SourceError, TierflowError
 from .. import tasks as tasks_module
+from ..program import SharedBlock
 from ..types import Done
 from .local import ThreadExecutor, mark_running_tasks
 
@@ -66,6 +68,7 @@ __all__ = [
     "ClusterExecutor",
     "Death",
     "WorkerLost",
+    "discard_shared",
     "probe_files",
     "run_block",
 ]
@@ -161,6 +164,16 @@ def run_block(
     finally:
         _capture.caught = None
     return result, perf_counter() - start, tuple(caught)
+
+
+def discard_shared(outcome: Any) -> None:
+    """Delete the shared-folder blocks of an attempt's ``(BlockResult, seconds,
+    warnings)`` that nobody will take (its twin won, or its compute was stopped)."""
+    result = outcome[0] if isinstance(outcome, tuple) and outcome else None
+    for block in getattr(result, "blocks", ()):
+        if isinstance(block, SharedBlock):
+            with contextlib.suppress(OSError):
+                os.unlink(block.path)
 
 
 def probe_files(paths: Sequence[str]) -> list[str]:
@@ -326,11 +339,13 @@ class ClusterExecutor:
 
     def _settle(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
         if pending.finished:
-            return  # a backup's twin won
+            discard_shared(outcome)  # a backup's twin won, or the compute was stopped
+            return
         # Told apart outside the lock: a subclass may ask the engine.
         death = self._death(error) if error is not None else None
         with self._lock:
             if pending.finished:
+                discard_shared(outcome)
                 return
             with contextlib.suppress(ValueError):
                 pending.handles.remove(handle)

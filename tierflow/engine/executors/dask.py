@@ -39,7 +39,14 @@ from typing import Any
 from ... import config
 from ...errors import TierflowError
 from .. import tasks as tasks_module
-from .cluster import ClusterExecutor, Death, host_name, probe_files, run_block
+from .cluster import (
+    ClusterExecutor,
+    Death,
+    discard_shared,
+    host_name,
+    probe_files,
+    run_block,
+)
 
 __all__ = ["RESOURCE", "DaskExecutor", "current_client"]
 
@@ -157,7 +164,7 @@ class DaskExecutor(ClusterExecutor):
     def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
         need = min(int(pending.need), self._largest) if self._largest else 0
         future = self.client.submit(
-            run_block,
+            _dask_block,
             pending.desc,
             self._program(program),
             self._settings(),
@@ -240,6 +247,28 @@ class DaskExecutor(ClusterExecutor):
 
     def __repr__(self) -> str:
         return f"DaskExecutor(workers={self.workers}, scheduler={self.client.scheduler.address})"
+
+
+def _dask_block(
+    desc: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, shared: Any
+) -> Any:
+    """A block task in a Dask worker: :func:`run_block`, whose shared-folder blocks are
+    deleted when the task was cancelled while it ran (its result goes nowhere)."""
+    outcome = run_block(desc, data, settings, cap, shared)
+    if _cancelled():
+        discard_shared(outcome)
+    return outcome
+
+
+def _cancelled() -> bool:
+    """Whether the client cancelled the task this worker thread runs."""
+    from distributed import get_worker
+
+    with contextlib.suppress(Exception):
+        worker = get_worker()
+        state = worker.state.tasks.get(worker.get_current_task())
+        return state is None or state.state in ("cancelled", "released", "forgotten")
+    return False
 
 
 def _no_engine_retries(dask_scheduler: Any) -> None:
