@@ -21,7 +21,8 @@ shares):
   carries no memory figures.
 * Programs are scattered once to every worker (``scatter(broadcast=True)``), and again
   after a worker died (it may have held the only copy); tasks are submitted with
-  ``retries=0`` and ``pure=False``.
+  ``retries=0`` and ``pure=False``. A straggler's backup copy is sent to the workers
+  that do not run it (loosely: ``allow_other_workers=True``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ class DaskExecutor(ClusterExecutor):
 
     def _launch(self, pending: Any, program: str, cap: int | None) -> Any:
         need = min(int(pending.need), self._largest) if self._largest else 0
+        # A backup copy goes to another worker than its twin's, when there is one.
+        elsewhere = self._elsewhere(list(pending.handles)) if pending.handles else None
         future = self.client.submit(
             _dask_block,
             pending.desc,
@@ -174,6 +177,8 @@ class DaskExecutor(ClusterExecutor):
             pure=False,
             retries=0,
             resources={RESOURCE: need} if need else None,
+            workers=elsewhere,
+            allow_other_workers=bool(elsewhere),
         )
 
         def landed(f: Any) -> None:
@@ -184,6 +189,17 @@ class DaskExecutor(ClusterExecutor):
 
         future.add_done_callback(landed)
         return future
+
+    def _elsewhere(self, handles: Sequence[Any]) -> list[str] | None:
+        """The workers that run none of ``handles`` (None: every worker runs one, or
+        the scheduler did not say)."""
+        keys = {h.key for h in handles}
+        with contextlib.suppress(Exception):
+            processing = self.client.processing()
+            others = [w for w, running in processing.items() if not keys & set(running)]
+            if others and len(others) < len(processing):
+                return others
+        return None
 
     def _cancel(self, handles: Sequence[Any]) -> None:
         with contextlib.suppress(Exception):
