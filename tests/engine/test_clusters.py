@@ -71,8 +71,24 @@ def own_dask() -> Iterator[Any]:
         cluster.close()
 
 
+_MADE: list[ClusterExecutor] = []
+
+
+def _made(executor: ClusterExecutor) -> Any:
+    """``executor``, closed when the test ends (its straggler watch stops)."""
+    _MADE.append(executor)
+    return executor
+
+
+@pytest.fixture(autouse=True)
+def _close_executors() -> Iterator[None]:
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
+
 def _engine(name: str, own_dask: Any = None) -> ClusterExecutor:
-    return DaskExecutor(own_dask) if name == "dask" else RayExecutor()
+    return _made(DaskExecutor(own_dask) if name == "dask" else RayExecutor())
 
 
 def _source(tmp_path: Path, rows: int = 1000, cols: int = 3) -> tuple[Path, np.ndarray]:
@@ -212,7 +228,7 @@ def _kind(executor: ClusterExecutor) -> Any:
 def test_a_dask_worker_killed_for_memory_has_its_tasks_sent_on_halved_blocks(
     small_dask: Any, tmp_path: Path
 ) -> None:
-    executor = DaskExecutor(small_dask)
+    executor = _made(DaskExecutor(small_dask))
     path, _ = _source(tmp_path, rows=640)
     expected = _pipeline(path, lambda b: b * 3 + 1, rows=64).compute(executor="threads")
     out = _pipeline(path, _grows_above(40), rows=64).compute(executor=executor)
@@ -242,7 +258,7 @@ def _ray_oom_above(rows: int) -> Callable[..., Any]:
 def test_a_ray_task_killed_for_memory_is_sent_on_halved_blocks(
     ray_runtime: Any, tmp_path: Path
 ) -> None:
-    executor = RayExecutor()
+    executor = _made(RayExecutor())
     executor._task = ray_runtime.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(
         _ray_oom_above(40)
     )
@@ -286,8 +302,8 @@ def test_a_memory_error_in_a_worker_is_halved_there(executor_name: str, tmp_path
 
 def _session_engine(name: str, request: pytest.FixtureRequest) -> ClusterExecutor:
     if name == "dask":
-        return DaskExecutor(request.getfixturevalue("dask_client"))
-    return RayExecutor()
+        return _made(DaskExecutor(request.getfixturevalue("dask_client")))
+    return _made(RayExecutor())
 
 
 def _slow_once(folder: str, first: float) -> Callable[[np.ndarray], np.ndarray]:
@@ -591,7 +607,7 @@ def test_a_compute_whose_source_a_worker_cannot_see_is_refused_naming_both(
         client.wait_for_workers(2, timeout=WAIT)
         workers = client.scheduler_info(n_workers=-1)["workers"]
         (address,) = [a for a, w in workers.items() if w.get("name") == "blind"]
-        executor = DaskExecutor(client)
+        executor = _made(DaskExecutor(client))
         y = tw.from_npy(path, rows=10) * 2
         with pytest.raises(tw.errors.SourceError) as info:
             y.compute(executor=executor)
@@ -635,7 +651,7 @@ def test_a_300_mb_dask_worker_runs_a_pipeline_over_a_1_gb_file(
     assert path.stat().st_size > 1 << 30
     limit = next(iter(small_dask.scheduler_info(n_workers=-1)["workers"].values()))
     assert limit["memory_limit"] == 300_000_000
-    executor = DaskExecutor(small_dask)
+    executor = _made(DaskExecutor(small_dask))
     pids = small_dask.run(os.getpid)
     x = tw.from_npy(path)
     total = np.sqrt(x * 2 + 1).sum(axis=0).compute(executor=executor)
