@@ -25,9 +25,13 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   ``MemoryError`` inside a worker is halved there, as in a local run.
 * **Stragglers get a backup copy**: once at least :data:`STRAGGLER_MIN_TASKS` tasks of a
   pass are known, at least half of them done, a task running over
-  :data:`STRAGGLER_FACTOR` times their median gets a second copy; the first result wins.
-  Duplicates are harmless: a file's rows are the same bytes, a shared block is renamed
-  into place, a partial is counted once.
+  :data:`STRAGGLER_FACTOR` times their median (as the workers timed them), and over
+  :data:`STRAGGLER_MIN_SECONDS`, gets a second copy; the first result wins. A task's
+  clock starts when it is among the oldest ``workers`` tasks not done (the engine runs
+  tasks about in the order they were sent; the younger ones wait in its queue).
+  Duplicates are harmless: a file's rows are the same bytes, a partial is counted once,
+  and the shared block of the copy that lost is deleted, as is one that comes back
+  after its compute was stopped.
 * **Sources are probed**: before a program's first task, every node checks that it sees
   each file the program reads; a compute whose source a node cannot see is refused, with
   the file and the worker named.
@@ -59,11 +63,13 @@ from .local import ThreadExecutor, running_task
 
 __all__ = [
     "STRAGGLER_FACTOR",
+    "STRAGGLER_MIN_SECONDS",
     "STRAGGLER_MIN_TASKS",
     "TRIES",
     "ClusterExecutor",
     "Death",
     "WorkerLost",
+    "discard_shared",
     "probe_files",
     "run_block",
 ]
@@ -73,7 +79,8 @@ log = logging.getLogger("tierflow.engine")
 TRIES = 4  # times a task is sent before the deaths of its workers fail it
 STRAGGLER_MIN_TASKS = 10  # tasks of a pass before a straggler gets a backup copy ...
 STRAGGLER_DONE = 0.5  # ... at least this share of them done ...
-STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median
+STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median ...
+STRAGGLER_MIN_SECONDS = 1.0  # ... and this long (a copy of a shorter task gains nothing)
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 _SETTINGS = ("spill_dir", "store_dir")
@@ -164,6 +171,16 @@ def run_block(
     return result, perf_counter() - start, tuple(caught), here
 
 
+def discard_shared(outcome: Any) -> None:
+    """Delete the shared-folder blocks of an attempt's ``(BlockResult, seconds,
+    warnings, where)`` that nobody will take (its twin won, or its compute was stopped)."""
+    result = outcome[0] if isinstance(outcome, tuple) and outcome else None
+    for block in getattr(result, "blocks", ()):
+        if isinstance(block, SharedBlock):
+            with contextlib.suppress(OSError):
+                os.unlink(block.path)
+
+
 def probe_files(paths: Sequence[str]) -> list[str]:
     """The files among ``paths`` this process cannot open for reading."""
     missing = []
@@ -204,6 +221,7 @@ class _Pending:
     finished: bool = False
     handles: list[Any] = field(default_factory=list)
     started: float = 0.0
+    cap: int | None = None  # the rows its latest attempt capped operators at
     backed_up: bool = False
     deaths: list[Death] = field(default_factory=list)
 
@@ -260,6 +278,10 @@ class ClusterExecutor:
         """Per worker (or node), the files among ``paths`` it cannot read."""
         raise NotImplementedError
 
+    def _observe(self) -> None:
+        """Called by the straggler watch while tasks run: a subclass notes what it
+        needs to tell a death of memory later (the workers' reported memory)."""
+
     def shared_dir(self) -> str | None:
         """The folder workers write bigger held blocks to (None: by value)."""
         shared = config.get("shared_dir")
@@ -310,30 +332,58 @@ class ClusterExecutor:
 
     def _attempt(self, pending: _Pending, kind: _Kind) -> None:
         pending.tries += 1
-        if not pending.started:
-            pending.started = perf_counter()
+        pending.cap = kind.cap
         prefer = self._read_by.get((kind.files, pending.desc.request)) if kind.files else None
         if pending.tries > 1:
             prefer = None  # sent again: wherever there is room
         handle = self._launch(pending, pending.desc.program, kind.cap, prefer)
         with self._lock:
             pending.handles.append(handle)
+            self._clock_front(perf_counter())
+
+    def _clock_front(self, now: float) -> None:
+        """Start the clocks of the oldest ``workers`` tasks not done: the engine runs
+        tasks about in the order they were sent, so those are the ones running (the
+        others wait in its queue, and waiting is not straggling). Needs ``_lock``."""
+        for k, pending in enumerate(self._pending.values()):
+            if k >= self.workers:
+                return
+            if not pending.started:
+                pending.started = now
 
     def _landed(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
-        """An attempt ended: ``outcome`` is ``(result, seconds, warnings, where)``."""
+        """An attempt ended: ``outcome`` is ``(result, seconds, warnings, where)``.
+        Whatever goes wrong here reaches the task's ``done``: a task never goes
+        unreported."""
+        try:
+            self._settle(pending, handle, outcome, error)
+        except BaseException as exc:
+            with self._lock:
+                if pending.finished:
+                    return
+                pending.finished = True
+                self._pending.pop(id(pending), None)
+            pending.done(None, exc)
+
+    def _settle(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
+        if pending.finished:
+            discard_shared(outcome)  # a backup's twin won, or the compute was stopped
+            return
+        # Told apart outside the lock: a subclass may ask the engine.
+        death = self._death(error) if error is not None else None
         with self._lock:
             if pending.finished:
-                _discard(outcome)  # a backup's twin won, or the compute was cancelled
+                discard_shared(outcome)
                 return
             with contextlib.suppress(ValueError):
                 pending.handles.remove(handle)
-            death = self._death(error) if error is not None else None
             if death is not None and pending.handles:
                 return  # its backup still runs
             if death is None:
                 pending.finished = True
                 others, pending.handles = pending.handles, []
                 self._pending.pop(id(pending), None)
+                self._clock_front(perf_counter())
         if death is not None:
             self._died(pending, death)
             return
@@ -345,7 +395,7 @@ class ClusterExecutor:
         result, seconds, caught, where = outcome
         kind = self._kinds.get(pending.desc.program)
         if kind is not None:
-            kind.seconds.append(perf_counter() - pending.started)
+            kind.seconds.append(seconds)
             if where is not None and kind.files:
                 self._read_by[(kind.files, pending.desc.request)] = where
         for category, text in caught:
@@ -356,7 +406,9 @@ class ClusterExecutor:
         pending.deaths.append(death)
         kind = self._kinds[pending.desc.program]
         if death.memory:
-            rows = _rows(pending.desc.request, kind.cap)
+            # Halved from the size this attempt ran at: the tasks that died with it
+            # (one death, many tasks) halve the cap once, not once each.
+            rows = _rows(pending.desc.request, pending.cap)
             if rows is not None:
                 half = max(1, (rows + 1) // 2)
                 kind.cap = half if kind.cap is None else min(kind.cap, half)
@@ -383,6 +435,7 @@ class ClusterExecutor:
             f" with operators capped at {kind.cap} rows" if death.memory else "",
         )
         self.resent += 1
+        pending.started = 0.0  # its clock starts again with the new attempt
         self._attempt(pending, kind)
 
     # -- stragglers -------------------------------------------------------------------
@@ -403,6 +456,7 @@ class ClusterExecutor:
                 if self._closed or not self._pending:
                     self._watch = None
                     return
+            self._observe()
             for pending in self.stragglers(perf_counter()):
                 kind = self._kinds.get(pending.desc.program)
                 if kind is None or pending.finished:
@@ -425,7 +479,10 @@ class ClusterExecutor:
                 kind = self._kinds.get(key)
                 medians[key] = _median_if_enough(kind)
             median = medians[key]
-            if median is not None and now - pending.started > STRAGGLER_FACTOR * median:
+            if median is None or not pending.started:
+                continue
+            ran = now - pending.started
+            if ran > STRAGGLER_FACTOR * median and ran > STRAGGLER_MIN_SECONDS:
                 found.append(pending)
         return found
 
@@ -449,16 +506,6 @@ class ClusterExecutor:
         self._closed = True
         self._wake.set()
         self.shutdown(cancel=True)
-
-
-def _discard(outcome: Any) -> None:
-    """Delete the shared-folder files of a result nobody will take."""
-    if outcome is None:
-        return
-    for block in getattr(outcome[0], "blocks", ()):
-        if isinstance(block, SharedBlock):
-            with contextlib.suppress(OSError):
-                os.unlink(block.path)
 
 
 def _median_if_enough(kind: _Kind | None) -> float | None:

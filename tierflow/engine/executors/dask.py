@@ -15,9 +15,14 @@ shares):
   on a worker where it fits beside the others.
 * The scheduler's ``allowed-failures`` is set to 0: Dask does not send a task whose
   worker died to another at the same size; tierflow does, on halved blocks when the
-  worker had reported memory near its limit.
-* Programs are scattered once to every worker (``scatter(broadcast=True)``), and tasks
-  are submitted with ``retries=0`` and ``pure=False``.
+  worker died of memory: its nanny restarted it for going over its limit (the
+  ``worker-restart-memory`` event), or the memory it last reported (read from the
+  scheduler while tasks run) was near its limit. The client's copy of a dead worker
+  carries no memory figures.
+* Programs are scattered once to every worker (``scatter(broadcast=True)``), and again
+  after a worker died (it may have held the only copy); tasks are submitted with
+  ``retries=0`` and ``pure=False``. A straggler's backup copy is sent to the workers
+  that do not run it (loosely: ``allow_other_workers=True``).
 """
 
 from __future__ import annotations
@@ -25,15 +30,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any
 
 from ... import config
 from ...errors import TierflowError
 from .. import tasks as tasks_module
-from .cluster import ClusterExecutor, Death, host_name, probe_files, run_block
+from .cluster import (
+    ClusterExecutor,
+    Death,
+    discard_shared,
+    host_name,
+    probe_files,
+    run_block,
+)
 
 __all__ = ["RESOURCE", "DaskExecutor", "current_client"]
 
@@ -41,6 +55,9 @@ log = logging.getLogger("tierflow.engine")
 
 RESOURCE = "tierflow-bytes"  # the worker resource block tasks ask for
 MEMORY_DEATH = 0.7  # a worker last seen above this share of its limit died of memory
+RESTART_TOPIC = "worker-restart-memory"  # the event a nanny logs when it kills for memory
+RESTART_EVENT_WAIT = 1.0  # seconds a death waits for that event at most
+SEEN_EVERY = 0.25  # seconds between readings of the workers' reported memory
 PROGRAMS_KEPT = 32  # scattered programs kept on the cluster, least recent dropped
 
 
@@ -100,6 +117,9 @@ class DaskExecutor(ClusterExecutor):
         hosts = {w.get("host") for w in info["workers"].values()}
         self._one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
         self._programs: OrderedDict[str, Any] = OrderedDict()
+        self._programs_lock = threading.Lock()
+        self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
+        self._seen_at = 0.0
         self._setup()
 
     def _setup(self) -> None:
@@ -130,20 +150,24 @@ class DaskExecutor(ClusterExecutor):
     # -- ClusterExecutor --------------------------------------------------------------
 
     def _program(self, key: str) -> Any:
-        found = self._programs.get(key)
-        if found is None:
-            data = tasks_module.program_bytes(key)
-            found = self.client.scatter(data, broadcast=True)
-            self._programs[key] = found
-            while len(self._programs) > PROGRAMS_KEPT:
-                self._programs.popitem(last=False)
-        self._programs.move_to_end(key)
-        return found
+        with self._programs_lock:
+            found = self._programs.get(key)
+            if found is None or found.status != "finished":
+                # Not scattered yet, or lost: every worker that held it died.
+                data = tasks_module.program_bytes(key)
+                found = self.client.scatter(data, broadcast=True, hash=False)
+                self._programs[key] = found
+                while len(self._programs) > PROGRAMS_KEPT:
+                    self._programs.popitem(last=False)
+            self._programs.move_to_end(key)
+            return found
 
     def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
         need = min(int(pending.need), self._largest) if self._largest else 0
+        # A backup copy goes to another worker than its twin's, when there is one.
+        elsewhere = self._elsewhere(list(pending.handles)) if pending.handles else None
         future = self.client.submit(
-            run_block,
+            _dask_block,
             pending.desc,
             self._program(program),
             self._settings(),
@@ -153,8 +177,8 @@ class DaskExecutor(ClusterExecutor):
             pure=False,
             retries=0,
             resources={RESOURCE: need} if need else None,
-            workers=[prefer] if prefer else None,
-            allow_other_workers=bool(prefer),
+            workers=elsewhere or ([prefer] if prefer else None),
+            allow_other_workers=bool(elsewhere or prefer),
         )
 
         def landed(f: Any) -> None:
@@ -166,6 +190,17 @@ class DaskExecutor(ClusterExecutor):
         future.add_done_callback(landed)
         return future
 
+    def _elsewhere(self, handles: Sequence[Any]) -> list[str] | None:
+        """The workers that run none of ``handles`` (None: every worker runs one, or
+        the scheduler did not say)."""
+        keys = {h.key for h in handles}
+        with contextlib.suppress(Exception):
+            processing = self.client.processing()
+            others = [w for w, running in processing.items() if not keys & set(running)]
+            if others and len(others) < len(processing):
+                return others
+        return None
+
     def _cancel(self, handles: Sequence[Any]) -> None:
         with contextlib.suppress(Exception):
             self.client.cancel(list(handles), force=True)
@@ -175,13 +210,52 @@ class DaskExecutor(ClusterExecutor):
 
         if not isinstance(error, KilledWorker):
             return None
+        # The client's copy of the worker's state has no metrics: what it used comes
+        # from its nanny's restart event, or from what this executor last saw.
+        with self._programs_lock:
+            # The dead worker may have held the only copy of a program; the client
+            # learns that later than this, so they are scattered again.
+            self._programs.clear()
         ws = error.last_worker
-        address = getattr(ws, "address", "?")
-        limit = getattr(ws, "memory_limit", 0) or 0
-        seen = getattr(getattr(ws, "memory", None), "process", 0) or 0
-        memory = bool(limit) and seen >= MEMORY_DEATH * limit
+        address = str(getattr(ws, "address", "?"))
+        limit = int(getattr(ws, "memory_limit", 0) or 0)
+        if not limit:
+            return Death(address, False, "it died (it had no memory limit)")
+        restarted = self._restarted_for_memory(address)
+        if restarted is not None:
+            why = f"its nanny restarted it at {restarted >> 20} MB of its {limit >> 20} MB limit"
+            return Death(address, True, why)
+        seen = self._seen.get(address)
+        if seen is None:
+            return Death(address, False, "it died before this compute saw its memory")
         why = f"its last reported memory was {seen >> 20} MB of its {limit >> 20} MB limit"
-        return Death(address, memory, why)
+        return Death(address, seen >= MEMORY_DEATH * limit, why)
+
+    def _restarted_for_memory(self, address: str) -> int | None:
+        """The memory at which the nanny of worker ``address`` restarted it for going
+        over its limit (its ``worker-restart-memory`` event), or None. The event may
+        reach the scheduler just after the worker's death does: asked a few times."""
+        for wait in (0.0, *[RESTART_EVENT_WAIT / 4] * 4):
+            if wait:
+                threading.Event().wait(wait)
+            with contextlib.suppress(Exception):
+                for _, event in self.client.get_events(RESTART_TOPIC):
+                    if isinstance(event, dict) and event.get("worker") == address:
+                        return int(event.get("rss", 0))
+        return None
+
+    def _observe(self) -> None:
+        """Note each worker's reported memory (at most every :data:`SEEN_EVERY` s)."""
+        now = perf_counter()
+        if now - self._seen_at < SEEN_EVERY:
+            return
+        self._seen_at = now
+        with contextlib.suppress(Exception):
+            info = self.client.scheduler_info(n_workers=-1)
+            for address, w in info["workers"].items():
+                memory = w.get("metrics", {}).get("memory")
+                if memory is not None:
+                    self._seen[str(address)] = int(memory)
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         found = self.client.run(probe_files, list(paths))
@@ -189,6 +263,28 @@ class DaskExecutor(ClusterExecutor):
 
     def __repr__(self) -> str:
         return f"DaskExecutor(workers={self.workers}, scheduler={self.client.scheduler.address})"
+
+
+def _dask_block(
+    desc: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, shared: Any
+) -> Any:
+    """A block task in a Dask worker: :func:`run_block`, whose shared-folder blocks are
+    deleted when the task was cancelled while it ran (its result goes nowhere)."""
+    outcome = run_block(desc, data, settings, cap, shared)
+    if _cancelled():
+        discard_shared(outcome)
+    return outcome
+
+
+def _cancelled() -> bool:
+    """Whether the client cancelled the task this worker thread runs."""
+    from distributed import get_worker
+
+    with contextlib.suppress(Exception):
+        worker = get_worker()
+        state = worker.state.tasks.get(worker.get_current_task())
+        return state is None or state.state in ("cancelled", "released", "forgotten")
+    return False
 
 
 def _no_engine_retries(dask_scheduler: Any) -> None:
