@@ -83,7 +83,11 @@ STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median ...
 STRAGGLER_MIN_SECONDS = 1.0  # ... and this long (a copy of a shorter task gains nothing)
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
-_SETTINGS = ("spill_dir", "store_dir")
+# Settings the driver passes to its workers: the store folder, beside which the store's
+# signing key lives (a cache's entries are trusted only under the driver's key). Each
+# worker keeps its own node's spill folder (TIERFLOW_SPILL_DIR there); the rest that
+# must be shared travels by path: sources, outputs, cache entries, shared-folder blocks.
+_SETTINGS: tuple[str, ...] = ("store_dir",)
 
 
 class WorkerLost(TierflowError, RuntimeError):

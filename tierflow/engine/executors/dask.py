@@ -135,12 +135,6 @@ class DaskExecutor(ClusterExecutor):
             default=0,
         )
 
-    def _settings(self) -> tuple[tuple[str, Any], ...]:
-        return tuple(super()._settings()) if self._one_host_now() else ()
-
-    def _one_host_now(self) -> bool:
-        return bool(getattr(self, "_one_host", False))
-
     def shared_dir(self) -> str | None:
         shared = super().shared_dir()
         if shared is None and self._one_host:

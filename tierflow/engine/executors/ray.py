@@ -109,9 +109,6 @@ class RayExecutor(ClusterExecutor):
             shared = os.path.expanduser(str(config.get("spill_dir")))
         return shared
 
-    def _settings(self) -> tuple[tuple[str, Any], ...]:
-        return super()._settings() if self._one_host else ()
-
     # -- ClusterExecutor --------------------------------------------------------------
 
     def _program(self, key: str) -> Any:
