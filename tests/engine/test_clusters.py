@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ import pytest
 import tierflow as tw
 from tierflow.engine.executors import ClusterExecutor, DaskExecutor, RayExecutor
 
+from common import wait_for
+
 WAIT = 60.0  # seconds a test waits for an event before it fails
 
 # Ray's workers do not have the tests on their path: this module's functions travel by
@@ -34,15 +35,8 @@ WAIT = 60.0  # seconds a test waits for an event before it fails
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _wait_for(check: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    """Poll ``check`` until it returns something true; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        threading.Event().wait(0.02)
-    raise AssertionError(f"waited {timeout:.0f} s for {what}")
+def _wait_for(check: Callable[[], Any], what: str, timeout: float = WAIT) -> None:
+    wait_for(check, timeout, what)
 
 
 def _cluster(**options: Any) -> tuple[Any, Any]:
@@ -140,11 +134,9 @@ def _kill_victim(folder: Path) -> threading.Thread:
     """Start a thread that SIGKILLs the process that writes ``victim`` in ``folder``."""
 
     def kill() -> None:
-        pid = int(
-            _wait_for(
-                lambda: (folder / "victim").exists() and (folder / "victim").read_text(), "a victim"
-            )
-        )
+        victim = folder / "victim"
+        _wait_for(lambda: victim.exists() and victim.read_text(), "a victim")
+        pid = int(victim.read_text())
         (folder / "killed").touch()
         os.kill(pid, signal.SIGKILL)
 
@@ -489,7 +481,10 @@ def test_ctrl_c_cancels_the_cluster_tasks_and_leaves_no_file(
         np.testing.assert_array_equal(
             x.map_blocks(lambda b: b * 2).compute(executor=executor), x.compute() * 2
         )
-    assert [f for f in _files_left(spill) if ".tf-block-" in f] == []
+    _wait_for(
+        lambda: [f for f in _files_left(spill) if ".tf-block-" in f] == [],
+        "the blocks of the cancelled tasks to be removed",
+    )
 
 
 def _alive(pid: int) -> bool:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +14,7 @@ from tierflow.errors import SourceError
 from tierflow.storage import leases
 from tierflow.storage.sources import open_npy
 
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout:.1f} s")
-        time.sleep(0.005)
+from common import wait_for
 
 
 def _save(path: Path, rows: int = 4096) -> np.ndarray:
