@@ -25,7 +25,11 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   ``MemoryError`` inside a worker is halved there, as in a local run.
 * **Stragglers get a backup copy**: once at least :data:`STRAGGLER_MIN_TASKS` tasks of a
   pass are known, at least half of them done, a task running over
-  :data:`STRAGGLER_FACTOR` times their median gets a second copy; the first result wins.
+  :data:`STRAGGLER_FACTOR` times their median, and over :data:`STRAGGLER_MIN_SECONDS`,
+  gets a second copy; the first result wins. A task's time counts from its submission,
+  queueing on the engine included, so short tasks in a deep queue vary by several times
+  their median under load: the floor keeps their copies (each a round trip and a slot)
+  from outnumbering the stragglers.
   Duplicates are harmless: a file's rows are the same bytes, a shared block is renamed
   into place, a partial is counted once.
 * **Sources are probed**: before a program's first task, every node checks that it sees
@@ -58,6 +62,7 @@ from .local import ThreadExecutor, mark_running_tasks
 
 __all__ = [
     "STRAGGLER_FACTOR",
+    "STRAGGLER_MIN_SECONDS",
     "STRAGGLER_MIN_TASKS",
     "TRIES",
     "ClusterExecutor",
@@ -72,7 +77,8 @@ log = logging.getLogger("tierflow.engine")
 TRIES = 4  # times a task is sent before the deaths of its workers fail it
 STRAGGLER_MIN_TASKS = 10  # tasks of a pass before a straggler gets a backup copy ...
 STRAGGLER_DONE = 0.5  # ... at least this share of them done ...
-STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median
+STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median ...
+STRAGGLER_MIN_SECONDS = 1.0  # ... and at least this long
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 _SETTINGS = ("spill_dir", "store_dir")
@@ -421,7 +427,12 @@ class ClusterExecutor:
                 kind = self._kinds.get(key)
                 medians[key] = _median_if_enough(kind)
             median = medians[key]
-            if median is not None and now - pending.started > STRAGGLER_FACTOR * median:
+            running_for = now - pending.started
+            if (
+                median is not None
+                and running_for > STRAGGLER_FACTOR * median
+                and running_for > STRAGGLER_MIN_SECONDS
+            ):
                 found.append(pending)
         return found
 
