@@ -27,13 +27,19 @@ and ranges over the rounds), never bare times:
    ``da.from_array(np.load(path, mmap_mode="r"), chunks=(1,048,576, 8))`` (the same
    32 MB blocks) computed with ``client.compute`` on the same cluster, made inside the
    measured part (``from_array`` copies the memmap into the driver's RAM, and the copy
-   then travels to the workers). Ratio per round: dask.array / tierflow. tierflow on Ray
+   then travels whole to the workers that read it). dask.array is not run on a file
+   whose copies would not fit: :data:`DASK_FOOTPRINT` times the file over
+   :data:`DASK_ROOM` of the available memory (the kernel's OOM killer would pick any
+   process on the machine); its target then reads SKIP, and a smaller ``--size-gb``
+   measures the pair. Ratio per round: dask.array / tierflow. tierflow on Ray
    is measured too, against tierflow on threads; its ratio to dask.array (on the Dask
    cluster, from the other child) is shown as an extra, not a target.
    **Peak RSS per worker**: the child samples every worker process's ``VmRSS`` and
    ``RssAnon`` (``/proc/<pid>/status``) every 20 ms from the driver while each contender
-   runs, and keeps each worker's peak over that contender's computes (the workers are
-   Dask's worker processes, not their nannies; Ray's are the processes titled
+   runs, and keeps each worker's peak over that contender's computes and its largest
+   growth within one compute (a worker keeps what the other contender left it), and
+   the same for the driver (the workers are Dask's worker processes, not their
+   nannies; Ray's are the processes titled
    ``ray::...``). ``RSS`` counts the file's mapped pages, which the kernel can drop;
    ``anonymous`` is the heap and copies.
 3. ``overhead`` (issue 12: <= 1 ms a task on Dask, <= 2 ms on Ray): 2,000 tiny block
@@ -48,15 +54,16 @@ and ranges over the rounds), never bare times:
    summed. After a warm-up compute on each, ``--rounds`` rounds of ``[serial, ENGINE]``;
    the median.
 
-``--quiet CORES`` makes each round wait first (up to 2 min) until the rest of the
-machine uses under ``CORES`` cores (:func:`bench_processes.wait_quiet`); the 1-minute
-load average is recorded at the start, after every round and at the end. Every result is
-checked: a computed array bitwise against threads', a sum within 1e-6 relative of
-threads' (dask.array's float32 sums are shown against tierflow's, not checked).
+``--quiet CORES`` makes each round wait first (up to ``--quiet-wait`` seconds, default
+120) until the rest of the machine uses under ``CORES`` cores
+(:func:`bench_processes.wait_quiet`); the 1-minute load average is recorded at the
+start, after every round and at the end. Every result is checked: a computed array
+bitwise against threads', a sum within 1e-6 relative of threads' (dask.array's float32
+sums are shown against tierflow's, not checked).
 
 ``python tests/benchmarks/bench_cluster.py [--only mapblocks,columns,overhead]
-[--engines dask,ray] [--size-gb 4] [--rounds 5] [--quiet CORES] [--dir DIR]
-[--json figures.json]`` prints the figures and a table of the targets (PASS/MISS; exit
+[--engines dask,ray] [--size-gb 4] [--rounds 5] [--column-rounds 3] [--quiet CORES]
+[--quiet-wait S] [--dir DIR] [--json figures.json]`` prints the figures and a table of the targets (PASS/MISS; exit
 status 1 on a MISS only with ``--strict``). The generated files live in a temporary
 folder under ``--dir`` and are removed at the end. ``make bench`` runs the
 pytest-benchmark test below on tiny sizes (20,000 rows, a 16 MB file, 200 tasks, one
@@ -136,6 +143,7 @@ class Options:
     rounds: int = ROUNDS
     column_rounds: int = COLUMN_ROUNDS
     quiet: float | None = None
+    quiet_wait: float = QUIET_TIMEOUT_S
 
 
 # -- the child side: one engine's cluster, every part on it -------------------------------
@@ -301,9 +309,9 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _quiet(quiet: float | None, waits: list[tuple[float, float]]) -> None:
-    if quiet is not None:
-        waits.append(wait_quiet(quiet, QUIET_TIMEOUT_S))
+def _quiet(options: Options, waits: list[tuple[float, float]]) -> None:
+    if options.quiet is not None:
+        waits.append(wait_quiet(options.quiet, options.quiet_wait))
 
 
 def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str, Any]:
@@ -331,7 +339,7 @@ def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str
         cases[case]["difference"][engine] = _difference(got, references[case], case)
     waits: list[tuple[float, float]] = []
     for _ in range(options.rounds):
-        _quiet(options.quiet, waits)
+        _quiet(options, waits)
         for case in MAP_CASES:
             row: dict[str, Any] = {}
             _, row["threads"] = _timed(run(case, "threads"))
@@ -425,7 +433,7 @@ def measure_columns(path: str, cluster: Cluster, options: Options) -> dict[str, 
         _, cases[case]["first"] = _timed(tierflow_on(executor, case))
     waits: list[tuple[float, float]] = []
     for _ in range(options.column_rounds):
-        _quiet(options.quiet, waits)
+        _quiet(options, waits)
         for case in COLUMN_CASES:
             row: dict[str, Any] = {}
             for name, make in contenders.items():
@@ -465,7 +473,7 @@ def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
     difference = _difference(got, reference, "sum")
     waits: list[tuple[float, float]] = []
     for _ in range(options.rounds):
-        _quiet(options.quiet, waits)
+        _quiet(options, waits)
         row: dict[str, Any] = {}
         _, row["serial"] = _timed(run("serial"))
         got, row["engine"] = _timed(run(executor), workers=workers())
@@ -554,7 +562,7 @@ def _run_children(folder: Path, options: Options) -> dict[str, Any]:
     cmd += ["--rounds", str(options.rounds), "--column-rounds", str(options.column_rounds)]
     cmd += ["--tasks", str(options.tasks)]
     if options.quiet is not None:
-        cmd += ["--quiet", str(options.quiet)]
+        cmd += ["--quiet", str(options.quiet), "--quiet-wait", str(options.quiet_wait)]
     if "mapblocks" in options.parts:
         path = make_npy(folder / "rows.npy", options.rows, WIDTH, block_rows=MAP_BLOCK_ROWS * 20)
         cmd += ["--map-path", str(path)]
@@ -811,7 +819,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quiet",
         type=float,
         metavar="CORES",
-        help="before each round, wait (up to 2 min) until other work uses under CORES cores",
+        help="before each round, wait (up to --quiet-wait s) until other work uses under CORES cores",
+    )
+    parser.add_argument(
+        "--quiet-wait", type=float, default=QUIET_TIMEOUT_S, help="longest wait of --quiet, s"
     )
     parser.add_argument("--dir", help="folder for the generated files (default: temp)")
     parser.add_argument("--json", help="write the figures (JSON) here")
@@ -834,6 +845,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds=args.rounds,
         column_rounds=args.column_rounds,
         quiet=args.quiet,
+        quiet_wait=args.quiet_wait,
     )
     if args.child:
         child_main(args.child, options, args.map_path, args.column_path)
