@@ -51,8 +51,11 @@ and ranges over the rounds), never bare times:
    task, the engine's scheduling and transfers both ways, the worker's dispatch and
    the driver's handling of the result, less what overlaps across the two workers.
    Shown too: the seconds the tasks ran in the workers (as ``run_block`` measured them)
-   summed. After a warm-up compute on each, ``--rounds`` rounds of ``[serial, ENGINE]``;
-   the median.
+   summed, and the engine's own floor on this machine: as many trivial tasks
+   submitted at once and their results fetched at once, straight on Dask
+   (``client.map`` + ``client.gather``) or Ray (``ray.get`` of the ``.remote`` calls),
+   wall time per task. After a warm-up compute on each, ``--rounds`` rounds of
+   ``[serial, ENGINE, floor]``; the median.
 
 ``--quiet CORES`` makes each round wait first (up to ``--quiet-wait`` seconds, default
 120) until the rest of the machine uses under ``CORES`` cores
@@ -457,8 +460,34 @@ def measure_columns(path: str, cluster: Cluster, options: Options) -> dict[str, 
     }
 
 
+def _noop(i: int) -> int:
+    return i
+
+
+def _engine_floor(cluster: Cluster, n: int) -> Callable[[Any], Any]:
+    """``n`` trivial tasks straight on the engine, all submitted at once and their
+    results fetched at once (``client.map`` + ``client.gather``; ``ray.get`` of ``n``
+    ``.remote`` calls): the engine's own cost per task at its most favourable."""
+    if cluster.engine == "dask":
+        client = cluster.client
+
+        def on_dask(cb: Any) -> Any:
+            return client.gather(client.map(_noop, range(n), pure=False))
+
+        return on_dask
+    import ray
+
+    noop = ray.remote(num_cpus=1)(_noop)
+
+    def on_ray(cb: Any) -> Any:
+        return ray.get([noop.remote(i) for i in range(n)])
+
+    return on_ray
+
+
 def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
-    """Part 3: a warm-up on each, then ``rounds`` rounds of ``[serial, engine]``."""
+    """Part 3: a warm-up on each, then ``rounds`` rounds of ``[serial, engine, floor]``
+    (floor: :func:`_engine_floor`)."""
     import tierflow as tw
 
     executor, workers = cluster.executor, cluster.workers
@@ -467,8 +496,10 @@ def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
     def run(on: Any) -> Callable[[Any], Any]:
         return lambda cb: np.asarray(lazy.compute(executor=on, progress=False, callbacks=cb))
 
+    floor = _engine_floor(cluster, options.tasks)
     reference, warm_serial = _timed(run("serial"))
     got, first = _timed(run(executor), workers=workers())
+    _timed(floor)
     rows: list[dict[str, Any]] = []
     difference = _difference(got, reference, "sum")
     waits: list[tuple[float, float]] = []
@@ -478,6 +509,7 @@ def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
         _, row["serial"] = _timed(run("serial"))
         got, row["engine"] = _timed(run(executor), workers=workers())
         difference = max(difference, _difference(got, reference, "sum"))
+        _, row["floor"] = _timed(floor)
         row["load"] = _load()
         rows.append(row)
     return {
@@ -797,11 +829,16 @@ def _print_overhead(engine: str, part: dict[str, Any]) -> None:
     wall = statistics.median(r["engine"]["seconds"] for r in rounds)
     busy = statistics.median(r["engine"]["busy"] for r in rounds)
     cpu = statistics.median(r["engine"]["driver_cpu"] for r in rounds)
+    floors = [r["floor"]["seconds"] / max(1, r["engine"]["blocks"]) for r in rounds]
     print(
         f"    serial {serial:.3f} s, {engine} {wall:.3f} s (first {part['first']['seconds']:.3f}"
         f" s), tasks ran {busy:.3f} s in the workers, driver CPU {cpu:.2f} s; per task "
         f"{_span(per_task_costs(part), ' ms', 1e3)}; load {_loads(rounds)}; "
         f"difference from serial {part['difference']:.1e}"
+    )
+    print(
+        f"    {engine}'s own floor, as many trivial tasks submitted and fetched at once: "
+        f"{_span(floors, ' ms', 1e3)} a task"
     )
 
 
