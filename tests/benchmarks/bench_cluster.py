@@ -2,11 +2,11 @@
 
 Both clusters are local, on this machine: a ``distributed.LocalCluster(n_workers=2,
 threads_per_worker=1, processes=True, dashboard_address=None)`` and
-``ray.init(address="local", num_cpus=2, include_dashboard=False)``. tierflow drives
-(``tw.DaskExecutor(client)``, ``tw.RayExecutor()``); its block tasks run in the workers.
-Each engine's figures come from one child process (``bench_cluster.py --child ENGINE
-...``) that starts its cluster, measures, and closes it: the cluster's start is timed and
-reported, outside the measured rounds. Three parts, each selectable with ``--only``;
+``ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)``.
+tierflow drives (``tw.DaskExecutor(client)``, ``tw.RayExecutor()``); its block tasks run
+in the workers. Each engine's figures come from one child process (``bench_cluster.py
+--child ENGINE ...``) that starts its cluster, measures, and closes it: the cluster's
+start is timed and reported, outside the measured rounds. Three parts, each selectable with ``--only``;
 every ratio is measured in one run, alternating the contenders round by round (medians
 and ranges over the rounds), never bare times:
 
@@ -166,7 +166,7 @@ class Cluster:
 @contextlib.contextmanager
 def dask_cluster() -> Iterator[tuple[Any, Any, dict[str, Any]]]:
     """A 2-worker LocalCluster, its client and tierflow's executor on it; the figures
-    record how long the start took and the workers' pids."""
+    record how long the cluster's start and the executor's setup took, and the slots."""
     from distributed import Client, LocalCluster
 
     import tierflow as tw
