@@ -790,9 +790,11 @@ def _print_columns(engine: str, size_gb: float, part: dict[str, Any]) -> None:
     for case, found in part["cases"].items():
         rounds = found["rounds"]
         tw_s = statistics.median(r["tierflow"]["seconds"] for r in rounds)
-        other_s = statistics.median(r[other]["seconds"] for r in rounds)
+        ran = all(other in r for r in rounds)
+        other_s = f"{statistics.median(r[other]['seconds'] for r in rounds):.3f}" if ran else "-"
+        ratio = _span(column_ratios(found, other)) if ran else "-"
         print(
-            f"    {case:<8}{tw_s:>11.3f}{other_s:>14.3f}{_span(column_ratios(found, other)):>22}"
+            f"    {case:<8}{tw_s:>11.3f}{other_s:>14}{ratio:>22}"
             f"{size_gb / tw_s:>7.2f}{_loads(rounds):>11}"
         )
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in found["difference"].items())
@@ -889,9 +891,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     report = run_all(options, args.dir)
     rows = targets(report)
+    missed = save_figures(report, rows, args.json)  # first: the figures outlive a bad print
     print_report(report, rows)
     failed = any("error" in f for f in report["engines"].values())
-    missed = save_figures(report, rows, args.json) or failed
+    missed = missed or failed
     return 1 if missed and args.strict else 0
 
 
