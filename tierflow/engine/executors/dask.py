@@ -23,6 +23,10 @@ shares):
   after a worker died (it may have held the only copy); tasks are submitted with
   ``retries=0`` and ``pure=False``. A straggler's backup copy is sent to the workers
   that do not run it (loosely: ``allow_other_workers=True``).
+* Results are fetched in batches (:class:`_Results`). Dask runs every done callback on
+  one thread, one after another, and fetching a result there is a round trip to the
+  worker that holds it: tasks' ends were handled one round trip at a time. The callback
+  only queues its future; one thread gathers all the futures queued meanwhile at once.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -95,6 +99,77 @@ def _outcome(future: Any) -> tuple[Any, BaseException | None]:
         return None, exc
 
 
+Landed = Callable[[Any, BaseException | None], None]
+
+
+class _Results:
+    """Fetches finished tasks' results in batches, on a thread of its own.
+
+    :meth:`put` queues a future whose task ended and what to call with its outcome
+    (``landed(result, error)``; not called for a cancelled task). The thread takes every
+    future queued meanwhile and gathers the finished ones with one ``client.gather``;
+    an erred future, or a batch whose gather fails (a worker lost meanwhile), is
+    fetched one future at a time. ``landed`` runs on this thread."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._queue: list[tuple[Any, Landed]] = []
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, future: Any, landed: Landed) -> None:
+        with self._lock:
+            self._queue.append((future, landed))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="tierflow-dask-results", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                self._wake.clear()
+                batch, self._queue = self._queue, []
+            if not batch and self._closed:
+                return
+            self._handle(batch)
+            del batch  # holding a future keeps its task and result on the cluster
+
+    def _handle(self, batch: list[tuple[Any, Landed]]) -> None:
+        finished = [(f, landed) for f, landed in batch if f.status == "finished"]
+        one_by_one = [(f, landed) for f, landed in batch if f.status != "finished"]
+        values: list[Any] | None = None
+        if finished:
+            try:
+                values = self.client.gather([f for f, _ in finished])
+            except BaseException:  # a cancelled future too: fetched one by one
+                one_by_one += finished
+        if values is not None:
+            for (_, landed), value in zip(finished, values, strict=True):
+                _call(landed, value, None)
+        for future, landed in one_by_one:
+            result, error = _outcome(future)
+            if error is None and result is None:
+                continue  # cancelled
+            _call(landed, result, error)
+
+
+def _call(landed: Landed, result: Any, error: BaseException | None) -> None:
+    try:
+        landed(result, error)
+    except Exception:  # the thread must go on for the other tasks
+        log.exception("handling a Dask task's result failed")
+
+
 class DaskExecutor(ClusterExecutor):
     """Block tasks on the workers of a Dask distributed ``client`` (default: the
     current client); ``workers``: the task slots counted (default: the workers'
@@ -120,6 +195,7 @@ class DaskExecutor(ClusterExecutor):
         self._programs_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
         self._seen_at = 0.0
+        self._results = _Results(self.client)
         self._setup()
 
     def _setup(self) -> None:
@@ -175,13 +251,10 @@ class DaskExecutor(ClusterExecutor):
             allow_other_workers=bool(elsewhere or prefer),
         )
 
-        def landed(f: Any) -> None:
-            result, error = _outcome(f)
-            if error is None and result is None:
-                return  # cancelled
-            self._landed(pending, f, result, error)
+        def landed(result: Any, error: BaseException | None) -> None:
+            self._landed(pending, future, result, error)
 
-        future.add_done_callback(landed)
+        future.add_done_callback(lambda f: self._results.put(f, landed))
         return future
 
     def _elsewhere(self, handles: Sequence[Any]) -> list[str] | None:
@@ -198,6 +271,10 @@ class DaskExecutor(ClusterExecutor):
     def _cancel(self, handles: Sequence[Any]) -> None:
         with contextlib.suppress(Exception):
             self.client.cancel(list(handles), force=True)
+
+    def close(self) -> None:
+        super().close()
+        self._results.close()
 
     def _death(self, error: BaseException) -> Death | None:
         from distributed.scheduler import KilledWorker

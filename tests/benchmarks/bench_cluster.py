@@ -1,0 +1,944 @@
+"""tierflow on a Dask distributed cluster and on Ray, against threads and dask.array.
+
+Both clusters are local, on this machine: a ``distributed.LocalCluster(n_workers=2,
+threads_per_worker=1, processes=True, dashboard_address=None)`` and
+``ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)``.
+tierflow drives (``tw.DaskExecutor(client)``, ``tw.RayExecutor()``); its block tasks run
+in the workers. Each engine's figures come from one child process (``bench_cluster.py
+--child ENGINE ...``) that starts its cluster, measures, and closes it: the cluster's
+start is timed and reported, outside the measured rounds. Three parts, each selectable with ``--only``;
+every ratio is measured in one run, alternating the contenders round by round (medians
+and ranges over the rounds), never bare times:
+
+1. ``mapblocks`` (issue 12: >= 1.7x threads): the pure-Python per-row function of
+   ``bench_processes.py`` (:func:`bench_processes.per_row`, about 5 us a row with the
+   GIL held) through ``map_blocks`` on a float32 ``[200,000, 8]`` ``.npy`` read by path
+   (``tw.from_npy``, 5,000-row blocks, 40 tasks), as ``.sum(axis=0)`` (a partial of 8
+   values a block comes back) and ``.compute()`` (160 KB blocks, which the workers write
+   to the shared folder and the driver maps). After one warm-up compute on each (the
+   cluster's is reported as its *first*: it sends the program and probes the source),
+   each round runs ``[threads, ENGINE]`` on both cases; a round's ratio is threads /
+   engine.
+2. ``columns`` (issue 12: >= 5x dask.array on the same cluster): ``x.sum(axis=0)`` and
+   the fused ``np.sqrt(x * 2 + 1).sum(axis=0)`` on a float32 ``[N, 8]`` ``.npy`` of
+   ``--size-gb`` (default 4 GB, decimal), its page cache warm before every compute.
+   tierflow on the Dask cluster reads the file by path in 32 MB blocks
+   (``tw.from_npy(path, rows=1,048,576)``); dask.array is
+   ``da.from_array(np.load(path, mmap_mode="r"), chunks=(1,048,576, 8))`` (the same
+   32 MB blocks) computed with ``client.compute`` on the same cluster, made inside the
+   measured part (``from_array`` copies the memmap into the driver's RAM, and the copy
+   then travels whole to the workers that read it). dask.array is not run on a file
+   whose copies would not fit: :data:`DASK_FOOTPRINT` times the file over
+   :data:`DASK_ROOM` of the available memory (the kernel's OOM killer would pick any
+   process on the machine); its target then reads SKIP, and a smaller ``--size-gb``
+   measures the pair. Ratio per round: dask.array / tierflow. tierflow on Ray
+   is measured too, against tierflow on threads; its ratio to dask.array (on the Dask
+   cluster, from the other child) is shown as an extra, not a target.
+   **Peak RSS per worker**: the child samples every worker process's ``VmRSS`` and
+   ``RssAnon`` (``/proc/<pid>/status``) every 20 ms from the driver while each contender
+   runs, and keeps each worker's peak over that contender's computes and its largest
+   growth within one compute (a worker keeps what the other contender left it), and
+   the same for the driver (the workers are Dask's worker processes, not their
+   nannies; Ray's are the processes titled
+   ``ray::...``). ``RSS`` counts the file's mapped pages, which the kernel can drop;
+   ``anonymous`` is the heap and copies.
+3. ``overhead`` (issue 12: <= 1 ms a task on Dask, <= 2 ms on Ray): 2,000 tiny block
+   tasks, ``tw.from_array(np.zeros((2000, 1), "float32"), rows=1).sum(axis=0)``. The
+   cost per task is (the compute's wall time on the cluster - the work) / the block
+   tasks the engine reports, where the work is the same compute on the ``serial``
+   executor in the driver (the kernels and tierflow's own per-task work, one task after
+   another): so it counts what running on the cluster adds per task, i.e. sending the
+   task, the engine's scheduling and transfers both ways, the worker's dispatch and
+   the driver's handling of the result, less what overlaps across the two workers.
+   Shown too: the seconds the tasks ran in the workers (as ``run_block`` measured them)
+   summed, and the engine's own floor on this machine: as many trivial tasks
+   submitted at once and their results fetched at once, straight on Dask
+   (``client.map`` + ``client.gather``) or Ray (``ray.get`` of the ``.remote`` calls),
+   wall time per task. After a warm-up compute on each, ``--rounds`` rounds of
+   ``[serial, ENGINE, floor]``; the median.
+
+``--quiet CORES`` makes each round wait first (up to ``--quiet-wait`` seconds, default
+120) until the rest of the machine uses under ``CORES`` cores
+(:func:`bench_processes.wait_quiet`); the 1-minute load average is recorded at the
+start, after every round and at the end. Every result is checked: a computed array
+bitwise against threads', a sum within 1e-6 relative of threads' (dask.array's float32
+sums are shown against tierflow's, not checked).
+
+``python tests/benchmarks/bench_cluster.py [--only mapblocks,columns,overhead]
+[--engines dask,ray] [--size-gb 4] [--rounds 5] [--column-rounds 3] [--quiet CORES]
+[--quiet-wait S] [--dir DIR] [--json figures.json]`` prints the figures and a table of the targets (PASS/MISS; exit
+status 1 on a MISS only with ``--strict``). The generated files live in a temporary
+folder under ``--dir`` and are removed at the end. ``make bench`` runs the
+pytest-benchmark test below on tiny sizes (20,000 rows, a 16 MB file, 200 tasks, one
+round): it asserts that every contender ran and that the cluster results equal threads',
+and records the figures in ``extra_info``; speed targets are not asserted there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import emit, ensure_warm, make_npy, run_sampled, save_figures, status
+from bench_processes import _cpu_seconds, _difference, _Tasks, per_row, wait_quiet
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+GB = 10**9  # decimal, as the design's figures
+MB = 1 << 20
+WIDTH = 8
+MAP_ROWS = 200_000  # part 1: bench_processes.py's data
+MAP_BLOCK_ROWS = 5_000
+COLUMN_BLOCK_ROWS = (32 * MB) // (4 * WIDTH)  # part 2: 32 MB blocks, both contenders
+TINY_TASKS = 2_000  # part 3
+ROUNDS = 5
+COLUMN_ROUNDS = 3
+MAP_TARGET = 1.7  # engine / threads, per-row map_blocks
+COLUMN_TARGET = 5.0  # tierflow on Dask / dask.array on the same cluster
+# dask.array's peak memory over the file's size, driver and workers together (measured on
+# a 0.5 GB file: 4.6x in the driver, 3.2x in one worker), and the share of the machine's
+# available memory it may take: above it, it is not run, so as not to bring down the
+# machine (the kernel's OOM killer picks any process, not necessarily dask's).
+DASK_FOOTPRINT = 8.5
+DASK_ROOM = 0.7
+OVERHEAD_TARGET = {"dask": 1e-3, "ray": 2e-3}  # seconds per task, at most
+SUM_RTOL = 1e-6
+SAMPLE_S = 0.02
+QUIET_TIMEOUT_S = 120.0
+TIMEOUT_S = 3600.0
+PARTS = ("mapblocks", "columns", "overhead")
+ENGINES = ("dask", "ray")
+MAP_CASES = ("sum", "compute")
+COLUMN_CASES = ("sum", "chain")
+
+BENCH_ROWS = int(os.environ.get("TIERFLOW_BENCH_CLUSTER_ROWS", "20000"))
+BENCH_SIZE_GB = float(os.environ.get("TIERFLOW_BENCH_CLUSTER_SIZE_GB", "0.016"))
+BENCH_TASKS = int(os.environ.get("TIERFLOW_BENCH_CLUSTER_TASKS", "200"))
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a run measures: the parts and engines, the sizes, the rounds, and the wait for
+    a quiet machine before each round (``quiet``: the cores other work may use)."""
+
+    parts: tuple[str, ...] = PARTS
+    engines: tuple[str, ...] = ENGINES
+    rows: int = MAP_ROWS
+    size_gb: float = 4.0
+    tasks: int = TINY_TASKS
+    rounds: int = ROUNDS
+    column_rounds: int = COLUMN_ROUNDS
+    quiet: float | None = None
+    quiet_wait: float = QUIET_TIMEOUT_S
+
+
+# -- the child side: one engine's cluster, every part on it -------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The child's engine: its name, the Dask client (None on Ray), tierflow's executor
+    on it, and a function listing its worker processes' pids."""
+
+    engine: str
+    client: Any
+    executor: Any
+    workers: Callable[[], list[int]]
+
+
+@contextlib.contextmanager
+def dask_cluster() -> Iterator[tuple[Any, Any, dict[str, Any]]]:
+    """A 2-worker LocalCluster, its client and tierflow's executor on it; the figures
+    record how long the cluster's start and the executor's setup took, and the slots."""
+    from distributed import Client, LocalCluster
+
+    import tierflow as tw
+
+    start = time.perf_counter()
+    cluster = LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    )
+    client = Client(cluster)
+    client.wait_for_workers(2)
+    started = time.perf_counter() - start
+    executor = tw.DaskExecutor(client)
+    figures = {
+        "start_s": started,
+        "executor_s": time.perf_counter() - start - started,
+        "slots": executor.workers,
+    }
+    try:
+        yield client, executor, figures
+    finally:
+        client.close()
+        cluster.close()
+
+
+@contextlib.contextmanager
+def ray_cluster() -> Iterator[tuple[Any, Any, dict[str, Any]]]:
+    """A local Ray instance with 2 CPUs (a new one, never someone else's) and tierflow's
+    executor on it."""
+    import ray
+
+    import tierflow as tw
+
+    start = time.perf_counter()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = time.perf_counter() - start
+    executor = tw.RayExecutor()
+    figures = {
+        "start_s": started,
+        "executor_s": time.perf_counter() - start - started,
+        "slots": executor.workers,
+    }
+    try:
+        yield None, executor, figures
+    finally:
+        ray.shutdown()
+
+
+def _dask_workers(client: Any) -> Callable[[], list[int]]:
+    pids = sorted(client.run(os.getpid).values())
+    return lambda: pids
+
+
+def _ray_workers() -> list[int]:
+    """This process's descendants titled ``ray::...``: Ray's worker processes (Ray may
+    start one at any time, so they are listed again while sampling)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::"):
+                found.append(p.pid)
+    return found
+
+
+class WorkerMemory:
+    """Samples the RSS of the worker processes every 20 ms in a thread while a ``with``
+    block runs. Per worker, over every block: the peak ``VmRSS`` and ``RssAnon`` (bytes)
+    and the largest growth of each over its first sample in a block (a worker keeps
+    memory another contender's compute left it, which the growth leaves out)."""
+
+    def __init__(self, workers: Callable[[], list[int]]) -> None:
+        self.workers = workers
+        self.peaks: dict[int, dict[str, int]] = {}
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> WorkerMemory:
+        self._done.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        assert self._thread is not None
+        self._thread.join()
+
+    def _sample(self) -> None:
+        pids = [os.getpid(), *self.workers()]
+        listed = time.monotonic()
+        first: dict[int, dict[str, int]] = {}
+        while True:
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    s = status(pid)
+                    now = {"rss": s.get("VmRSS", 0), "anon": s.get("RssAnon", 0)}
+                    start = first.setdefault(pid, now)
+                    peak = self.peaks.setdefault(
+                        pid, {"rss": 0, "anon": 0, "rss_growth": 0, "anon_growth": 0}
+                    )
+                    for key in ("rss", "anon"):
+                        peak[key] = max(peak[key], now[key])
+                        peak[f"{key}_growth"] = max(peak[f"{key}_growth"], now[key] - start[key])
+            if self._done.wait(SAMPLE_S):
+                return
+            if time.monotonic() - listed > 0.5:
+                pids, listed = [os.getpid(), *self.workers()], time.monotonic()
+
+    def worker_peaks(self) -> list[dict[str, int]]:
+        """Each worker's figures, highest peak RSS first."""
+        workers = [p for pid, p in self.peaks.items() if pid != os.getpid()]
+        return sorted(workers, key=lambda p: p["rss"], reverse=True)
+
+    def driver_peak(self) -> dict[str, int]:
+        """The same figures for this process, the driver."""
+        return self.peaks.get(os.getpid(), {})
+
+
+def _timed(
+    compute: Callable[[Any], Any], workers: Sequence[int] = ()
+) -> tuple[Any, dict[str, Any]]:
+    """One compute: its result and figures. ``compute(callbacks)`` runs it; the tasks'
+    seconds are as the engine reports them (in the worker, on a cluster)."""
+    tasks = _Tasks()
+    before = _cpu_seconds(workers)
+    cpu = time.process_time()
+    start = time.perf_counter()
+    result = compute(tasks)
+    seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    after = _cpu_seconds(workers)
+    return result, {
+        "seconds": seconds,
+        "driver_cpu": cpu,
+        "worker_cpu": sum(t - before.get(pid, 0.0) for pid, t in after.items()),
+        "busy": tasks.busy,
+        "blocks": tasks.blocks,
+    }
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _quiet(options: Options, waits: list[tuple[float, float]]) -> None:
+    if options.quiet is not None:
+        waits.append(wait_quiet(options.quiet, options.quiet_wait))
+
+
+def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str, Any]:
+    """Part 1: warm-ups, then ``rounds`` rounds of ``[threads, engine]`` on each case."""
+    import tierflow as tw
+
+    engine, executor, workers = cluster.engine, cluster.executor, cluster.workers
+
+    mapped = tw.from_npy(path, rows=MAP_BLOCK_ROWS).map_blocks(
+        per_row, dtype=np.float32, row_shape=(WIDTH,)
+    )
+    lazies = {"sum": mapped.sum(axis=0), "compute": mapped}
+
+    def run(case: str, on: Any) -> Callable[[Any], Any]:
+        return lambda cb: np.asarray(
+            lazies[case].compute(executor=on, progress=False, callbacks=cb)
+        )
+
+    cases: dict[str, Any] = {}
+    references: dict[str, Any] = {}
+    for case in MAP_CASES:
+        references[case], warm = _timed(run(case, "threads"))
+        got, first = _timed(run(case, executor), workers=workers())
+        cases[case] = {"warm_threads": warm, "first": first, "rounds": [], "difference": {}}
+        cases[case]["difference"][engine] = _difference(got, references[case], case)
+    waits: list[tuple[float, float]] = []
+    for _ in range(options.rounds):
+        _quiet(options, waits)
+        for case in MAP_CASES:
+            row: dict[str, Any] = {}
+            _, row["threads"] = _timed(run(case, "threads"))
+            got, row[engine] = _timed(run(case, executor), workers=workers())
+            found = _difference(got, references[case], case)
+            cases[case]["difference"][engine] = max(cases[case]["difference"][engine], found)
+            row["load"] = _load()
+            cases[case]["rounds"].append(row)
+    return {"cases": cases, "quiet_waits": waits}
+
+
+def _dask_array(path: str) -> Any:
+    import dask.array as da
+
+    return da.from_array(np.load(path, mmap_mode="r"), chunks=(COLUMN_BLOCK_ROWS, WIDTH))
+
+
+def _too_big_for_dask(path: str) -> str:
+    """Why dask.array is not run on this file ("" when it is): its footprint would not
+    fit the machine's available memory (:data:`DASK_FOOTPRINT`)."""
+    size = os.path.getsize(path)
+    available = _available_memory()
+    need = DASK_FOOTPRINT * size
+    if need <= DASK_ROOM * available:
+        return ""
+    return (
+        f"it would need about {need / GB:.1f} GB ({DASK_FOOTPRINT:g}x the {size / GB:.2f} GB "
+        f"file: from_array copies it into the driver, and the copy travels whole to the "
+        f"workers), and {available / GB:.1f} GB is available; run part 2 with a smaller "
+        "--size-gb for the pair"
+    )
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _column_expr(x: Any, case: str) -> Any:
+    return x.sum(axis=0) if case == "sum" else np.sqrt(x * 2 + 1).sum(axis=0)
+
+
+def measure_columns(path: str, cluster: Cluster, options: Options) -> dict[str, Any]:
+    """Part 2: per round and case, tierflow on the cluster, then the other contender
+    (dask.array on the same cluster for Dask, tierflow on threads for Ray); the file's
+    page cache warm before each."""
+    import tierflow as tw
+
+    engine, client, executor, workers = (
+        cluster.engine, cluster.client, cluster.executor, cluster.workers,
+    )  # fmt: skip
+
+    def tierflow_on(on: Any, case: str) -> Callable[[Any], Any]:
+        def compute(cb: Any) -> Any:
+            x = tw.from_npy(path, rows=COLUMN_BLOCK_ROWS)
+            return np.asarray(
+                _column_expr(x, case).compute(executor=on, progress=False, callbacks=cb)
+            )
+
+        return compute
+
+    def dask_on_cluster(case: str) -> Callable[[Any], Any]:
+        def compute(cb: Any) -> Any:
+            return np.asarray(client.compute(_column_expr(_dask_array(path), case)).result())
+
+        return compute
+
+    contenders: dict[str, Callable[[str], Callable[[Any], Any]]] = {
+        "tierflow": lambda case: tierflow_on(executor, case)
+    }
+    skipped = ""
+    if engine == "dask":
+        skipped = _too_big_for_dask(path)
+        if not skipped:
+            contenders["dask.array"] = dask_on_cluster
+    else:
+        contenders["threads"] = lambda case: tierflow_on("threads", case)
+    memory = {name: WorkerMemory(workers) for name in contenders}
+    cases: dict[str, Any] = {
+        c: {"rounds": [], "difference": {}, "results": {}} for c in COLUMN_CASES
+    }
+    references: dict[str, Any] = {}
+    for case in COLUMN_CASES:  # the reference, and the program's first run on the cluster
+        ensure_warm(path)
+        references[case], _ = _timed(tierflow_on("threads", case))
+        cases[case]["results"]["threads"] = references[case]
+        ensure_warm(path)
+        _, cases[case]["first"] = _timed(tierflow_on(executor, case))
+    waits: list[tuple[float, float]] = []
+    for _ in range(options.column_rounds):
+        _quiet(options, waits)
+        for case in COLUMN_CASES:
+            row: dict[str, Any] = {}
+            for name, make in contenders.items():
+                ensure_warm(path)
+                with memory[name]:
+                    got, row[name] = _timed(make(case), workers=workers())
+                cases[case]["results"][name] = got
+                found = _difference(got, references[case], "sum")
+                cases[case]["difference"][name] = max(
+                    cases[case]["difference"].get(name, 0.0), found
+                )
+            row["load"] = _load()
+            cases[case]["rounds"].append(row)
+    return {
+        "cases": cases,
+        "worker_peaks": {name: m.worker_peaks() for name, m in memory.items()},
+        "driver_peaks": {name: m.driver_peak() for name, m in memory.items()},
+        "dask_skipped": skipped,
+        "quiet_waits": waits,
+        "rows": int(np.load(path, mmap_mode="r").shape[0]),
+    }
+
+
+def _noop(i: int) -> int:
+    return i
+
+
+def _engine_floor(cluster: Cluster, n: int) -> Callable[[Any], Any]:
+    """``n`` trivial tasks straight on the engine, all submitted at once and their
+    results fetched at once (``client.map`` + ``client.gather``; ``ray.get`` of ``n``
+    ``.remote`` calls): the engine's own cost per task at its most favourable."""
+    if cluster.engine == "dask":
+        client = cluster.client
+
+        def on_dask(cb: Any) -> Any:
+            return client.gather(client.map(_noop, range(n), pure=False))
+
+        return on_dask
+    import ray
+
+    noop = ray.remote(num_cpus=1)(_noop)
+
+    def on_ray(cb: Any) -> Any:
+        return ray.get([noop.remote(i) for i in range(n)])
+
+    return on_ray
+
+
+def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
+    """Part 3: a warm-up on each, then ``rounds`` rounds of ``[serial, engine, floor]``
+    (floor: :func:`_engine_floor`)."""
+    import tierflow as tw
+
+    executor, workers = cluster.executor, cluster.workers
+    lazy = tw.from_array(np.zeros((options.tasks, 1), "float32"), rows=1).sum(axis=0)
+
+    def run(on: Any) -> Callable[[Any], Any]:
+        return lambda cb: np.asarray(lazy.compute(executor=on, progress=False, callbacks=cb))
+
+    floor = _engine_floor(cluster, options.tasks)
+    reference, warm_serial = _timed(run("serial"))
+    got, first = _timed(run(executor), workers=workers())
+    _timed(floor)
+    rows: list[dict[str, Any]] = []
+    difference = _difference(got, reference, "sum")
+    waits: list[tuple[float, float]] = []
+    for _ in range(options.rounds):
+        _quiet(options, waits)
+        row: dict[str, Any] = {}
+        _, row["serial"] = _timed(run("serial"))
+        got, row["engine"] = _timed(run(executor), workers=workers())
+        difference = max(difference, _difference(got, reference, "sum"))
+        _, row["floor"] = _timed(floor)
+        row["load"] = _load()
+        rows.append(row)
+    return {
+        "warm_serial": warm_serial,
+        "first": first,
+        "rounds": rows,
+        "difference": difference,
+        "quiet_waits": waits,
+    }
+
+
+def child_main(engine: str, options: Options, map_path: str, column_path: str) -> None:
+    figures: dict[str, Any] = {"engine": engine, "load_start": os.getloadavg()}
+    start_cluster = dask_cluster if engine == "dask" else ray_cluster
+    with start_cluster() as (client, executor, start):
+        figures["cluster"] = start
+        workers = _dask_workers(client) if engine == "dask" else _ray_workers
+        cluster = Cluster(engine, client, executor, workers)
+        if "mapblocks" in options.parts:
+            figures["mapblocks"] = measure_mapblocks(map_path, cluster, options)
+        if "columns" in options.parts:
+            figures["columns"] = measure_columns(column_path, cluster, options)
+        if "overhead" in options.parts:
+            figures["overhead"] = measure_overhead(cluster, options)
+        figures["backups"] = executor.backups
+        figures["resent"] = executor.resent
+    figures["load_end"] = os.getloadavg()
+    emit(figures)
+
+
+# -- the parent side ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One line of the final table: ``value`` against ``target`` (``at_least`` or, for
+    a cost, at most); ``target`` None is a figure shown without a target."""
+
+    what: str
+    value: float | None
+    target: float | None
+    at_least: bool = True
+    unit: str = "x"
+    skipped: bool = False  # not measured at this size (said why above the table)
+
+    @property
+    def verdict(self) -> str:
+        if self.skipped:
+            return "SKIP"
+        if self.target is None:
+            return "INFO"
+        if self.value is None:
+            return "MISS"
+        ok = self.value >= self.target if self.at_least else self.value <= self.target
+        return "PASS" if ok else "MISS"
+
+
+def _child_env(folder: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TIERFLOW_CACHE", None)
+    env["TIERFLOW_SPILL_DIR"] = str(folder / "spill")
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # The workers (started by the child) import this tree's tierflow and per_row's module.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    return env
+
+
+def run_all(options: Options, where: str | None = None) -> dict[str, Any]:
+    """Generate the files in a temporary folder under ``where``, run each engine's
+    child, and remove the folder."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=where))
+    try:
+        return _run_children(folder, options)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_children(folder: Path, options: Options) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(options.parts)]
+    cmd += ["--rounds", str(options.rounds), "--column-rounds", str(options.column_rounds)]
+    cmd += ["--tasks", str(options.tasks)]
+    if options.quiet is not None:
+        cmd += ["--quiet", str(options.quiet), "--quiet-wait", str(options.quiet_wait)]
+    if "mapblocks" in options.parts:
+        path = make_npy(folder / "rows.npy", options.rows, WIDTH, block_rows=MAP_BLOCK_ROWS * 20)
+        cmd += ["--map-path", str(path)]
+    if "columns" in options.parts:
+        column_rows = max(1, int(options.size_gb * GB) // (4 * WIDTH))
+        path = make_npy(folder / "columns.npy", column_rows, WIDTH)
+        cmd += ["--column-path", str(path)]
+    report: dict[str, Any] = {
+        **options.__dict__,
+        "cores": os.cpu_count(),
+        "load_start": os.getloadavg(),
+        "engines": {},
+    }
+    for engine in options.engines:
+        run = run_sampled([*cmd, "--child", engine], timeout=TIMEOUT_S, env=_child_env(folder))
+        figures = run.figures()
+        figures["returncode"] = run.returncode
+        figures["driver_peak_rss"] = max((s.rss for s in run.samples), default=0)
+        if run.returncode != 0 or "load_end" not in figures:
+            figures["error"] = run.stderr[-3000:] or f"exit status {run.returncode}, no output"
+        report["engines"][engine] = figures
+    report["load_end"] = os.getloadavg()
+    return report
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def map_ratios(case: dict[str, Any], engine: str) -> list[float]:
+    """threads / engine of each round."""
+    return [r["threads"]["seconds"] / r[engine]["seconds"] for r in case["rounds"]]
+
+
+def column_ratios(case: dict[str, Any], slower: str, faster: str = "tierflow") -> list[float]:
+    """``slower`` / ``faster`` of each round."""
+    return [r[slower]["seconds"] / r[faster]["seconds"] for r in case["rounds"]]
+
+
+def per_task_costs(part: dict[str, Any]) -> list[float]:
+    """(engine wall - serial wall) / block tasks, per round, in seconds."""
+    return [
+        (r["engine"]["seconds"] - r["serial"]["seconds"]) / max(1, r["engine"]["blocks"])
+        for r in part["rounds"]
+    ]
+
+
+def targets(report: dict[str, Any]) -> list[Target]:
+    rows: list[Target] = []
+    engines = report.get("engines", {})
+    for engine, figures in engines.items():
+        for case, found in figures.get("mapblocks", {}).get("cases", {}).items():
+            rows.append(
+                Target(
+                    f"1 per-row map_blocks .{case}: {engine} / threads",
+                    _median(map_ratios(found, engine)),
+                    MAP_TARGET,
+                )
+            )
+    for case in COLUMN_CASES:
+        dask_part = engines.get("dask", {}).get("columns", {})
+        dask_case = dask_part.get("cases", {}).get(case)
+        if dask_part.get("dask_skipped"):
+            rows.append(
+                Target(
+                    f"2 {case}: tierflow on dask / dask.array", None, COLUMN_TARGET, skipped=True
+                )
+            )
+            dask_case = None
+        elif dask_case is not None:
+            rows.append(
+                Target(
+                    f"2 {case}: tierflow on dask / dask.array",
+                    _median(column_ratios(dask_case, "dask.array")),
+                    COLUMN_TARGET,
+                )
+            )
+        ray_case = engines.get("ray", {}).get("columns", {}).get("cases", {}).get(case)
+        if ray_case is not None and dask_case is not None:
+            ray_s = statistics.median(r["tierflow"]["seconds"] for r in ray_case["rounds"])
+            dask_s = statistics.median(r["dask.array"]["seconds"] for r in dask_case["rounds"])
+            rows.append(
+                Target(f"2 {case}: tierflow on ray / dask.array (extra)", dask_s / ray_s, None)
+            )
+    for engine, figures in engines.items():
+        part = figures.get("overhead")
+        if part is not None:
+            cost = _median(per_task_costs(part))
+            rows.append(
+                Target(
+                    f"3 cost per task on {engine}",
+                    None if cost is None else cost * 1e3,
+                    OVERHEAD_TARGET[engine] * 1e3,
+                    at_least=False,
+                    unit=" ms",
+                )
+            )
+    return rows
+
+
+def _span(values: Sequence[float], unit: str = "x", scale: float = 1.0) -> str:
+    if not values:
+        return "-"
+    v = [x * scale for x in values]
+    return f"{statistics.median(v):.2f}{unit} ({min(v):.2f}-{max(v):.2f})"
+
+
+def _loads(rounds: Sequence[dict[str, Any]]) -> str:
+    loads = [r["load"] for r in rounds]
+    return f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
+
+
+def print_report(report: dict[str, Any], rows: Sequence[Target]) -> None:
+    load = report["load_start"]
+    print(
+        f"{report['cores']} cores; load average at the start {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f} (1, 5, 15 min); rounds: {report['rounds']} (part 2: "
+        f"{report['column_rounds']})"
+    )
+    for engine, figures in report["engines"].items():
+        print()
+        if "error" in figures:
+            print(f"{engine}: FAILED: {figures['error']}")
+        cluster = figures.get("cluster", {})
+        print(
+            f"{engine}: cluster started in {cluster.get('start_s', 0):.2f} s (+ "
+            f"{cluster.get('executor_s', 0):.2f} s for tierflow's executor), "
+            f"{cluster.get('slots')} task slots; backups {figures.get('backups')}, "
+            f"tasks sent again {figures.get('resent')}"
+        )
+        if "mapblocks" in figures:
+            _print_mapblocks(engine, report["rows"], figures["mapblocks"])
+        if "columns" in figures:
+            _print_columns(engine, report["size_gb"], figures["columns"])
+        if "overhead" in figures:
+            _print_overhead(engine, figures["overhead"])
+        waits = [w for part in PARTS for w in figures.get(part, {}).get("quiet_waits", [])]
+        if waits:
+            print(
+                "  waits for a quiet machine before each round (s, other work in cores): "
+                + ", ".join(f"{w:.0f} ({c:.2f})" for w, c in waits)
+            )
+        end = figures.get("load_end")
+        if end:
+            print(f"  load average at the child's end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
+    print()
+    for t in rows:
+        value = "-" if t.value is None else f"{t.value:.2f}{t.unit}"
+        bound = "-" if t.target is None else f"{'>=' if t.at_least else '<='} {t.target}{t.unit}"
+        print(f"  {t.verdict:<5} {t.what:<50} {value:>10}  (target {bound})")
+    end = report.get("load_end")
+    if end:
+        print(f"load average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
+
+
+def _print_mapblocks(engine: str, rows: int, part: dict[str, Any]) -> None:
+    print(
+        f"  1. per-row map_blocks on {rows:,} rows x {WIDTH} in {MAP_BLOCK_ROWS:,}-row "
+        f"blocks, tw.from_npy; threads / {engine} per round, median (min-max)"
+    )
+    print(
+        f"    {'case':<10}{'threads s':>10}{engine + ' s':>9}{'ratio':>22}{'first s':>9}"
+        f"{'driver CPU':>12}{'worker CPU':>12}{'task s':>8}{'load':>11}"
+    )
+    for case, found in part["cases"].items():
+        rounds = found["rounds"]
+
+        def med(who: str, key: str, rounds: list[Any] = rounds) -> float:
+            return statistics.median(r[who][key] for r in rounds)
+
+        print(
+            f"    {case:<10}{med('threads', 'seconds'):>10.3f}{med(engine, 'seconds'):>9.3f}"
+            f"{_span(map_ratios(found, engine)):>22}{found['first']['seconds']:>9.3f}"
+            f"{med(engine, 'driver_cpu'):>12.2f}{med(engine, 'worker_cpu'):>12.2f}"
+            f"{med(engine, 'busy'):>8.2f}{_loads(rounds):>11}"
+        )
+        print(
+            "      differences from threads: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in found["difference"].items())
+        )
+
+
+def _print_columns(engine: str, size_gb: float, part: dict[str, Any]) -> None:
+    other = "dask.array" if engine == "dask" else "threads"
+    print(
+        f"  2. column sums of a {size_gb:g} GB float32 [{part['rows']:,}, {WIDTH}] .npy in "
+        f"{COLUMN_BLOCK_ROWS:,}-row (32 MB) blocks: tierflow on {engine} against {other}; "
+        f"{other} / tierflow per round"
+    )
+    print(
+        f"    {'case':<8}{'tierflow s':>11}{other + ' s':>14}{'ratio':>22}{'GB/s':>7}{'load':>11}"
+    )
+    for case, found in part["cases"].items():
+        rounds = found["rounds"]
+        tw_s = statistics.median(r["tierflow"]["seconds"] for r in rounds)
+        ran = all(other in r for r in rounds)
+        other_s = f"{statistics.median(r[other]['seconds'] for r in rounds):.3f}" if ran else "-"
+        ratio = _span(column_ratios(found, other)) if ran else "-"
+        print(
+            f"    {case:<8}{tw_s:>11.3f}{other_s:>14}{ratio:>22}"
+            f"{size_gb / tw_s:>7.2f}{_loads(rounds):>11}"
+        )
+        diffs = ", ".join(f"{k} {v:.1e}" for k, v in found["difference"].items())
+        print(f"      relative differences from tierflow on threads: {diffs}")
+    print(
+        "    peak RSS per worker, MB (anonymous), and in brackets the largest growth within"
+        " one compute:"
+    )
+    for name, peaks in part["worker_peaks"].items():
+        shown = ", ".join(
+            f"{p['rss'] / MB:.0f} ({p['anon'] / MB:.0f}) [+{p['rss_growth'] / MB:.0f}"
+            f" (+{p['anon_growth'] / MB:.0f})]"
+            for p in peaks
+        )
+        driver = part.get("driver_peaks", {}).get(name, {})
+        if driver:
+            shown += (
+                f"; the driver {driver['rss'] / MB:.0f} ({driver['anon'] / MB:.0f})"
+                f" [+{driver['rss_growth'] / MB:.0f} (+{driver['anon_growth'] / MB:.0f})]"
+            )
+        print(f"      while {name} ran: {shown or '-'}")
+    if part.get("dask_skipped"):
+        print(f"    dask.array not run: {part['dask_skipped']}")
+
+
+def _print_overhead(engine: str, part: dict[str, Any]) -> None:
+    rounds = part["rounds"]
+    blocks = rounds[0]["engine"]["blocks"] if rounds else 0
+    print(
+        f"  3. {blocks:,} tiny block tasks: (wall on {engine} - wall on serial) / tasks, per "
+        "round, median (min-max)"
+    )
+    serial = statistics.median(r["serial"]["seconds"] for r in rounds)
+    wall = statistics.median(r["engine"]["seconds"] for r in rounds)
+    busy = statistics.median(r["engine"]["busy"] for r in rounds)
+    cpu = statistics.median(r["engine"]["driver_cpu"] for r in rounds)
+    floors = [r["floor"]["seconds"] / max(1, r["engine"]["blocks"]) for r in rounds]
+    print(
+        f"    serial {serial:.3f} s, {engine} {wall:.3f} s (first {part['first']['seconds']:.3f}"
+        f" s), tasks ran {busy:.3f} s in the workers, driver CPU {cpu:.2f} s; per task "
+        f"{_span(per_task_costs(part), ' ms', 1e3)}; load {_loads(rounds)}; "
+        f"difference from serial {part['difference']:.1e}"
+    )
+    print(
+        f"    {engine}'s own floor, as many trivial tasks submitted and fetched at once: "
+        f"{_span(floors, ' ms', 1e3)} a task"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated engines")
+    parser.add_argument("--size-gb", type=float, default=4.0, help="part 2's file in 10^9 bytes")
+    parser.add_argument("--rows", type=int, default=MAP_ROWS, help="part 1's rows")
+    parser.add_argument("--tasks", type=int, default=TINY_TASKS, help="part 3's tasks")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of parts 1 and 3")
+    parser.add_argument("--column-rounds", type=int, default=COLUMN_ROUNDS, help="part 2's")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        metavar="CORES",
+        help="before each round, wait (up to --quiet-wait s) until other work uses under CORES cores",
+    )
+    parser.add_argument(
+        "--quiet-wait", type=float, default=QUIET_TIMEOUT_S, help="longest wait of --quiet, s"
+    )
+    parser.add_argument("--dir", help="folder for the generated files (default: temp)")
+    parser.add_argument("--json", help="write the figures (JSON) here")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--map-path", help=argparse.SUPPRESS)
+    parser.add_argument("--column-path", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    parts = [p for p in args.only.split(",") if p]
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(parts) - set(PARTS)) + sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"unknown: {', '.join(unknown)}; parts {PARTS}, engines {ENGINES}")
+    options = Options(
+        parts=tuple(parts),
+        engines=tuple(engines),
+        rows=args.rows,
+        size_gb=args.size_gb,
+        tasks=args.tasks,
+        rounds=args.rounds,
+        column_rounds=args.column_rounds,
+        quiet=args.quiet,
+        quiet_wait=args.quiet_wait,
+    )
+    if args.child:
+        child_main(args.child, options, args.map_path, args.column_path)
+        return 0
+    report = run_all(options, args.dir)
+    rows = targets(report)
+    missed = save_figures(report, rows, args.json)  # first: the figures outlive a bad print
+    print_report(report, rows)
+    failed = any("error" in f for f in report["engines"].values())
+    missed = missed or failed
+    return 1 if missed and args.strict else 0
+
+
+# -- pytest-benchmark ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    where = tmp_path_factory.mktemp("bench-cluster")
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_tierflow_on_dask_and_ray_gives_threads_results(benchmark: Any, folder: Path) -> None:
+    benchmark.group = "engine: clusters"
+    options = Options(
+        rows=BENCH_ROWS, size_gb=BENCH_SIZE_GB, tasks=BENCH_TASKS, rounds=1, column_rounds=1
+    )
+    report = benchmark.pedantic(run_all, args=(options, str(folder)), rounds=1, iterations=1)
+    rows = targets(report)
+    print_report(report, rows)
+    benchmark.extra_info["targets"] = {t.what: t.value for t in rows}
+    for engine in ENGINES:
+        figures = report["engines"][engine]
+        assert "error" not in figures, (engine, figures["error"])
+        for case in MAP_CASES:
+            found = figures["mapblocks"]["cases"][case]
+            assert found["difference"][engine] <= SUM_RTOL, (engine, case, found["difference"])
+            blocks = -(-BENCH_ROWS // MAP_BLOCK_ROWS)
+            assert all(r[engine]["blocks"] == blocks for r in found["rounds"]), (engine, case)
+        for case in COLUMN_CASES:
+            found = figures["columns"]["cases"][case]
+            assert found["difference"]["tierflow"] <= SUM_RTOL, (engine, case, found)
+            if engine == "dask":
+                np.testing.assert_allclose(
+                    found["results"]["dask.array"], found["results"]["threads"], rtol=1e-4
+                )
+        overhead = figures["overhead"]
+        assert overhead["difference"] == 0.0, (engine, overhead["difference"])
+        assert all(r["engine"]["blocks"] == BENCH_TASKS for r in overhead["rounds"]), engine
+    assert not list(folder.iterdir()), "the generated files were not removed"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
