@@ -34,7 +34,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -610,13 +609,14 @@ class SharedBlock:
     path: str
 
     @staticmethod
-    def write(folder: str, block: np.ndarray) -> SharedBlock:
-        os.makedirs(folder, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=".tf-block-", suffix=".tmp", dir=folder)
+    def write(stem: str, block: np.ndarray) -> SharedBlock:
+        """Write ``block`` as ``stem + ".npy"`` (by way of ``stem + ".tmp"``); the
+        driver chose ``stem`` (a path in the shared folder), so it can remove the file
+        of an attempt it stopped."""
+        temp, final = stem + ".tmp", stem + ".npy"
         try:
-            with os.fdopen(fd, "wb") as f:
+            with open(temp, "wb") as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(block), allow_pickle=False)
-            final = temp[: -len(".tmp")] + ".npy"
             os.replace(temp, final)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -672,8 +672,8 @@ class SinkRoot:
 
     def run_remote(self, ctx: Context, req: Request, shared: str | None = None) -> Any:
         """In a worker: write known rows to the sink's place, else return the block (by
-        value, or when ``shared`` names a folder, as a :class:`SharedBlock` file there
-        when it is bigger than :data:`SHARED_MIN`)."""
+        value, or when ``shared`` is a path stem in the shared folder, as a
+        :class:`SharedBlock` file there when it is bigger than :data:`SHARED_MIN`)."""
         place = getattr(self, "place", None)
         if place is not None and isinstance(req, RowRange):
             place.write(req.start, self.step.eval(ctx, req))
@@ -749,12 +749,16 @@ class Program:
     def run_remote(self, index: int, req: Request, shared: str | None = None) -> Any:
         """Compute block ``index`` in a worker process (see :mod:`tierflow.engine.tasks`):
         partials come back by value, known rows of a file go to its place, other blocks
-        come back by value or, when ``shared`` names a folder, by a file there."""
+        come back by value or, when ``shared`` is a path stem in the shared folder, by
+        a file there (sink ``k``'s at ``{shared}-{k}.npy``)."""
         from .tasks import BlockResult
 
         ctx = Context(index, req, self)
         try:
-            blocks = tuple(s.run_remote(ctx, req, shared) for s in self.sinks)
+            blocks = tuple(
+                s.run_remote(ctx, req, None if shared is None else f"{shared}-{k}")
+                for k, s in enumerate(self.sinks)
+            )
             partials = tuple(r.run(ctx, req) for r in self.reductions)
         finally:
             self._release(ctx)

@@ -43,10 +43,12 @@ death is told apart from an error, and how a program reaches the workers.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import statistics
 import threading
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -185,6 +187,13 @@ def discard_shared(outcome: Any) -> None:
                 os.unlink(block.path)
 
 
+def _remove_stem(stem: str) -> None:
+    """Delete the shared-folder files of one attempt (``{stem}-{k}.npy`` or ``.tmp``)."""
+    for path in glob.glob(glob.escape(stem) + "-*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def probe_files(paths: Sequence[str]) -> list[str]:
     """The files among ``paths`` this process cannot open for reading."""
     missing = []
@@ -228,6 +237,11 @@ class _Pending:
     cap: int | None = None  # the rows its latest attempt capped operators at
     backed_up: bool = False
     deaths: list[Death] = field(default_factory=list)
+    # Each attempt's path stem in the shared folder (by id of its handle), and the one
+    # chosen for the attempt being launched: the driver removes the files of an
+    # attempt that failed or was stopped.
+    stems: dict[int, str] = field(default_factory=dict)
+    next_stem: str | None = None
 
 
 @dataclass
@@ -291,6 +305,17 @@ class ClusterExecutor:
         shared = config.get("shared_dir")
         return str(shared) if shared else None
 
+    def shared_for(self, pending: _Pending) -> str | None:
+        """The path stem in the shared folder for the attempt of ``pending`` being
+        launched (None: blocks come back by value)."""
+        folder = self.shared_dir()
+        if folder is None:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, f".tf-block-{uuid.uuid4().hex}")
+        pending.next_stem = stem
+        return stem
+
     def _settings(self) -> tuple[tuple[str, Any], ...]:
         return tuple((n, config.get(n)) for n in _SETTINGS)
 
@@ -343,6 +368,9 @@ class ClusterExecutor:
         handle = self._launch(pending, pending.desc.program, kind.cap, prefer)
         with self._lock:
             pending.handles.append(handle)
+            if pending.next_stem is not None:
+                pending.stems[id(handle)] = pending.next_stem
+                pending.next_stem = None
             self._clock_front(perf_counter())
 
     def _clock_front(self, now: float) -> None:
@@ -370,6 +398,9 @@ class ClusterExecutor:
             pending.done(None, exc)
 
     def _settle(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
+        stem = pending.stems.pop(id(handle), None)
+        if stem is not None and (error is not None or pending.finished):
+            _remove_stem(stem)  # what a failed or stopped attempt may have left
         if pending.finished:
             discard_shared(outcome)  # a backup's twin won, or the compute was stopped
             return

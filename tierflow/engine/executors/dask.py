@@ -242,7 +242,7 @@ class DaskExecutor(ClusterExecutor):
             self._program(program),
             self._settings(),
             cap,
-            self.shared_dir(),
+            self.shared_for(pending),
             key=f"tierflow-block-{pending.desc.index}-{uuid.uuid4().hex[:12]}",
             pure=False,
             retries=0,

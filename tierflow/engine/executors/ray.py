@@ -129,7 +129,7 @@ class RayExecutor(ClusterExecutor):
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(prefer, soft=True)
         task = self._task.options(**options) if options else self._task
         ref = task.remote(
-            pending.desc, self._program(program), self._settings(), cap, self.shared_dir()
+            pending.desc, self._program(program), self._settings(), cap, self.shared_for(pending)
         )
 
         def landed(future: Any) -> None:
