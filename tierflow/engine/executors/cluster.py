@@ -367,11 +367,17 @@ class ClusterExecutor:
             prefer = None  # sent again: wherever there is room
         handle = self._launch(pending, pending.desc.program, kind.cap, prefer)
         with self._lock:
-            pending.handles.append(handle)
-            if pending.next_stem is not None:
-                pending.stems[id(handle)] = pending.next_stem
-                pending.next_stem = None
-            self._clock_front(perf_counter())
+            stem, pending.next_stem = pending.next_stem, None
+            stale = pending.finished  # stopped (Ctrl-C) or won while this one started
+            if not stale:
+                pending.handles.append(handle)
+                if stem is not None:
+                    pending.stems[id(handle)] = stem
+                self._clock_front(perf_counter())
+        if stale:
+            self._cancel([handle])
+            if stem is not None:
+                _remove_stem(stem)
 
     def _clock_front(self, now: float) -> None:
         """Start the clocks of the oldest ``workers`` tasks not done: the engine runs
