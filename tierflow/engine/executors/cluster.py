@@ -261,6 +261,7 @@ class ClusterExecutor:
     name = "cluster"
     workers: int
     admits_memory = True  # block tasks are admitted by the engine, per worker
+    one_host = False  # every worker runs on the driver's machine (a subclass finds out)
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -301,9 +302,15 @@ class ClusterExecutor:
         needs to tell a death of memory later (the workers' reported memory)."""
 
     def shared_dir(self) -> str | None:
-        """The folder workers write bigger held blocks to (None: by value)."""
+        """The folder workers write bigger held blocks to: the ``shared_dir`` setting,
+        else the driver's spill folder when every worker is on this machine (None:
+        blocks come back by value)."""
         shared = config.get("shared_dir")
-        return str(shared) if shared else None
+        if shared:
+            return str(shared)
+        if self.one_host:
+            return os.path.expanduser(str(config.get("spill_dir")))
+        return None
 
     def shared_for(self, pending: _Pending) -> str | None:
         """The path stem in the shared folder for the attempt of ``pending`` being

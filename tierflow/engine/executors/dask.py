@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -41,7 +40,6 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
-from ... import config
 from ...errors import TierflowError
 from .. import tasks as tasks_module
 from .cluster import (
@@ -190,7 +188,7 @@ class DaskExecutor(ClusterExecutor):
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         hosts = {w.get("host") for w in info["workers"].values()}
-        self._one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
+        self.one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
         self._programs: OrderedDict[str, Any] = OrderedDict()
         self._programs_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
@@ -210,12 +208,6 @@ class DaskExecutor(ClusterExecutor):
             (int(w.get("resources", {}).get(RESOURCE, 0)) for w in info["workers"].values()),
             default=0,
         )
-
-    def shared_dir(self) -> str | None:
-        shared = super().shared_dir()
-        if shared is None and self._one_host:
-            shared = os.path.expanduser(str(config.get("spill_dir")))
-        return shared
 
     # -- ClusterExecutor --------------------------------------------------------------
 

@@ -96,18 +96,10 @@ class RayExecutor(ClusterExecutor):
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self._largest = max((int(n["Resources"].get("memory", 0)) for n in nodes), default=0)
         here = {host_name(), "127.0.0.1", "localhost", ray.util.get_node_ip_address()}
-        self._one_host = all(n.get("NodeManagerAddress") in here for n in nodes)
+        self.one_host = all(n.get("NodeManagerAddress") in here for n in nodes)
         self._nodes = [n["NodeID"] for n in nodes]
         self._task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_ray_block)
         self._programs: OrderedDict[str, Any] = OrderedDict()
-
-    def shared_dir(self) -> str | None:
-        import os
-
-        shared = super().shared_dir()
-        if shared is None and self._one_host:
-            shared = os.path.expanduser(str(config.get("spill_dir")))
-        return shared
 
     # -- ClusterExecutor --------------------------------------------------------------
 
