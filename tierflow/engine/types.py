@@ -70,6 +70,12 @@ class TaskExecutor(Executor, Protocol):
     from :func:`~tierflow.engine.tasks.program_bytes`) and calls ``done(outcome,
     error)`` with ``outcome = (BlockResult, seconds)``. ``submit(fn, done)`` runs the
     driver's own tasks (finishing a reduction, committing a file) in this process.
+
+    An executor whose ``admits_memory`` is true (a cluster's,
+    :mod:`tierflow.engine.executors.cluster`) admits block tasks itself, against the
+    budget of the worker that runs each: the scheduler does not count them against
+    this process's budget and calls ``submit_task(desc, done, need)`` with the task's
+    projected bytes.
     """
 
     def submit_task(self, desc: Any, done: Done) -> None:

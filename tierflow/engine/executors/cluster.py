@@ -84,6 +84,8 @@ STRAGGLER_DONE = 0.5  # ... at least this share of them done ...
 STRAGGLER_FACTOR = 3.0  # ... and it has run this many times their median ...
 STRAGGLER_MIN_SECONDS = 1.0  # ... and this long (a copy of a shorter task gains nothing)
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
+GRAVE_SWEEP_SECONDS = 2.0  # a stopped attempt's files are removed again after this ...
+GRAVE_SECONDS = 60.0  # ... every as long again, and at every submit, for this long
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 # Settings the driver passes to its workers: the store folder, beside which the store's
 # signing key lives (a cache's entries are trusted only under the driver's key). Each
@@ -277,6 +279,11 @@ class ClusterExecutor:
         self._read_by = LRU(READ_BY_KEPT)
         self.backups = 0  # backup copies launched for stragglers
         self.resent = 0  # tasks sent again after their worker died
+        # Path stems of stopped attempts, and when: a worker being killed may still
+        # write its block after the engine reported the attempt over, so their files
+        # are removed again a while later (and at every submit) for GRAVE_SECONDS.
+        self._graves: dict[str, float] = {}
+        self._sweeping = False  # a timer will sweep them
 
     # -- what a subclass provides -----------------------------------------------------
 
@@ -312,6 +319,38 @@ class ClusterExecutor:
             return os.path.expanduser(str(config.get("spill_dir")))
         return None
 
+    def _bury(self, stem: str) -> None:
+        """Remove a stopped attempt's files now, and again later (see ``_graves``)."""
+        _remove_stem(stem)
+        with self._lock:
+            self._graves[stem] = perf_counter()
+            if self._sweeping:
+                return
+            self._sweeping = True
+        self._sweep_later()
+
+    def _sweep_later(self) -> None:
+        timer = threading.Timer(GRAVE_SWEEP_SECONDS, self._sweep, kwargs={"again": True})
+        timer.daemon = True
+        timer.start()
+
+    def _sweep(self, again: bool = False) -> None:
+        """Remove the stopped attempts' files again; forget those stopped long ago.
+        ``again``: a timer's sweep, which sets the next one while graves remain."""
+        now = perf_counter()
+        with self._lock:
+            graves = list(self._graves.items())
+        for stem, when in graves:
+            _remove_stem(stem)
+            if now - when > GRAVE_SECONDS:
+                with self._lock:
+                    self._graves.pop(stem, None)
+        if again:
+            with self._lock:
+                self._sweeping = bool(self._graves)
+            if self._sweeping:
+                self._sweep_later()
+
     def shared_for(self, pending: _Pending) -> str | None:
         """The path stem in the shared folder for the attempt of ``pending`` being
         launched (None: blocks come back by value)."""
@@ -332,6 +371,8 @@ class ClusterExecutor:
         self._local.submit(fn, done)
 
     def submit_task(self, desc: tasks_module.BlockTask, done: Done, need: int = 0) -> None:
+        if self._graves:
+            self._sweep()
         kind = self._kind(desc.program)
         pending = _Pending(desc, need, done)
         with self._lock:
@@ -384,7 +425,7 @@ class ClusterExecutor:
         if stale:
             self._cancel([handle])
             if stem is not None:
-                _remove_stem(stem)
+                self._bury(stem)
 
     def _clock_front(self, now: float) -> None:
         """Start the clocks of the oldest ``workers`` tasks not done: the engine runs
@@ -413,7 +454,7 @@ class ClusterExecutor:
     def _settle(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
         stem = pending.stems.pop(id(handle), None)
         if stem is not None and (error is not None or pending.finished):
-            _remove_stem(stem)  # what a failed or stopped attempt may have left
+            self._bury(stem)  # what a failed or stopped attempt may have left
         if pending.finished:
             discard_shared(outcome)  # a backup's twin won, or the compute was stopped
             return
