@@ -9,9 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from hypothesis import settings
+
+from tierflow.engine.executors.cluster import ClusterExecutor
 
 # Hypothesis's own default, which the `ci` and `default` profiles keep.
 _BASE_EXAMPLES = 100
@@ -61,3 +64,22 @@ class Concurrency:
         with self.lock:
             self.now -= 1
         return b * 2
+
+
+class IdleCluster(ClusterExecutor):
+    """A cluster executor whose attempts never end and never reach a worker: their
+    handles are placeholders (for the driver's own rules: stragglers, caps)."""
+
+    name = "idle"
+
+    def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
+        return object()
+
+    def _cancel(self, handles: Any) -> None:
+        return None
+
+    def _death(self, error: BaseException) -> Any:
+        return None
+
+    def _probe(self, paths: Any) -> dict[str, list[str]]:
+        return {}

@@ -10,22 +10,17 @@ from tierflow.engine.executors import cluster
 from tierflow.engine.tasks import BlockTask
 from tierflow.engine.types import RowRange
 
+from common import IdleCluster
+
 pytestmark = pytest.mark.executors("threads")
 
 NOW = 1000.0
 
 
-class _Idle(cluster.ClusterExecutor):
-    """Launches nothing: its attempts are placeholders."""
-
-    def _cancel(self, handles: object) -> None:
-        return None
-
-
 @pytest.fixture
 def executor() -> Iterator[cluster.ClusterExecutor]:
     """A cluster executor whose pass ``p`` has 20 tasks done in 10 ms each (median)."""
-    found = _Idle(2)
+    found = IdleCluster(2)
     found._kinds["p"] = cluster._Kind(count=30, seconds=[0.01] * 20, probed=True)
     try:
         yield found

@@ -42,6 +42,7 @@ death is told apart from an error, and how a program reaches the workers.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import glob
 import logging
@@ -257,7 +258,7 @@ class _Kind:
     files: tuple[str, ...] = ()  # the source files its tasks read
 
 
-class ClusterExecutor:
+class ClusterExecutor(abc.ABC):
     """The driver's side of a cluster engine (see the module docstring)."""
 
     name = "cluster"
@@ -287,26 +288,28 @@ class ClusterExecutor:
 
     # -- what a subclass provides -----------------------------------------------------
 
+    @abc.abstractmethod
     def _launch(self, pending: _Pending, program: str, cap: int | None, prefer: str | None) -> Any:
         """Start one attempt of ``pending`` on the engine, on worker ``prefer`` if it
         can (None: anywhere); its handle. The attempt's end must reach :meth:`_landed`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _cancel(self, handles: Sequence[Any]) -> None:
         """Stop these attempts (running or queued), best effort."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _death(self, error: BaseException) -> Death | None:
         """``error`` as a worker's death, or None when the task itself raised it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         """Per worker (or node), the files among ``paths`` it cannot read."""
-        raise NotImplementedError
 
     def _observe(self) -> None:
         """Called by the straggler watch while tasks run: a subclass notes what it
-        needs to tell a death of memory later (the workers' reported memory)."""
+        needs to tell a death of memory later (the workers' reported memory). Nothing
+        by default."""
+        return None
 
     def shared_dir(self) -> str | None:
         """The folder workers write bigger held blocks to: the ``shared_dir`` setting,
