@@ -72,7 +72,7 @@ class IdleCluster(ClusterExecutor):
 
     name = "idle"
 
-    def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
+    def _launch(self, pack: Any, stems: Any, cap: int | None, prefer: str | None) -> Any:
         return object()
 
     def _cancel(self, handles: Any) -> None:

@@ -333,8 +333,10 @@ def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str
             lazies[case].compute(executor=on, progress=False, callbacks=cb)
         )
 
+    plain = _plain_map(cluster, path)
     cases: dict[str, Any] = {}
     references: dict[str, Any] = {}
+    _timed(plain)
     for case in MAP_CASES:
         references[case], warm = _timed(run(case, "threads"))
         got, first = _timed(run(case, executor), workers=workers())
@@ -349,9 +351,54 @@ def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str
             got, row[engine] = _timed(run(case, executor), workers=workers())
             found = _difference(got, references[case], case)
             cases[case]["difference"][engine] = max(cases[case]["difference"][engine], found)
+            if case == "sum":
+                got, row["plain"] = _timed(plain)
+                found = _difference(got, references[case], case)
+                cases[case]["difference"]["plain"] = max(
+                    cases[case]["difference"].get("plain", 0.0), found
+                )
             row["load"] = _load()
             cases[case]["rounds"].append(row)
     return {"cases": cases, "quiet_waits": waits}
+
+
+def _block_sum(path: str, start: int, stop: int) -> np.ndarray:
+    rows = np.asarray(np.load(path, mmap_mode="r")[start:stop])
+    return per_row(rows).sum(axis=0)
+
+
+def _plain_map(cluster: Cluster, path: str) -> Callable[[Any], Any]:
+    """Part 1's sum straight on the engine, without tierflow: one task per block (the
+    same rows, read the same way, the same function), all submitted at once, the
+    blocks' sums fetched at once and added up in the driver (``client.map`` +
+    ``client.gather``; ``ray.get`` of the ``.remote`` calls). What the engine itself
+    reaches on this work, on the same workers."""
+    n = len(np.load(path, mmap_mode="r"))
+    starts = list(range(0, n, MAP_BLOCK_ROWS))
+    stops = [min(n, a + MAP_BLOCK_ROWS) for a in starts]
+
+    def total(parts: list[np.ndarray]) -> np.ndarray:
+        out = np.zeros(WIDTH, np.float32)
+        for part in parts:
+            out += part
+        return out
+
+    if cluster.engine == "dask":
+        client = cluster.client
+
+        def on_dask(cb: Any) -> Any:
+            paths = [path] * len(starts)
+            return total(client.gather(client.map(_block_sum, paths, starts, stops, pure=False)))
+
+        return on_dask
+    import ray
+
+    remote = ray.remote(num_cpus=1)(_block_sum)
+
+    def on_ray(cb: Any) -> Any:
+        return total(ray.get([remote.remote(path, a, b) for a, b in zip(starts, stops)]))
+
+    return on_ray
 
 
 def _dask_array(path: str) -> Any:
@@ -771,6 +818,12 @@ def _print_mapblocks(engine: str, rows: int, part: dict[str, Any]) -> None:
             f"{med(engine, 'driver_cpu'):>12.2f}{med(engine, 'worker_cpu'):>12.2f}"
             f"{med(engine, 'busy'):>8.2f}{_loads(rounds):>11}"
         )
+        if all("plain" in r for r in rounds):
+            ratios = [r["threads"]["seconds"] / r["plain"]["seconds"] for r in rounds]
+            print(
+                f"      {engine} itself (client.map / .remote of the same blocks, no "
+                f"tierflow): {med('plain', 'seconds'):.3f} s, threads / it {_span(ratios)}"
+            )
         print(
             "      differences from threads: "
             + ", ".join(f"{k} {v:.1e}" for k, v in found["difference"].items())
@@ -925,6 +978,7 @@ def test_tierflow_on_dask_and_ray_gives_threads_results(benchmark: Any, folder: 
         for case in MAP_CASES:
             found = figures["mapblocks"]["cases"][case]
             assert found["difference"][engine] <= SUM_RTOL, (engine, case, found["difference"])
+            assert found["difference"].get("plain", 0.0) <= 1e-4, (engine, found["difference"])
             blocks = -(-BENCH_ROWS // MAP_BLOCK_ROWS)
             assert all(r[engine]["blocks"] == blocks for r in found["rounds"]), (engine, case)
         for case in COLUMN_CASES:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -140,23 +141,62 @@ def test_a_program_is_sent_once_per_compute_pass(
     assert len(shipped) == 1 and len(executor._programs) <= before + 1
 
 
-def test_a_task_prefers_the_worker_that_read_its_rows_before(
+def test_a_task_prefers_the_machine_that_read_its_rows_before(tmp_path: Path) -> None:
+    # Two machines as Dask sees them: a worker on 127.0.0.1 and one on 127.0.0.2.
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None
+    )
+    client = Client(cluster, set_as_default=False)
+    other = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+         "--nthreads", "1", "--no-nanny", "--no-dashboard", "--host", "127.0.0.2"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},  # the tests
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client.wait_for_workers(2, timeout=60)
+        executor = DaskExecutor(client)
+        np.save(tmp_path / "a.npy", np.ones((4000, 2), np.float32))
+        x = tw.from_npy(tmp_path / "a.npy", rows=250)  # 16 blocks
+        x.sum(axis=0).compute(executor=executor)
+        files = (str(tmp_path / "a.npy"),)
+        keys = [k for k in executor._read_by if k[0] == files]
+        assert len(keys) == 16
+        assert set(executor._read_by.values()) <= {"127.0.0.1", "127.0.0.2"}
+        for k in keys:  # as if the second machine had read every block
+            executor._read_by[k] = "127.0.0.2"
+        pids = x.map_blocks(_pid_rows, dtype=np.int64, row_shape=(1,)).compute(executor=executor)
+        assert {executor._read_by[k] for k in keys} == {"127.0.0.2"}
+        assert set(pids[:, 0].tolist()) == {other.pid}  # without it, both would take blocks
+        executor.close()
+    finally:
+        other.kill()
+        other.wait(60)
+        client.close()
+        cluster.close()
+
+
+def test_on_one_machine_every_worker_takes_blocks_of_rows_another_read(
     dask_executor: DaskExecutor, tmp_path: Path
 ) -> None:
     np.save(tmp_path / "a.npy", np.ones((4000, 2), np.float32))
-    x = tw.from_npy(tmp_path / "a.npy", rows=250)  # 16 blocks
+    x = tw.from_npy(tmp_path / "a.npy", rows=100)  # 40 blocks
     x.sum(axis=0).compute(executor=dask_executor)
     files = (str(tmp_path / "a.npy"),)
     keys = [k for k in dask_executor._read_by if k[0] == files]
-    assert len(keys) == 16
-    workers = sorted(set(dask_executor._read_by.values()))
-    chosen = workers[0]
-    for k in keys:  # as if one worker had read every block
-        dask_executor._read_by[k] = chosen
-    pids = x.map_blocks(_pid_rows, dtype=np.int64, row_shape=(1,)).compute(executor=dask_executor)
-    ran = {dask_executor._read_by[k] for k in keys}
-    assert ran == {chosen}  # without the preference, both workers would take blocks
-    assert len(set(pids[:, 0].tolist())) == 1
+    # Remembered by machine (the workers' host), not by worker process:
+    assert {dask_executor._read_by[k] for k in keys} == {"127.0.0.1"}
+    slow = x.map_blocks(_pid_rows_slowly, dtype=np.int64, row_shape=(1,))
+    pids = slow.compute(executor=dask_executor)
+    assert len(set(pids[:, 0].tolist())) == 2  # both worker processes ran blocks
+
+
+def _pid_rows_slowly(block: np.ndarray) -> np.ndarray:
+    threading.Event().wait(0.02)
+    return _pid_rows(block)
 
 
 def test_run_block_caps_every_operator_of_its_program(tmp_path: Path) -> None:
@@ -259,3 +299,29 @@ def test_executor_ray_without_ray_starts_a_local_one_and_says_so(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     assert "sum 80.0" in result.stdout
     assert "executor='ray' started a local Ray instance" in result.stderr
+
+
+def test_a_dask_task_declares_its_bytes_when_they_matter_to_a_worker(
+    dask_executor: DaskExecutor,
+) -> None:
+    from tierflow.engine.executors.dask import DECLARED_SHARE
+
+    smallest, largest = dask_executor._smallest, dask_executor._largest
+    assert 0 < smallest <= largest
+    assert dask_executor._resources(int(DECLARED_SHARE * smallest) - 1) is None
+    assert dask_executor._resources(smallest // 2) == {RESOURCE: smallest // 2}
+    assert dask_executor._resources(2 * largest) == {RESOURCE: largest}  # the most any has
+
+
+def test_dask_workers_run_without_the_profiler_and_with_a_slow_tick(dask_client: Any) -> None:
+    DaskExecutor(dask_client)
+
+    def callbacks(dask_worker: Any) -> tuple[bool, bool, float]:
+        found = dask_worker.periodic_callbacks
+        return (
+            found["profile"].is_running(),
+            found["profile-cycle"].is_running(),
+            found["tick"].callback_time,
+        )
+
+    assert set(dask_client.run(callbacks).values()) == {(False, False, 1000)}

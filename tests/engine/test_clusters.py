@@ -681,3 +681,25 @@ def test_two_ray_nodes_return_blocks_through_the_shared_folder(tmp_path: Path) -
     assert len(nodes) == 2  # both nodes ran blocks ...
     assert spills == {str(tmp_path / "spill-a"), str(tmp_path / "spill-b")}  # ... each with its own
     assert found["shared_left"] == []
+
+
+# -- short tasks travel in packs -------------------------------------------------------
+
+
+@pytest.mark.executors("dask", "ray")
+def test_short_tasks_travel_in_packs_and_a_killed_pack_is_sent_again(
+    executor_name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    client = request.getfixturevalue("own_dask") if executor_name == "dask" else None
+    executor = _engine(executor_name, client)
+    path, data = _source(tmp_path, rows=6000)
+    expected = _pipeline(path, _stalls_once(str(tmp_path / "no-kill"), np.nan), rows=10)
+    want = expected.compute(executor="threads")
+    killer = _kill_victim(tmp_path)
+    # 600 blocks of 10 rows: after the first tasks the workers timed, they go in packs.
+    y = _pipeline(path, _stalls_once(str(tmp_path), float(data[4000, 0])), rows=10)
+    out = y.compute(executor=executor)
+    killer.join()
+    assert executor.packed > 0
+    assert executor.resent >= 1
+    assert _same_bytes(out, want)

@@ -173,6 +173,8 @@ TASKS_PER_WORKER = 2  # one running, one queued with its reads ahead
 # Tasks projecting less than SMALL_TASK bytes whose results nobody waits for (blocks of a
 # reduction or of a sink with known rows) may queue SMALL_TASKS_PER_WORKER deep: they
 # cost no memory worth bounding, and a deeper queue saves a thread hand-off per task.
+# An executor may ask for another depth (its ``small_tasks_per_worker``: a cluster's,
+# whose round trip to a worker takes milliseconds, and which packs short tasks).
 SMALL_TASK = 1 << 20
 SMALL_TASKS_PER_WORKER = 16
 # Tasks faster than this run one at a time on the lane (module docstring, "Tiny tasks").
@@ -393,7 +395,8 @@ class _Run:
         self.in_flight = 0
         self.inbox = _Inbox()
         window = TASKS_PER_WORKER * max(1, executor.workers)
-        deep_window = SMALL_TASKS_PER_WORKER * max(1, executor.workers)
+        small_depth = getattr(executor, "small_tasks_per_worker", SMALL_TASKS_PER_WORKER)
+        deep_window = small_depth * max(1, executor.workers)
         self.needs = [t.memory.total for t in tasks]
         # How many tasks may be in flight when task i is admitted. A task's consumers
         # have not run before it has, so whether anything waits for its result is known

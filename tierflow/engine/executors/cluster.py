@@ -32,6 +32,13 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   Duplicates are harmless: a file's rows are the same bytes, a partial is counted once,
   and the shared block of the copy that lost is deleted, as is one that comes back
   after its compute was stopped.
+* **Short tasks travel in packs** (:data:`PACK_TASK_SECONDS`): several block tasks of a
+  pass run one after another as one engine task (:func:`run_pack`), each with its own
+  outcome, error, retry and shared-folder stem. A pack whose worker died has each task
+  sent again alone; a backup copy is sent alone, and the pack carrying its twin runs on.
+* **Attempts are launched on a thread of their own**, never on the computing thread,
+  so that a Ctrl-C there cannot fall between an engine's submit and the driver's record
+  of the attempt.
 * **Sources are probed**: before a program's first task, every node checks that it sees
   each file the program reads; a compute whose source a node cannot see is refused, with
   the file and the worker named.
@@ -75,6 +82,7 @@ __all__ = [
     "discard_shared",
     "probe_files",
     "run_block",
+    "run_pack",
 ]
 
 log = logging.getLogger("tierflow.engine")
@@ -87,6 +95,21 @@ STRAGGLER_MIN_SECONDS = 1.0  # ... and this long (a copy of a shorter task gains
 WATCH_SECONDS = 0.1  # how often the driver looks for stragglers
 GRAVE_SWEEP_SECONDS = 2.0  # a stopped attempt's files are removed again after this ...
 GRAVE_SECONDS = 60.0  # ... every as long again, and at every submit, for this long
+# Tasks whose median time (as the workers timed the program's recent ones) is under
+# PACK_TASK_SECONDS are sent in packs: several block tasks of the program run one after
+# another as one engine task, about PACK_SECONDS of work, at most PACK_MAX of them. An
+# engine's own cost per task (Dask's scheduler: about 2.5 ms on 2 cores) would otherwise be
+# most of such a task's time.
+PACK_TASK_SECONDS = 0.01
+PACK_SECONDS = 0.05
+PACK_MAX = 16
+PACK_WINDOW = 32  # the recent tasks whose times decide
+# Engine tasks (packs or single tasks) in flight per slot, at most: one running and one
+# queued behind it. The others wait in the driver, where they can still be packed, and
+# are handed out as slots free up: an engine that was given every task at once (Dask
+# places a task that asks for a resource at once) could not move them to a slot that
+# finished early.
+ENGINE_TASKS_PER_SLOT = 2
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 # Settings the driver passes to its workers: the store folder, beside which the store's
 # signing key lives (a cache's entries are trusted only under the driver's key). Each
@@ -115,7 +138,7 @@ _runtime_lock = threading.Lock()
 _runtime: tasks_module.Runtime | None = None
 _applied: dict[str, Any] = {}
 _capture = threading.local()  # .caught: the list the running task's warnings go to
-here: str | None = None  # this worker, as its engine names it (set by the engine's hook)
+here: str | None = None  # this worker's machine, as its engine names it (set by its hook)
 
 
 def _worker_runtime() -> tasks_module.Runtime:
@@ -154,7 +177,7 @@ def run_block(
 ) -> tuple[Any, float, tuple[tuple[Any, str], ...], str | None]:
     """Run block task ``desc`` in a cluster worker: ``(BlockResult, seconds, warnings,
     where)``, ``where`` naming the worker (its engine's name for it: a Dask worker's
-    address, a Ray node's id), so that later tasks on the same rows can prefer it.
+    host, a Ray node's id), so that later tasks on the same rows can prefer it.
 
     ``data`` is the pickled program (kept by hash: unpickled once per worker process),
     ``settings`` the driver's folders and this worker's budget, ``cap`` the rows every
@@ -180,9 +203,41 @@ def run_block(
     return result, perf_counter() - start, tuple(caught), here
 
 
+@dataclass(frozen=True)
+class Raised:
+    """A packed block task's error, in its place among the pack's outcomes (the other
+    tasks of the pack ran on)."""
+
+    error: BaseException
+
+
+def run_pack(
+    descs: Sequence[tasks_module.BlockTask],
+    data: bytes,
+    settings: tuple[tuple[str, Any], ...],
+    cap: int | None,
+    stems: Sequence[str | None],
+) -> list[Any]:
+    """Run the block tasks ``descs`` of one program one after another in a cluster
+    worker (one engine task; see :data:`PACK_TASK_SECONDS`): each one's
+    :func:`run_block` outcome, or :class:`Raised` with the error it raised. ``stems``:
+    each task's path stem in the shared folder."""
+    outcomes: list[Any] = []
+    for desc, stem in zip(descs, stems, strict=True):
+        try:
+            outcomes.append(run_block(desc, data, settings, cap, stem))
+        except Exception as exc:
+            outcomes.append(Raised(exc))
+    return outcomes
+
+
 def discard_shared(outcome: Any) -> None:
     """Delete the shared-folder blocks of an attempt's ``(BlockResult, seconds,
     warnings, where)`` that nobody will take (its twin won, or its compute was stopped)."""
+    if isinstance(outcome, list):  # a pack's outcomes
+        for one in outcome:
+            discard_shared(one)
+        return
     result = outcome[0] if isinstance(outcome, tuple) and outcome else None
     for block in getattr(result, "blocks", ()):
         if isinstance(block, SharedBlock):
@@ -244,7 +299,9 @@ class _Pending:
     # chosen for the attempt being launched: the driver removes the files of an
     # attempt that failed or was stopped.
     stems: dict[int, str] = field(default_factory=dict)
-    next_stem: str | None = None
+    # Handles (by id) of attempts this task shares with others (a pack): never cancelled
+    # for this task's sake, as the others still need them.
+    packed: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -265,6 +322,10 @@ class ClusterExecutor(abc.ABC):
     workers: int
     admits_memory = True  # block tasks are admitted by the engine, per worker
     one_host = False  # every worker runs on the driver's machine (a subclass finds out)
+    # Small tasks nobody waits for may be in flight this deep per slot (the scheduler's
+    # SMALL_TASKS_PER_WORKER is 16): a round trip to a worker takes milliseconds, and
+    # each slot should hold a pack running and packs queued behind it.
+    small_tasks_per_worker = 4 * PACK_MAX
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -275,23 +336,41 @@ class ClusterExecutor(abc.ABC):
         self._closed = False
         self._watch: threading.Thread | None = None
         self._wake = threading.Event()
-        # Which worker last read the rows of a task, by (source files, request): a
-        # later task on the same rows prefers it (its page cache holds them).
+        # Which machine (a Dask worker's host, a Ray node) last read the rows of a task,
+        # by (source files, request): a later task on the same rows prefers it (its page
+        # cache holds them).
         self._read_by = LRU(READ_BY_KEPT)
         self.backups = 0  # backup copies launched for stragglers
         self.resent = 0  # tasks sent again after their worker died
+        self.packed = 0  # tasks sent in packs (several to one engine task)
         # Path stems of stopped attempts, and when: a worker being killed may still
         # write its block after the engine reported the attempt over, so their files
         # are removed again a while later (and at every submit) for GRAVE_SECONDS.
         self._graves: dict[str, float] = {}
         self._sweeping = False  # a timer will sweep them
+        # Attempts are launched on a thread of their own, never on the computing
+        # thread: a Ctrl-C there (KeyboardInterrupt at any bytecode) between an
+        # engine's submit and the handle being recorded would leave an attempt nobody
+        # cancels, and its shared-folder files nobody removes.
+        self._launches: list[_Pending] = []
+        self._flying: set[int] = set()  # ids of the engine tasks in flight
+        self._launch_wake = threading.Event()
+        self._launcher: threading.Thread | None = None
 
     # -- what a subclass provides -----------------------------------------------------
 
     @abc.abstractmethod
-    def _launch(self, pending: _Pending, program: str, cap: int | None, prefer: str | None) -> Any:
-        """Start one attempt of ``pending`` on the engine, on worker ``prefer`` if it
-        can (None: anywhere); its handle. The attempt's end must reach :meth:`_landed`."""
+    def _launch(
+        self,
+        pack: list[_Pending],
+        stems: list[str | None],
+        cap: int | None,
+        prefer: str | None,
+    ) -> Any:
+        """Start one engine task running an attempt of each task of ``pack`` (one
+        program's) through :func:`run_pack`, on machine ``prefer`` if it can (None:
+        anywhere), asking for the largest ``need`` among them; its handle. Its end must
+        reach :meth:`_landed` (a cancelled one's too, with an error)."""
 
     @abc.abstractmethod
     def _cancel(self, handles: Sequence[Any]) -> None:
@@ -354,16 +433,14 @@ class ClusterExecutor(abc.ABC):
             if self._sweeping:
                 self._sweep_later()
 
-    def shared_for(self, pending: _Pending) -> str | None:
-        """The path stem in the shared folder for the attempt of ``pending`` being
+    def _stems(self, count: int) -> list[str | None]:
+        """A path stem in the shared folder for each of ``count`` attempts being
         launched (None: blocks come back by value)."""
         folder = self.shared_dir()
         if folder is None:
-            return None
+            return [None] * count
         os.makedirs(folder, exist_ok=True)
-        stem = os.path.join(folder, f".tf-block-{uuid.uuid4().hex}")
-        pending.next_stem = stem
-        return stem
+        return [os.path.join(folder, f".tf-block-{uuid.uuid4().hex}") for _ in range(count)]
 
     def _settings(self) -> tuple[tuple[str, Any], ...]:
         return tuple((n, config.get(n)) for n in _SETTINGS)
@@ -376,14 +453,102 @@ class ClusterExecutor(abc.ABC):
     def submit_task(self, desc: tasks_module.BlockTask, done: Done, need: int = 0) -> None:
         if self._graves:
             self._sweep()
-        kind = self._kind(desc.program)
+        self._kind(desc.program)  # probes the sources first: a SourceError is raised here
         pending = _Pending(desc, need, done)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the {self.name} executor was shut down")
             self._pending[id(pending)] = pending
+            self._launches.append(pending)
+            if self._launcher is None:
+                self._launcher = threading.Thread(
+                    target=self._launching, name=f"tierflow-{self.name}-launch", daemon=True
+                )
+                self._launcher.start()
+        self._launch_wake.set()
         self._start_watch()
-        self._attempt(pending, kind)
+
+    def _launching(self) -> None:
+        """The launch thread: launches the tasks submitted, while fewer than
+        :data:`ENGINE_TASKS_PER_SLOT` engine tasks per slot are in flight; an engine
+        task that ends wakes it."""
+        while True:
+            self._launch_wake.wait()
+            with self._lock:
+                self._launch_wake.clear()
+                if self._closed and not self._launches:
+                    self._launcher = None
+                    return
+                room = ENGINE_TASKS_PER_SLOT * self.workers - len(self._flying)
+                if room <= 0 or not self._launches:
+                    continue
+                batch, self._launches = self._launches, []
+            left = self._launch_all([p for p in batch if not p.finished], room)
+            if left:
+                with self._lock:
+                    self._launches[:0] = left  # first in line still
+
+    def _launch_all(self, batch: list[_Pending], room: int) -> list[_Pending]:
+        """Launch the first attempt of tasks of ``batch``, in order, as at most ``room``
+        engine tasks: in packs where their program's tasks are short (see
+        :data:`PACK_TASK_SECONDS`), a pack's tasks preferring the same machine; the
+        tasks left. A task whose launch fails gets the error."""
+        while batch and room > 0:
+            first = batch[0]
+            kind = self._kinds[first.desc.program]
+            prefer = self._prefer(kind, first)
+            same = [
+                p
+                for p in batch
+                if p.desc.program == first.desc.program and self._prefer(kind, p) == prefer
+            ]
+            pack = same[: self._pack_size(kind, len(same))]
+            taken = {id(p) for p in pack}
+            batch = [p for p in batch if id(p) not in taken]
+            room -= 1
+            try:
+                self._attempt(pack, kind)
+            except BaseException as exc:
+                for pending in pack:
+                    self._fail(pending, exc)
+        return batch
+
+    def _prefer(self, kind: _Kind, pending: _Pending) -> str | None:
+        """The machine that last read the rows of ``pending`` (None: not known, or
+        every worker is on one machine, whose page cache they share: a preference
+        there only unbalances the engine's placement)."""
+        if self.one_host or not kind.files:
+            return None
+        return self._read_by.get((kind.files, pending.desc.request))
+
+    def _flew(self, handle: Any) -> None:
+        """Engine task ``handle`` is no longer in flight: there is room for another."""
+        with self._lock:
+            self._flying.discard(id(handle))
+        self._launch_wake.set()
+
+    def _pack_size(self, kind: _Kind, queued: int) -> int:
+        """How many of ``queued`` tasks of ``kind`` go in one engine task: 1 until the
+        workers timed enough of them; then about :data:`PACK_SECONDS` of work while the
+        median is under :data:`PACK_TASK_SECONDS`, spread over the workers."""
+        recent = kind.seconds[-PACK_WINDOW:]
+        if len(recent) < min(PACK_WINDOW, 2 * self.workers):
+            return 1
+        median = statistics.median(recent)
+        if median >= PACK_TASK_SECONDS:
+            return 1
+        by_time = int(PACK_SECONDS / max(median, 1e-6))
+        spread = -(-queued // self.workers)
+        return max(1, min(PACK_MAX, by_time, spread))
+
+    def _fail(self, pending: _Pending, error: BaseException) -> None:
+        """End ``pending`` with ``error`` unless it has ended."""
+        with self._lock:
+            if pending.finished:
+                return
+            pending.finished = True
+            self._pending.pop(id(pending), None)
+        pending.done(None, error)
 
     def _kind(self, key: str) -> _Kind:
         kind = self._kinds.get(key)
@@ -410,25 +575,38 @@ class ClusterExecutor(abc.ABC):
                 "by path: put them on storage every node mounts at the same path"
             )
 
-    def _attempt(self, pending: _Pending, kind: _Kind) -> None:
-        pending.tries += 1
-        pending.cap = kind.cap
-        prefer = self._read_by.get((kind.files, pending.desc.request)) if kind.files else None
-        if pending.tries > 1:
-            prefer = None  # sent again: wherever there is room
-        handle = self._launch(pending, pending.desc.program, kind.cap, prefer)
+    def _attempt(self, pack: list[_Pending], kind: _Kind) -> None:
+        """Launch one attempt of each task of ``pack`` (one program's), as one engine
+        task."""
+        prefer = self._prefer(kind, pack[0])
+        for pending in pack:
+            pending.tries += 1
+            pending.cap = kind.cap
+            if pending.tries > 1:
+                prefer = None  # sent again: wherever there is room
+        stems = self._stems(len(pack))
+        handle = self._launch(pack, stems, kind.cap, prefer)
+        if len(pack) > 1:
+            self.packed += len(pack)
+        buried: list[str] = []
         with self._lock:
-            stem, pending.next_stem = pending.next_stem, None
-            stale = pending.finished  # stopped (Ctrl-C) or won while this one started
-            if not stale:
+            self._flying.add(id(handle))
+            for pending, stem in zip(pack, stems, strict=True):
+                if pending.finished:  # stopped (Ctrl-C) or won while this one started
+                    if stem is not None:
+                        buried.append(stem)
+                    continue
                 pending.handles.append(handle)
+                if len(pack) > 1:
+                    pending.packed.add(id(handle))
                 if stem is not None:
                     pending.stems[id(handle)] = stem
-                self._clock_front(perf_counter())
-        if stale:
+            self._clock_front(perf_counter())
+        if len(buried) == len(pack):
             self._cancel([handle])
-            if stem is not None:
-                self._bury(stem)
+            self._flew(handle)
+        for stem in buried:
+            self._bury(stem)
 
     def _clock_front(self, now: float) -> None:
         """Start the clocks of the oldest ``workers`` tasks not done: the engine runs
@@ -440,29 +618,46 @@ class ClusterExecutor(abc.ABC):
             if not pending.started:
                 pending.started = now
 
-    def _landed(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
-        """An attempt ended: ``outcome`` is ``(result, seconds, warnings, where)``.
-        Whatever goes wrong here reaches the task's ``done``: a task never goes
-        unreported."""
+    def _landed(self, pack: list[_Pending], handle: Any, outcomes: Any, error: Any) -> None:
+        """An engine task ended: ``outcomes`` is :func:`run_pack`'s list, one
+        ``(result, seconds, warnings, where)`` (or :class:`Raised`) per task of
+        ``pack``; ``error`` what the engine task raised instead. Whatever goes wrong
+        here reaches the tasks' ``done``: a task never goes unreported."""
         try:
-            self._settle(pending, handle, outcome, error)
-        except BaseException as exc:
-            with self._lock:
-                if pending.finished:
-                    return
-                pending.finished = True
-                self._pending.pop(id(pending), None)
-            pending.done(None, exc)
+            self._settle_all(pack, handle, outcomes, error)
+        finally:
+            # Only now: a death has capped the program, so what is launched in the
+            # room this frees runs capped.
+            self._flew(handle)
 
-    def _settle(self, pending: _Pending, handle: Any, outcome: Any, error: Any) -> None:
+    def _settle_all(self, pack: list[_Pending], handle: Any, outcomes: Any, error: Any) -> None:
+        # Told apart once (a subclass may ask the engine), outside the lock.
+        try:
+            death = self._death(error) if error is not None else None
+        except BaseException as exc:
+            death, error = None, exc
+        if error is None and (not isinstance(outcomes, list) or len(outcomes) != len(pack)):
+            error = TierflowError(f"a {self.name} task returned {type(outcomes).__name__}")
+        for k, pending in enumerate(pack):
+            outcome: Any = None if error is not None else outcomes[k]
+            failed, died = error, death
+            if isinstance(outcome, Raised):  # this task raised; the pack ran on
+                outcome, failed, died = None, outcome.error, None
+            try:
+                self._settle(pending, handle, outcome, failed, died)
+            except BaseException as exc:
+                self._fail(pending, exc)
+
+    def _settle(
+        self, pending: _Pending, handle: Any, outcome: Any, error: Any, death: Death | None
+    ) -> None:
         stem = pending.stems.pop(id(handle), None)
+        pending.packed.discard(id(handle))
         if stem is not None and (error is not None or pending.finished):
             self._bury(stem)  # what a failed or stopped attempt may have left
         if pending.finished:
             discard_shared(outcome)  # a backup's twin won, or the compute was stopped
             return
-        # Told apart outside the lock: a subclass may ask the engine.
-        death = self._death(error) if error is not None else None
         with self._lock:
             if pending.finished:
                 discard_shared(outcome)
@@ -479,6 +674,7 @@ class ClusterExecutor(abc.ABC):
         if death is not None:
             self._died(pending, death)
             return
+        others = [h for h in others if id(h) not in pending.packed]  # packs run on
         if others:
             self._cancel(others)
         if error is not None:
@@ -528,7 +724,7 @@ class ClusterExecutor(abc.ABC):
         )
         self.resent += 1
         pending.started = 0.0  # its clock starts again with the new attempt
-        self._attempt(pending, kind)
+        self._attempt([pending], kind)
 
     # -- stragglers -------------------------------------------------------------------
 
@@ -557,7 +753,7 @@ class ClusterExecutor(abc.ABC):
                 self.backups += 1
                 log.info("block %d runs long: a backup copy starts", pending.desc.index)
                 with contextlib.suppress(Exception):
-                    self._attempt(pending, kind)
+                    self._attempt([pending], kind)
 
     def stragglers(self, now: float) -> list[_Pending]:
         """Tasks that deserve a backup copy now (see the module docstring)."""
@@ -585,18 +781,24 @@ class ClusterExecutor(abc.ABC):
             with self._lock:
                 dropped = list(self._pending.values())
                 self._pending.clear()
+                self._launches = []
                 handles = [h for p in dropped for h in p.handles]
+                self._flying.difference_update(id(h) for h in handles)
+                stems = [s for p in dropped for s in p.stems.values()]
                 for p in dropped:
                     p.finished = True
                     p.handles = []
             if handles:
                 self._cancel(handles)
+            for stem in stems:  # what the stopped attempts may still write
+                self._bury(stem)
         self._local.shutdown(cancel=cancel)
 
     def close(self) -> None:
         """Stop the straggler watch; the cluster itself is left running."""
         self._closed = True
         self._wake.set()
+        self._launch_wake.set()
         self.shutdown(cancel=True)
 
 

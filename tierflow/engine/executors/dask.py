@@ -12,7 +12,10 @@ shares):
   ``tierflow-bytes``, and turns off Dask's spilling in that worker (tierflow's blocks
   never sit in Dask's memory; the pause and terminate thresholds stay, as a backstop).
   Each block task asks for its projected bytes of that resource, so Dask runs it only
-  on a worker where it fits beside the others.
+  on a worker where it fits beside the others (a task under :data:`DECLARED_SHARE` of
+  the smallest worker's budget asks for nothing: see ``DaskExecutor._resources``).
+  The plugin also wakes the worker's event loop less (its profiler off, its tick once a
+  second): each wake takes the GIL from the task thread.
 * The scheduler's ``allowed-failures`` is set to 0: Dask does not send a task whose
   worker died to another at the same size; tierflow does, on halved blocks when the
   worker died of memory: its nanny restarted it for going over its limit (the
@@ -37,6 +40,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from time import perf_counter
 from typing import Any
 
@@ -48,7 +52,7 @@ from .cluster import (
     discard_shared,
     host_name,
     probe_files,
-    run_block,
+    run_pack,
 )
 
 __all__ = ["RESOURCE", "DaskExecutor", "current_client"]
@@ -60,6 +64,9 @@ MEMORY_DEATH = 0.7  # a worker last seen above this share of its limit died of m
 RESTART_TOPIC = "worker-restart-memory"  # the event a nanny logs when it kills for memory
 RESTART_EVENT_WAIT = 1.0  # seconds a death waits for that event at most
 SEEN_EVERY = 0.25  # seconds between readings of the workers' reported memory
+# A task declares its bytes as the worker resource when they are at least this share of
+# the smallest worker's budget (see DaskExecutor._resources).
+DECLARED_SHARE = 1 / 16
 PROGRAMS_KEPT = 32  # scattered programs kept on the cluster, least recent dropped
 
 
@@ -89,8 +96,8 @@ def _client(client: Any) -> Any:
 
 
 def _outcome(future: Any) -> tuple[Any, BaseException | None]:
-    if future.cancelled():
-        return None, None
+    if future.cancelled():  # it lands too, so that its shared-folder files go
+        return None, CancelledError()
     try:
         return future.result(), None
     except BaseException as exc:
@@ -104,7 +111,7 @@ class _Results:
     """Fetches finished tasks' results in batches, on a thread of its own.
 
     :meth:`put` queues a future whose task ended and what to call with its outcome
-    (``landed(result, error)``; not called for a cancelled task). The thread takes every
+    (``landed(result, error)``; a cancelled task's error is a ``CancelledError``). The thread takes every
     future queued meanwhile and gathers the finished ones with one ``client.gather``;
     an erred future, or a batch whose gather fails (a worker lost meanwhile), is
     fetched one future at a time. ``landed`` runs on this thread."""
@@ -155,10 +162,7 @@ class _Results:
             for (_, landed), value in zip(finished, values, strict=True):
                 _call(landed, value, None)
         for future, landed in one_by_one:
-            result, error = _outcome(future)
-            if error is None and result is None:
-                continue  # cancelled
-            _call(landed, result, error)
+            _call(landed, *_outcome(future))
 
 
 def _call(landed: Landed, result: Any, error: BaseException | None) -> None:
@@ -204,10 +208,9 @@ class DaskExecutor(ClusterExecutor):
         with contextlib.suppress(Exception):
             self.client.run_on_scheduler(_no_engine_retries)
         info = self.client.scheduler_info(n_workers=-1)
-        self._largest = max(
-            (int(w.get("resources", {}).get(RESOURCE, 0)) for w in info["workers"].values()),
-            default=0,
-        )
+        budgets = [int(w.get("resources", {}).get(RESOURCE, 0)) for w in info["workers"].values()]
+        self._largest = max(budgets, default=0)
+        self._smallest = min(budgets, default=0)
 
     # -- ClusterExecutor --------------------------------------------------------------
 
@@ -224,30 +227,44 @@ class DaskExecutor(ClusterExecutor):
             self._programs.move_to_end(key)
             return found
 
-    def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
-        need = min(int(pending.need), self._largest) if self._largest else 0
+    def _launch(
+        self, pack: list[Any], stems: list[str | None], cap: int | None, prefer: str | None
+    ) -> Any:
         # A backup copy goes to another worker than its twin's, when there is one.
-        elsewhere = self._elsewhere(list(pending.handles)) if pending.handles else None
+        first = pack[0]
+        elsewhere = self._elsewhere(list(first.handles)) if first.handles else None
         future = self.client.submit(
             _dask_block,
-            pending.desc,
-            self._program(program),
+            [p.desc for p in pack],
+            self._program(first.desc.program),
             self._settings(),
             cap,
-            self.shared_for(pending),
-            key=f"tierflow-block-{pending.desc.index}-{uuid.uuid4().hex[:12]}",
+            stems,
+            key=f"tierflow-block-{first.desc.index}-{uuid.uuid4().hex[:12]}",
             pure=False,
             retries=0,
-            resources={RESOURCE: need} if need else None,
+            resources=self._resources(max(int(p.need) for p in pack)),
             workers=elsewhere or ([prefer] if prefer else None),
             allow_other_workers=bool(elsewhere or prefer),
         )
 
         def landed(result: Any, error: BaseException | None) -> None:
-            self._landed(pending, future, result, error)
+            self._landed(pack, future, result, error)
 
         future.add_done_callback(lambda f: self._results.put(f, landed))
         return future
+
+    def _resources(self, need: int) -> dict[str, int] | None:
+        """What a task projecting ``need`` bytes asks of the ``tierflow-bytes``
+        resource: ``need`` (at most the largest worker's), or nothing when it is under
+        :data:`DECLARED_SHARE` of the smallest worker's budget. A task that small fits
+        any worker beside the others the driver sends it (and the worker's own tierflow
+        admits it against its budget); declaring it would only send it through Dask's
+        resource accounting, which work stealing unbalances (used resources seen
+        drifting apart between workers, and a worker left idle)."""
+        if not self._largest or need < DECLARED_SHARE * self._smallest:
+            return None
+        return {RESOURCE: min(need, self._largest)}
 
     def _elsewhere(self, handles: Sequence[Any]) -> list[str] | None:
         """The workers that run none of ``handles`` (None: every worker runs one, or
@@ -271,6 +288,12 @@ class DaskExecutor(ClusterExecutor):
     def _death(self, error: BaseException) -> Death | None:
         from distributed.scheduler import KilledWorker
 
+        if isinstance(error, CancelledError):
+            # Not by this executor (it cancels only attempts whose task has ended): the
+            # scheduler dropped it when the only workers holding its program died.
+            with self._programs_lock:
+                self._programs.clear()
+            return Death("?", False, "Dask dropped it: the workers holding its program died")
         if not isinstance(error, KilledWorker):
             return None
         # The client's copy of the worker's state has no metrics: what it used comes
@@ -329,14 +352,14 @@ class DaskExecutor(ClusterExecutor):
 
 
 def _dask_block(
-    desc: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, shared: Any
+    descs: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, stems: Any
 ) -> Any:
-    """A block task in a Dask worker: :func:`run_block`, whose shared-folder blocks are
+    """Block tasks in a Dask worker: :func:`run_pack`, whose shared-folder blocks are
     deleted when the task was cancelled while it ran (its result goes nowhere)."""
-    outcome = run_block(desc, data, settings, cap, shared)
+    outcomes = run_pack(descs, data, settings, cap, stems)
     if _cancelled():
-        discard_shared(outcome)
-    return outcome
+        discard_shared(outcomes)
+    return outcomes
 
 
 def _cancelled() -> bool:

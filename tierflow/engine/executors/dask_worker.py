@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ... import config
@@ -15,10 +16,13 @@ from .dask import RESOURCE
 __all__ = ["TierflowPlugin"]
 
 
+TICK_MS = 1000  # the worker's event-loop tick (Dask's default: 20 ms)
+
+
 class TierflowPlugin(WorkerPlugin):
     """Runs on every worker that has or gets it: the worker's budget as its tierflow
-    budget and as the resource ``tierflow-bytes``, Dask's spilling off (see
-    :mod:`tierflow.engine.executors.dask`)."""
+    budget and as the resource ``tierflow-bytes``, Dask's spilling off, its event loop
+    woken less often (see :mod:`tierflow.engine.executors.dask`)."""
 
     name = "tierflow"
     idempotent = True
@@ -34,5 +38,22 @@ class TierflowPlugin(WorkerPlugin):
             worker.memory_manager.memory_spill_fraction = False
             worker.memory_manager.memory_target_fraction = False
         worker.tierflow_slots = slots
-        cluster.here = str(worker.address)
+        _quieten(worker)
+        # Placement is by machine: its page cache holds what any worker there read, and
+        # a preference for one worker process would leave the others on it idle.
+        cluster.here = get_address_host(worker.address)
         await worker.set_resources(**{RESOURCE: budget})
+
+
+def _quieten(worker: Any) -> None:
+    """Wake the worker's event loop less: its statistical profiler (every 10 ms) off,
+    its tick (every 20 ms) once a second. Each wake takes the GIL from the task thread,
+    whose Python code (a ``map_blocks`` function) then waits for it: on 2 cores, a
+    per-row Python function ran 1.1x faster than serial on Dask's defaults and 1.5-1.7x
+    without these."""
+    callbacks = getattr(worker, "periodic_callbacks", {})
+    for name in ("profile", "profile-cycle"):
+        if name in callbacks:
+            callbacks[name].stop()
+    if "tick" in callbacks:
+        callbacks["tick"].callback_time = TICK_MS

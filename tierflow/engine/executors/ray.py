@@ -22,12 +22,13 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 from ... import config
 from .. import tasks as tasks_module
 from . import cluster
-from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_block
+from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_pack
 
 __all__ = ["RayExecutor"]
 
@@ -48,9 +49,9 @@ _node_cpus: int | None = None
 
 
 def _ray_block(
-    desc: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, shared: Any
+    descs: Any, data: bytes, settings: tuple[tuple[str, Any], ...], cap: Any, stems: Any
 ) -> Any:
-    """A block task in a Ray worker: this node's budget per CPU, then :func:`run_block`."""
+    """Block tasks in a Ray worker: this node's budget per CPU, then :func:`run_pack`."""
     global _node_cpus
     if _node_cpus is None:
         ray = _ray()
@@ -62,7 +63,7 @@ def _ray_block(
         _node_cpus = cpus
         config.set(ram_budget=node_budget(None, cpus))
         cluster.here = str(node)
-    return run_block(desc, data, settings, cap, shared)
+    return run_pack(descs, data, settings, cap, stems)
 
 
 def _ray_probe(paths: list[str]) -> tuple[str, list[str]]:
@@ -112,23 +113,24 @@ class RayExecutor(ClusterExecutor):
         self._programs.move_to_end(key)
         return found
 
-    def _launch(self, pending: Any, program: str, cap: int | None, prefer: str | None) -> Any:
-        need = min(int(pending.need), self._largest) if self._largest else 0
+    def _launch(
+        self, pack: list[Any], stems: list[str | None], cap: int | None, prefer: str | None
+    ) -> Any:
+        need = max(int(p.need) for p in pack)
+        need = min(need, self._largest) if self._largest else 0
         options: dict[str, Any] = {"memory": need} if need else {}
         if prefer is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(prefer, soft=True)
         task = self._task.options(**options) if options else self._task
-        ref = task.remote(
-            pending.desc, self._program(program), self._settings(), cap, self.shared_for(pending)
-        )
+        program = self._program(pack[0].desc.program)
+        ref = task.remote([p.desc for p in pack], program, self._settings(), cap, stems)
 
         def landed(future: Any) -> None:
-            if future.cancelled():
-                return
-            error = future.exception()
-            self._landed(pending, ref, None if error else future.result(), error)
+            # A cancelled attempt lands too, so that its shared-folder files go.
+            error = CancelledError() if future.cancelled() else future.exception()
+            self._landed(pack, ref, None if error else future.result(), error)
 
         ref.future().add_done_callback(landed)
         return ref
@@ -148,13 +150,13 @@ class RayExecutor(ClusterExecutor):
             return None
         return None
 
-    def _landed(self, pending: Any, handle: Any, outcome: Any, error: Any) -> None:
+    def _landed(self, pack: list[Any], handle: Any, outcomes: Any, error: Any) -> None:
         exceptions = self._ray.exceptions
         if isinstance(error, exceptions.RayTaskError):
             cause = getattr(error, "cause", None)
             if isinstance(cause, BaseException):
                 error = cause
-        super()._landed(pending, handle, outcome, error)
+        super()._landed(pack, handle, outcomes, error)
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

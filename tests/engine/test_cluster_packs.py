@@ -1,0 +1,113 @@
+"""Packs: short block tasks sent several to one engine task (the driver's rules, on a
+cluster executor whose engine tasks are placeholders; real packs run in
+test_clusters.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tierflow.engine.executors import cluster
+from tierflow.engine.tasks import BlockTask
+from tierflow.engine.types import RowRange
+
+from common import IdleCluster
+
+pytestmark = pytest.mark.executors("threads")
+
+
+class Killed(Exception):
+    """Stands for an engine's error saying the worker died."""
+
+
+class Recording(IdleCluster):
+    """Notes each engine task launched: how many block tasks it carries."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.launched: list[int] = []
+        self.cancelled: list[Any] = []
+
+    def _launch(self, pack: Any, stems: Any, cap: int | None, prefer: str | None) -> Any:
+        self.launched.append(len(pack))
+        return object()
+
+    def _cancel(self, handles: Any) -> None:
+        self.cancelled.extend(handles)
+
+    def _death(self, error: BaseException) -> Any:
+        return cluster.Death("w1", True, "killed") if isinstance(error, Killed) else None
+
+
+def _pack(executor: cluster.ClusterExecutor, size: int) -> tuple[list[Any], list[Any]]:
+    """``size`` tasks of program ``p`` (10 rows each), launched as one pack; and what
+    each one's ``done`` was called with."""
+    executor._kinds["p"] = cluster._Kind(count=100, probed=True)
+    calls: list[Any] = []
+    pack = []
+    for index in range(size):
+        desc = BlockTask("p", index, RowRange(10 * index, 10 * index + 10))
+        pending = cluster._Pending(desc, 0, lambda out, err, i=index: calls.append((i, out, err)))
+        executor._pending[id(pending)] = pending
+        pack.append(pending)
+    executor._attempt(pack, executor._kinds["p"])
+    return pack, calls
+
+
+def _ran(seconds: float) -> tuple[Any, float, tuple[Any, ...], str]:
+    return ("result", seconds, (), "w1")
+
+
+def test_the_pack_size_follows_the_workers_times() -> None:
+    executor = IdleCluster(2)
+    kind = cluster._Kind(count=1000, probed=True)
+    assert executor._pack_size(kind, 32) == 1  # no task timed yet
+    kind.seconds = [0.001] * 3
+    assert executor._pack_size(kind, 32) == 1  # too few timed
+    kind.seconds = [0.001] * 40
+    assert executor._pack_size(kind, 32) == 16  # spread over 2 workers
+    assert executor._pack_size(kind, 5) == 3
+    assert executor._pack_size(kind, 1000) == cluster.PACK_MAX
+    kind.seconds = [0.01] * 40  # 5 of them make PACK_SECONDS
+    assert executor._pack_size(kind, 1000) == 1  # not short: one task each
+    kind.seconds = [0.004] * 40
+    assert executor._pack_size(kind, 1000) == int(cluster.PACK_SECONDS / 0.004)
+
+
+def test_each_task_of_a_pack_gets_its_own_outcome_and_error() -> None:
+    executor = Recording(2)
+    pack, calls = _pack(executor, 3)
+    assert executor.launched == [3] and executor.packed == 3
+    handle = pack[0].handles[0]
+    error = ValueError("block 1 failed")
+    executor._landed(pack, handle, [_ran(0.1), cluster.Raised(error), _ran(0.2)], None)
+    assert [(i, out) for i, out, err in calls if err is None] == [
+        (0, ("result", 0.1)),
+        (2, ("result", 0.2)),
+    ]
+    assert [(i, err) for i, _, err in calls if err is not None] == [(1, error)]
+    assert executor._kinds["p"].seconds == [0.1, 0.2]
+
+
+def test_a_pack_whose_worker_died_sends_each_task_again_alone_with_the_cap_halved_once() -> None:
+    executor = Recording(2)
+    pack, calls = _pack(executor, 4)
+    executor._landed(pack, pack[0].handles[0], None, Killed())
+    assert calls == []  # none failed: each was sent again
+    assert executor.launched == [4, 1, 1, 1, 1]
+    assert executor.resent == 4
+    assert executor._kinds["p"].cap == 5  # half the 10 rows they ran at, once
+
+
+def test_a_task_whose_backup_won_leaves_its_pack_running() -> None:
+    executor = Recording(2)
+    pack, calls = _pack(executor, 2)
+    shared = pack[0].handles[0]
+    executor._attempt([pack[0]], executor._kinds["p"])  # a backup copy of task 0, alone
+    backup = pack[0].handles[1]
+    executor._landed([pack[0]], backup, [_ran(0.1)], None)
+    assert calls == [(0, ("result", 0.1), None)]
+    assert executor.cancelled == []  # the pack still carries task 1
+    executor._landed(pack, shared, [_ran(0.3), _ran(0.3)], None)
+    assert calls[1:] == [(1, ("result", 0.3), None)]  # task 0's second result is dropped
