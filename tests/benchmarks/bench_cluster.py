@@ -396,7 +396,9 @@ def _plain_map(cluster: Cluster, path: str) -> Callable[[Any], Any]:
     remote = ray.remote(num_cpus=1)(_block_sum)
 
     def on_ray(cb: Any) -> Any:
-        return total(ray.get([remote.remote(path, a, b) for a, b in zip(starts, stops)]))
+        return total(
+            ray.get([remote.remote(path, a, b) for a, b in zip(starts, stops, strict=True)])
+        )
 
     return on_ray
 
