@@ -81,5 +81,8 @@ class IdleCluster(ClusterExecutor):
     def _death(self, error: BaseException) -> Any:
         return None
 
+    def _send_program(self, data: bytes) -> Any:
+        return data
+
     def _probe(self, paths: Any) -> dict[str, list[str]]:
         return {}

@@ -110,6 +110,7 @@ PACK_WINDOW = 32  # the recent tasks whose times decide
 # places a task that asks for a resource at once) could not move them to a slot that
 # finished early.
 ENGINE_TASKS_PER_SLOT = 2
+PROGRAMS_KEPT = 32  # programs kept on the cluster per executor, least recent dropped
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 # Settings the driver passes to its workers: the store folder, beside which the store's
 # signing key lives (a cache's entries are trusted only under the driver's key). Each
@@ -340,6 +341,9 @@ class ClusterExecutor(abc.ABC):
         # by (source files, request): a later task on the same rows prefers it (its page
         # cache holds them).
         self._read_by = LRU(READ_BY_KEPT)
+        # Each pass's program as sent to the cluster (by hash): the engine's reference.
+        self._programs = LRU(PROGRAMS_KEPT)
+        self._programs_lock = threading.Lock()
         self.backups = 0  # backup copies launched for stragglers
         self.resent = 0  # tasks sent again after their worker died
         self.packed = 0  # tasks sent in packs (several to one engine task)
@@ -383,6 +387,32 @@ class ClusterExecutor(abc.ABC):
     @abc.abstractmethod
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         """Per worker (or node), the files among ``paths`` it cannot read."""
+
+    @abc.abstractmethod
+    def _send_program(self, data: bytes) -> Any:
+        """Send a pickled program to the cluster once for every worker; the reference
+        tasks carry."""
+
+    def _program_lost(self, sent: Any) -> bool:
+        """Whether a program sent earlier is gone from the cluster (its every holder
+        died). Not by default."""
+        return False
+
+    def _program(self, key: str) -> Any:
+        """The cluster's reference to program ``key``, sent now if it was not, or was
+        lost."""
+        with self._programs_lock:
+            sent = self._programs.get(key)
+            if sent is None or self._program_lost(sent):
+                sent = self._send_program(tasks_module.program_bytes(key))
+            self._programs[key] = sent  # the most recent now
+            return sent
+
+    def _forget_programs(self) -> None:
+        """Send every program again when next used (a worker that died may have held
+        the only copy)."""
+        with self._programs_lock:
+            self._programs.clear()
 
     def _observe(self) -> None:
         """Called by the straggler watch while tasks run: a subclass notes what it

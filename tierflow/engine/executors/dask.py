@@ -38,14 +38,12 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from time import perf_counter
 from typing import Any
 
 from ...errors import TierflowError
-from .. import tasks as tasks_module
 from .cluster import (
     ClusterExecutor,
     Death,
@@ -67,7 +65,6 @@ SEEN_EVERY = 0.25  # seconds between readings of the workers' reported memory
 # A task declares its bytes as the worker resource when they are at least this share of
 # the smallest worker's budget (see DaskExecutor._resources).
 DECLARED_SHARE = 1 / 16
-PROGRAMS_KEPT = 32  # scattered programs kept on the cluster, least recent dropped
 
 
 def current_client() -> Any:
@@ -193,8 +190,6 @@ class DaskExecutor(ClusterExecutor):
             raise ValueError(f"workers must be at least 1, got {workers}")
         hosts = {w.get("host") for w in info["workers"].values()}
         self.one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
-        self._programs: OrderedDict[str, Any] = OrderedDict()
-        self._programs_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
         self._seen_at = 0.0
         self._results = _Results(self.client)
@@ -214,18 +209,11 @@ class DaskExecutor(ClusterExecutor):
 
     # -- ClusterExecutor --------------------------------------------------------------
 
-    def _program(self, key: str) -> Any:
-        with self._programs_lock:
-            found = self._programs.get(key)
-            if found is None or found.status != "finished":
-                # Not scattered yet, or lost: every worker that held it died.
-                data = tasks_module.program_bytes(key)
-                found = self.client.scatter(data, broadcast=True, hash=False)
-                self._programs[key] = found
-                while len(self._programs) > PROGRAMS_KEPT:
-                    self._programs.popitem(last=False)
-            self._programs.move_to_end(key)
-            return found
+    def _send_program(self, data: bytes) -> Any:
+        return self.client.scatter(data, broadcast=True, hash=False)
+
+    def _program_lost(self, sent: Any) -> bool:
+        return bool(sent.status != "finished")
 
     def _launch(
         self, pack: list[Any], stems: list[str | None], cap: int | None, prefer: str | None
@@ -291,17 +279,15 @@ class DaskExecutor(ClusterExecutor):
         if isinstance(error, CancelledError):
             # Not by this executor (it cancels only attempts whose task has ended): the
             # scheduler dropped it when the only workers holding its program died.
-            with self._programs_lock:
-                self._programs.clear()
+            self._forget_programs()
             return Death("?", False, "Dask dropped it: the workers holding its program died")
         if not isinstance(error, KilledWorker):
             return None
         # The client's copy of the worker's state has no metrics: what it used comes
         # from its nanny's restart event, or from what this executor last saw.
-        with self._programs_lock:
-            # The dead worker may have held the only copy of a program; the client
-            # learns that later than this, so they are scattered again.
-            self._programs.clear()
+        # The dead worker may have held the only copy of a program; the client learns
+        # that later than this, so they are scattered again.
+        self._forget_programs()
         ws = error.last_worker
         address = str(getattr(ws, "address", "?"))
         limit = int(getattr(ws, "memory_limit", 0) or 0)

@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
 from ... import config
-from .. import tasks as tasks_module
 from . import cluster
 from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_pack
 
 __all__ = ["RayExecutor"]
 
 log = logging.getLogger("tierflow.engine")
-
-PROGRAMS_KEPT = 32  # programs kept in the object store, least recent dropped
 
 
 def _ray() -> Any:
@@ -100,18 +96,11 @@ class RayExecutor(ClusterExecutor):
         self.one_host = all(n.get("NodeManagerAddress") in here for n in nodes)
         self._nodes = [n["NodeID"] for n in nodes]
         self._task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_ray_block)
-        self._programs: OrderedDict[str, Any] = OrderedDict()
 
     # -- ClusterExecutor --------------------------------------------------------------
 
-    def _program(self, key: str) -> Any:
-        found = self._programs.get(key)
-        if found is None:
-            found = self._programs[key] = self._ray.put(tasks_module.program_bytes(key))
-            while len(self._programs) > PROGRAMS_KEPT:
-                self._programs.popitem(last=False)
-        self._programs.move_to_end(key)
-        return found
+    def _send_program(self, data: bytes) -> Any:
+        return self._ray.put(data)
 
     def _launch(
         self, pack: list[Any], stems: list[str | None], cap: int | None, prefer: str | None
