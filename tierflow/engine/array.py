@@ -495,7 +495,9 @@ class Array:
         """Compute now and return an Array over the result (RAM or SSD), with the same
         key and blocks, so later pipelines start from it instead of recomputing it.
         Options as :meth:`compute` (``cache=`` also keeps the blocks in a store, for
-        later runs)."""
+        later runs), plus ``device="cuda"`` (or ``"cuda:N"``, ``"auto"``): keep the
+        blocks on that GPU while they fit its budget, the largest spilled to RAM (then
+        the SSD) when they do not, read back when used there."""
         from .compute import persist
 
         return persist(self, **options)

@@ -132,20 +132,29 @@ def _check_options(function: str, options: dict[str, Any], *also: str) -> None:
             )
 
 
-def persist(array: Any, **options: Any) -> Any:
+def persist(array: Any, *, device: str | None = None, **options: Any) -> Any:
     """Compute ``array`` now and return an Array over the result (in RAM or on the SSD)
-    with the same key; options as :func:`compute`."""
+    with the same key; options as :func:`compute`. ``device`` (``"cuda"``, ``"cuda:N"``,
+    ``"auto"``) keeps the result's blocks on a GPU while they fit its budget
+    (:mod:`tierflow.engine.device_persist`)."""
     from .array import Array
 
-    _check_options("persist", options)
+    _check_options("persist", options, "device")
     node = array._node
     (result,) = compute(array, **options)
     if isinstance(node, Chunked):
-        reader = ArrayReader(result)
+        reader: Any = ArrayReader(result)
         if node.bounds is not None:
             bounds = node.bounds
         else:
             bounds = blocksize.bounds(result.shape[0], None, reader.row_nbytes)
+        if device not in (None, "cpu"):
+            from . import device_persist
+
+            token = f"persisted({node.key})"
+            placed = device_persist.place(result, tuple(bounds), str(device), token)
+            if placed is not None:
+                reader = placed
         return Array(graph.Source(reader, bounds, key=node.key))
     const = graph.Const(result)
     const._key = node.key
