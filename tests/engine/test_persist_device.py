@@ -56,7 +56,7 @@ def test_blocks_over_the_gpu_budget_spill_largest_first_and_come_back_when_used(
     reader = _reader(y)
     assert reader.where() == ["gpu"] * 8
     reader.store.budget = lambda: 3 * 128 * 1024  # the device now has room for three
-    reader.store.relieve(reader.store.budget())
+    reader.store.spill_to(reader.store.budget())
     assert reader.where().count("gpu") == 3
     np.testing.assert_array_equal(y.compute(), data)  # read from wherever they are
     reader.on_device(0)  # used on the device: read back, another spilled

@@ -85,13 +85,13 @@ def test_a_block_bigger_than_the_budget_goes_to_the_host() -> None:
     np.testing.assert_array_equal(store.host("big"), big)
 
 
-def test_relieve_spills_the_largest_until_the_device_holds_what_is_asked() -> None:
+def test_spill_to_spills_the_largest_until_the_device_holds_what_is_asked() -> None:
     store = _store(100)
     for key, kb in [("a", 10), ("b", 30), ("c", 20), ("d", 25)]:
         store.put(key, _block(kb, len(key)))
-    assert store.relieve(40 * KB) == 55 * KB  # b (30) then d (25): 85 -> 30
+    assert store.spill_to(40 * KB) == 55 * KB  # b (30) then d (25): 85 -> 30
     assert [k for k in "abcd" if store.where(k) == "gpu"] == ["a", "c"]
-    assert store.relieve(40 * KB) == 0
+    assert store.spill_to(40 * KB) == 0
 
 
 def test_spilled_blocks_go_to_the_ssd_when_ram_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,12 +104,12 @@ def test_spilled_blocks_go_to_the_ssd_when_ram_is_short(monkeypatch: pytest.Monk
     np.testing.assert_array_equal(store.host("a"), a)
 
 
-def test_relieve_host_moves_ram_copies_to_the_ssd_largest_first() -> None:
+def test_relieve_moves_ram_copies_to_the_ssd_largest_first() -> None:
     store = _store(10)
     blocks = {"a": _block(40, 1), "b": _block(20, 2)}
     for key, block in blocks.items():
         assert store.put(key, block) == "ram"
-    assert store.relieve_host() == 60 * KB
+    assert store.relieve() == 60 * KB
     assert store.totals() == {"gpu": 0, "ram": 0, "ssd": 60 * KB}
     for key, block in blocks.items():
         np.testing.assert_array_equal(store.host(key), block)
@@ -174,3 +174,12 @@ def test_threads_never_take_the_device_over_its_budget() -> None:
     assert errors == []
     assert max(seen) <= 100 * KB
     assert store.spilled > 0
+
+
+def test_ram_pressure_moves_the_spilled_blocks_to_the_ssd() -> None:
+    store = _store(10)
+    block = _block(40, 5)
+    assert store.put("a", block) == "ram"
+    pressure.notify("high")
+    assert store.where("a") == "ssd"
+    np.testing.assert_array_equal(store.host("a"), block)

@@ -14,9 +14,10 @@ Rules:
 * :meth:`put` makes room on the device by spilling the largest device blocks first (the
   fewest copies free the most memory); a block bigger than the whole budget goes
   straight to the host.
-* :meth:`relieve` spills the largest blocks until the device holds at most the bytes
-  asked (for a device under pressure), and :meth:`relieve_host` moves the largest RAM
-  copies to the SSD (for RAM under pressure).
+* :meth:`spill_to` spills the largest blocks until the device holds at most the bytes
+  asked (for a device under pressure). The store is a RAM pressure subscriber
+  (:func:`tierflow.system.pressure.subscribe`): at ``high`` or above, and when asked to
+  :meth:`relieve`, it moves its RAM copies to the SSD, largest first.
 * :meth:`get` gives a block on the device, reading a spilled one back (making room the
   same way) and keeping it there; :meth:`host` gives a NumPy block without moving it
   (a device block is copied out, a host one returned as it is).
@@ -39,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from ..config import format_bytes
-from ..system import devices
+from ..system import devices, pressure
+from ..system.types import Level
 from . import gpu, placement, spill
 from .types import GpuBackend
 
@@ -82,6 +84,7 @@ class DeviceStore:
         self._held = 0  # bytes of the blocks on the device
         self.spilled = 0  # blocks moved from the device to the host
         self.read_back = 0  # blocks moved from the host back to the device
+        pressure.subscribe(self)  # RAM under pressure: host copies go to the SSD
 
     # -- what is where ----------------------------------------------------------------
 
@@ -202,9 +205,9 @@ class DeviceStore:
 
     # -- spilling ---------------------------------------------------------------------
 
-    def relieve(self, keep_bytes: int) -> int:
+    def spill_to(self, keep_bytes: int) -> int:
         """Spill the largest device blocks to the host until the device holds at most
-        ``keep_bytes``; the bytes spilled."""
+        ``keep_bytes`` (the device under pressure); the bytes spilled."""
         spilled = 0
         while True:
             with self._lock:
@@ -215,9 +218,10 @@ class DeviceStore:
                 return spilled
             spilled += self._spill(victim)
 
-    def relieve_host(self) -> int:
+    def relieve(self) -> int:
         """Move the blocks spilled to RAM onto the SSD, largest first (RAM under
-        pressure); the bytes moved."""
+        pressure: :func:`tierflow.system.pressure.relieve` calls it); the RAM bytes
+        given back."""
         moved = 0
         ram = sorted(
             ((b.nbytes, k) for k, b in list(self._blocks.items()) if b.host is not None),
@@ -232,6 +236,13 @@ class DeviceStore:
                 block.host = copy  # the RAM copy goes with its last view
             moved += nbytes
         return moved
+
+    # -- pressure (a subscriber of tierflow.system.pressure, for RAM) ----------------------
+
+    def on_pressure(self, level: Level) -> None:
+        """RAM at ``high`` or above: the blocks spilled to RAM move to the SSD."""
+        if level >= Level.HIGH:
+            self.relieve()
 
     def _largest_locked(self, keep: Hashable | None) -> Hashable | None:
         best, size = None, -1
