@@ -8,7 +8,15 @@ arrays over files bigger than RAM.
 from __future__ import annotations
 
 from . import config, errors, memory
-from .engine.array import Array, from_array, from_files, from_npy, from_raw
+from .engine.array import (
+    Array,
+    from_array,
+    from_files,
+    from_hdf5,
+    from_npy,
+    from_parquet,
+    from_raw,
+)
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
 from .engine.dask_arrays import from_dask
@@ -36,7 +44,9 @@ __all__ = [
     "from_array",
     "from_dask",
     "from_files",
+    "from_hdf5",
     "from_npy",
+    "from_parquet",
     "from_raw",
     "memory",
     "persist",

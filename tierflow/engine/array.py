@@ -114,6 +114,58 @@ def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
     return _wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
 
 
+def from_hdf5(path: str | os.PathLike[str], dataset: str, rows: int | None = None) -> Array:
+    """A lazy array over dataset ``dataset`` of the HDF5 file ``path`` (needs h5py:
+    ``pip install 'tierflow[hdf5]'``), in blocks of ``rows`` rows.
+
+    Nothing is read but the dataset's metadata. ``rows`` defaults as in
+    :func:`from_npy`, rounded to whole chunks along axis 0 for a chunked dataset (so no
+    chunk is decompressed twice). Blocks are read with ``read_direct`` in the process
+    that runs the task; chunked, compressed datasets are decompressed by h5py there.
+
+    Raises :class:`~tierflow.errors.SourceError` for a file that is not HDF5, a missing
+    dataset (listing those there), a group or a dataset that does not hold numbers. A
+    file changed after this call makes a later compute raise SourceError.
+    """
+    from .formats import Hdf5Reader
+
+    reader = Hdf5Reader(path, dataset)
+    n_rows = int(reader.n_rows or 0)
+    if rows is None and reader.chunk_rows:
+        default = blocksize.default_rows(reader.row_nbytes, n_rows)
+        rows = max(1, default // reader.chunk_rows) * reader.chunk_rows
+    return _wrap(graph.Source(reader, blocksize.bounds(n_rows, rows, reader.row_nbytes)))
+
+
+def from_parquet(
+    paths_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    columns: Sequence[str] | None = None,
+    dtype: Any = "float32",
+    nulls: str = "nan",
+    rows: int | None = None,
+) -> Array:
+    """A lazy ``[rows, columns]`` array of ``dtype`` over numeric columns of Parquet files
+    (needs pyarrow: ``pip install 'tierflow[parquet]'``).
+
+    ``paths_or_glob``: a file, a glob pattern (files in sorted order) or a list of
+    files; their rows follow one another. ``columns``: the columns, in this order
+    (default: every column of the first file). Blocks follow row groups across the
+    files: a block is one row group, or consecutive small ones up to about ``rows`` rows
+    (default as in :func:`from_npy`). ``nulls="nan"`` reads a null as NaN (a float
+    ``dtype``); ``"raise"`` refuses it, naming the column, file and row group.
+
+    Raises :class:`~tierflow.errors.SourceError` for a column that is missing or not
+    numeric (naming it and the file) and for an unreadable file; ``FileNotFoundError``
+    when no file matches. A file changed after this call makes a later compute raise
+    SourceError.
+    """
+    from .formats import ParquetReader, parquet_paths
+
+    reader = ParquetReader(parquet_paths(paths_or_glob), columns, dtype, nulls)
+    step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, reader.n_rows)
+    return _wrap(graph.Source(reader, reader.group_bounds(step)))
+
+
 def from_raw(
     path: str | os.PathLike[str],
     dtype: Any,

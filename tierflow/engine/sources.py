@@ -34,7 +34,15 @@ from ..storage import identity
 from ..storage.sources import ArraySource, FileSource
 from . import portable
 
-__all__ = ["COSTLY_BYTES", "ArrayReader", "FileReader", "FilesReader", "Reader"]
+__all__ = [
+    "COSTLY_BYTES",
+    "ArrayReader",
+    "FileReader",
+    "FilesReader",
+    "Reader",
+    "check_identity",
+    "file_stat",
+]
 
 # In-memory arrays above this size are told apart by identity within a compute, and
 # hashed only when their key is asked for (hashing runs at about 1 GB/s).
@@ -116,8 +124,7 @@ class FileReader(Reader):
         self.row_shape = tuple(source.row_shape)
         self.n_rows = source.n_rows
         self.path = os.path.abspath(source.path)
-        st = os.stat(self.path)
-        self.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        self.stat = file_stat(self.path)
         self.label = f"{what}({os.path.basename(self.path)!r})"
 
     def read(self, a: int, b: int) -> np.ndarray:
@@ -130,28 +137,7 @@ class FileReader(Reader):
         self.source.release(a, b, drop_cache=drop_cache, count=False)
 
     def check(self) -> None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise SourceError(
-                f"{self.path} was deleted or moved after the array was built from it; "
-                "build the array again once the file is back"
-            ) from None
-        size, mtime, inode, device = self.stat
-        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) == self.stat:
-            return
-        changes = []
-        if st.st_size != size:
-            changes.append(f"size {size} -> {st.st_size} bytes")
-        if st.st_mtime_ns != mtime:
-            changes.append(f"modified {_when(mtime)} -> {_when(st.st_mtime_ns)}")
-        if (st.st_ino, st.st_dev) != (inode, device):
-            changes.append("replaced by another file (new inode)")
-        raise SourceError(
-            f"{self.path} changed after the array was built from it ({'; '.join(changes)}); "
-            "its shape and key describe the old contents, so tierflow will not read it. "
-            "Build the array again (tw.from_npy / tw.from_raw) to use the new file"
-        )
+        check_identity(self.path, self.stat, "tw." + self.label.split("(")[0])
 
     def token(self) -> str:
         size, mtime, inode, device = self.stat
@@ -163,6 +149,39 @@ class FileReader(Reader):
 
     def files(self) -> list[str]:
         return [self.path]
+
+
+def file_stat(path: str) -> tuple[int, int, int, int]:
+    """A file's identity: size, modification time (ns), inode, device."""
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def check_identity(path: str, stat: tuple[int, int, int, int], build: str) -> None:
+    """Refuse ``path`` (``SourceError``, naming what changed) when its identity is no
+    longer ``stat``, read when the array was built by ``build`` (``"tw.from_npy"``)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SourceError(
+            f"{path} was deleted or moved after the array was built from it; "
+            "build the array again once the file is back"
+        ) from None
+    size, mtime, inode, device = stat
+    if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) == stat:
+        return
+    changes = []
+    if st.st_size != size:
+        changes.append(f"size {size} -> {st.st_size} bytes")
+    if st.st_mtime_ns != mtime:
+        changes.append(f"modified {_when(mtime)} -> {_when(st.st_mtime_ns)}")
+    if (st.st_ino, st.st_dev) != (inode, device):
+        changes.append("replaced by another file (new inode)")
+    raise SourceError(
+        f"{path} changed after the array was built from it ({'; '.join(changes)}); "
+        "its shape and key describe the old contents, so tierflow will not read it. "
+        f"Build the array again ({build}) to use the new file"
+    )
 
 
 class ArrayReader(Reader):

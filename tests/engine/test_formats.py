@@ -1,0 +1,152 @@
+"""HDF5 datasets and Parquet tables as lazy arrays: the same numbers as h5py and pyarrow,
+blocks on chunks and row groups, clear errors, staleness, every executor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import tierflow as tw
+from tierflow.errors import SourceError
+
+
+def _h5(path: Path, data: np.ndarray, **options: object) -> Path:
+    with h5py.File(path, "w") as f:
+        f.create_dataset("group/x", data=data, **options)
+        f.create_dataset("names", data=np.array([b"a", b"b"]))
+    return path
+
+
+# -- HDF5 ------------------------------------------------------------------------------
+
+
+def test_an_hdf5_dataset_computes_as_numpy_on_every_executor(
+    executor_name: str, tmp_path: Path
+) -> None:
+    data = np.random.default_rng(0).random((5000, 6)).astype(np.float32)
+    path = _h5(tmp_path / "a.h5", data, chunks=(250, 6), compression="gzip")
+    x = tw.from_hdf5(path, "group/x", rows=1000)
+    assert x.shape == (5000, 6) and x.dtype == np.float32
+    np.testing.assert_array_equal((x * 2 + 1).compute(executor=executor_name), data * 2 + 1)
+    np.testing.assert_allclose(
+        x.sum(axis=0).compute(executor=executor_name), data.astype(np.float64).sum(0), rtol=1e-6
+    )
+    np.testing.assert_array_equal(x[1234:3456:7].compute(executor=executor_name), data[1234:3456:7])
+
+
+def test_hdf5_blocks_are_whole_chunks_by_default(tmp_path: Path) -> None:
+    data = np.arange(30_000.0).reshape(10_000, 3)
+    path = _h5(tmp_path / "a.h5", data, chunks=(300, 3))
+    x = tw.from_hdf5(path, "group/x")
+    bounds = x._node.bounds
+    assert all(b % 300 == 0 for b in bounds[:-1]) and bounds[-1] == 10_000
+    np.testing.assert_array_equal(x.compute(), data)
+
+
+def test_hdf5_errors_name_the_file_and_the_dataset(tmp_path: Path) -> None:
+    path = _h5(tmp_path / "a.h5", np.ones((10, 2)))
+    with pytest.raises(SourceError, match=r"has no dataset 'nope'; its datasets: group/x, names"):
+        tw.from_hdf5(path, "nope")
+    with pytest.raises(SourceError, match=r"'group' is a group, not a dataset"):
+        tw.from_hdf5(path, "group")
+    with pytest.raises(SourceError, match=r"dataset 'names' holds \|S1, not numbers"):
+        tw.from_hdf5(path, "names")
+    (tmp_path / "b.h5").write_bytes(b"not hdf5")
+    with pytest.raises(SourceError, match=r"b.h5 is not a readable HDF5 file"):
+        tw.from_hdf5(tmp_path / "b.h5", "x")
+
+
+def test_an_hdf5_file_changed_after_the_build_is_refused(tmp_path: Path) -> None:
+    path = _h5(tmp_path / "a.h5", np.ones((10, 2)))
+    x = tw.from_hdf5(path, "group/x")
+    key = x.key
+    with h5py.File(path, "a") as f:
+        f["group/x"][0, 0] = 5.0
+    with pytest.raises(SourceError, match=r"changed after the array was built.*tw.from_hdf5"):
+        x.compute()
+    assert tw.from_hdf5(path, "group/x").key != key  # the key follows the file
+
+
+# -- Parquet ---------------------------------------------------------------------------
+
+
+def _table(n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table(
+        {
+            "a": rng.random(n),
+            "b": rng.integers(0, 100, n).astype(np.int32),
+            "c": rng.random(n).astype(np.float32),
+            "label": [f"r{i}" for i in range(n)],
+        }
+    )
+
+
+def _expected(tables: list[pa.Table], columns: list[str], dtype: str) -> np.ndarray:
+    return np.concatenate(
+        [np.stack([t.column(c).to_numpy() for c in columns], axis=1).astype(dtype) for t in tables]
+    )
+
+
+def test_parquet_files_become_one_array_in_row_groups(executor_name: str, tmp_path: Path) -> None:
+    tables = [_table(3000, 1), _table(2000, 2)]
+    for k, t in enumerate(tables):
+        pq.write_table(t, tmp_path / f"part-{k}.parquet", row_group_size=500)
+    x = tw.from_parquet(str(tmp_path / "part-*.parquet"), columns=["a", "b", "c"], rows=1000)
+    want = _expected(tables, ["a", "b", "c"], "float32")
+    assert x.shape == (5000, 3) and x.dtype == np.float32
+    assert x._node.bounds == tuple(range(0, 5001, 1000))  # two row groups a block
+    np.testing.assert_array_equal(x.compute(executor=executor_name), want)
+    np.testing.assert_allclose(
+        x.sum(axis=0).compute(executor=executor_name),
+        want.astype(np.float64).sum(0),
+        rtol=1e-6,
+    )
+    np.testing.assert_array_equal(x[2990:3010].compute(executor=executor_name), want[2990:3010])
+
+
+def test_a_big_row_group_is_one_block_and_small_ones_go_together(tmp_path: Path) -> None:
+    pq.write_table(_table(1000, 1), tmp_path / "a.parquet", row_group_size=100)
+    pq.write_table(_table(3000, 2), tmp_path / "b.parquet", row_group_size=3000)
+    x = tw.from_parquet([tmp_path / "a.parquet", tmp_path / "b.parquet"], ["a"], rows=450)
+    assert x._node.bounds == (0, 500, 1000, 4000)
+    assert x.compute().shape == (4000, 1)
+
+
+def test_parquet_refuses_a_column_that_is_not_numeric_or_missing(tmp_path: Path) -> None:
+    pq.write_table(_table(10, 1), tmp_path / "a.parquet")
+    with pytest.raises(SourceError, match=r"column 'label' is string, not numeric"):
+        tw.from_parquet(tmp_path / "a.parquet")  # every column by default
+    with pytest.raises(SourceError, match=r"has no column 'z'; its columns: a, b, c, label"):
+        tw.from_parquet(tmp_path / "a.parquet", columns=["a", "z"])
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        tw.from_parquet(str(tmp_path / "none-*.parquet"))
+    with pytest.raises(ValueError, match="nulls='keep': use 'nan' or 'raise'"):
+        tw.from_parquet(tmp_path / "a.parquet", columns=["a"], nulls="keep")
+
+
+def test_parquet_nulls_are_nan_or_refused(tmp_path: Path) -> None:
+    table = pa.table({"a": pa.array([1.0, None, 3.0]), "b": pa.array([1, 2, None])})
+    pq.write_table(table, tmp_path / "n.parquet")
+    got = tw.from_parquet(tmp_path / "n.parquet", dtype="float64").compute()
+    np.testing.assert_array_equal(got, [[1.0, 1.0], [np.nan, 2.0], [3.0, np.nan]])
+    with pytest.raises(SourceError, match=r"column 'a' has 1 null\(s\) in row group 0"):
+        tw.from_parquet(tmp_path / "n.parquet", nulls="raise").compute()
+    with pytest.raises(SourceError, match=r"int64 has no NaN: pass a float dtype"):
+        tw.from_parquet(tmp_path / "n.parquet", columns=["b"], dtype="int64").compute()
+
+
+def test_a_parquet_file_changed_after_the_build_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "a.parquet"
+    pq.write_table(_table(10, 1), path)
+    x = tw.from_parquet(path, columns=["a"])
+    pq.write_table(_table(12, 2), path)
+    os.utime(path, ns=(1, 1))  # a different modification time even on a coarse clock
+    with pytest.raises(SourceError, match=r"changed after the array was built.*tw.from_parquet"):
+        x.compute()

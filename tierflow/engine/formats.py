@@ -1,0 +1,294 @@
+"""Readers of array formats: HDF5 datasets (h5py) and Parquet tables (pyarrow).
+
+Both read by path in whichever process runs the task (a worker process or a cluster
+worker reopens the file), and both are told apart by the files' identity: size,
+modification time and inode, read when the array is built. A file changed after that is
+refused at the next compute (:meth:`check`), as ``.npy`` files are.
+
+* :class:`Hdf5Reader`: rows ``a:b`` of one dataset, read with ``read_direct`` into a new
+  block (h5py decompresses chunked, compressed datasets itself). Default blocks are whole
+  chunks along axis 0. The file stays open per process (h5py's handles are not shared
+  between processes), reopened after a fork.
+* :class:`ParquetReader`: numeric columns of one or more files as a 2-D array of one
+  ``dtype``, in row groups: block boundaries fall on row-group edges (small groups are
+  read together), so a block is read with ``read_row_groups``. Nulls become NaN
+  (``nulls="nan"``, a float ``dtype``) or are refused (``nulls="raise"``), naming the
+  column, the file and the row group.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob as glob_module
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import SourceError, missing_dependency
+from .sources import Reader, check_identity, file_stat
+
+__all__ = ["Hdf5Reader", "ParquetReader", "parquet_paths"]
+
+
+def _h5py() -> Any:
+    try:
+        import h5py
+    except ImportError:
+        raise missing_dependency("h5py", "hdf5", "tw.from_hdf5") from None
+    return h5py
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise missing_dependency("pyarrow", "parquet", "tw.from_parquet") from None
+    return pyarrow
+
+
+# -- HDF5 ------------------------------------------------------------------------------
+
+
+class Hdf5Reader(Reader):
+    """Dataset ``dataset`` of the HDF5 file ``path`` (see the module docstring)."""
+
+    file_backed = False  # read through h5py, not mapped: nothing to drop from the cache
+    makes_blocks = True
+
+    def __init__(self, path: str | os.PathLike[str], dataset: str) -> None:
+        h5py = _h5py()
+        self.path = os.path.abspath(os.fspath(path))
+        self.dataset = str(dataset)
+        try:
+            with h5py.File(self.path, "r") as f:
+                if self.dataset not in f:
+                    names: list[str] = []
+                    f.visititems(
+                        lambda name, obj: (
+                            names.append(name) if isinstance(obj, h5py.Dataset) else None
+                        )
+                    )
+                    raise SourceError(
+                        f"{self.path} has no dataset {self.dataset!r}; its datasets: "
+                        f"{', '.join(names[:10]) or 'none'}"
+                    )
+                ds = f[self.dataset]
+                if not isinstance(ds, h5py.Dataset):
+                    raise SourceError(f"{self.path}: {self.dataset!r} is a group, not a dataset")
+                if ds.ndim == 0:
+                    raise SourceError(f"{self.path}: dataset {self.dataset!r} is 0-d: no rows")
+                self.dtype = np.dtype(ds.dtype)
+                if self.dtype.hasobject or self.dtype.kind in "OSUV":
+                    raise SourceError(
+                        f"{self.path}: dataset {self.dataset!r} holds {self.dtype}, not "
+                        "numbers; tierflow reads numeric datasets"
+                    )
+                self.row_shape = tuple(int(n) for n in ds.shape[1:])
+                self.n_rows = int(ds.shape[0])
+                self.chunk_rows = int(ds.chunks[0]) if ds.chunks else None
+                self.compression = ds.compression
+        except OSError as exc:
+            raise SourceError(f"{self.path} is not a readable HDF5 file: {exc}") from None
+        self.stat = file_stat(self.path)
+        self.label = f"from_hdf5({os.path.basename(self.path)!r}, {self.dataset!r})"
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_local", None)  # open handles stay in their process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def _dataset(self) -> Any:
+        # One handle per thread and process: h5py serialises its calls on one lock, and
+        # a handle opened before a fork must not be used after it.
+        found = getattr(self._local, "open", None)
+        if found is None or found[0] != os.getpid():
+            handle = _h5py().File(self.path, "r")
+            found = self._local.open = (os.getpid(), handle, handle[self.dataset])
+        return found[2]
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        out = np.empty((b - a, *self.row_shape), self.dtype)
+        if b > a:
+            try:
+                self._dataset().read_direct(out, np.s_[a:b])
+            except (OSError, ValueError) as exc:
+                raise SourceError(
+                    f"{self.path}: reading rows {a}:{b} of dataset {self.dataset!r} failed "
+                    f"({exc}); the file may be damaged or was changed while being read"
+                ) from None
+        return out
+
+    def check(self) -> None:
+        check_identity(self.path, self.stat, "tw.from_hdf5")
+
+    def token(self) -> str:
+        return f"hdf5({self.path!r},{self.dataset!r},{self.stat})"
+
+    def files(self) -> list[str]:
+        return [self.path]
+
+
+# -- Parquet ---------------------------------------------------------------------------
+
+
+def parquet_paths(paths_or_glob: str | os.PathLike[str] | Sequence[Any]) -> list[str]:
+    """The files of ``paths_or_glob``: a path, a glob pattern (sorted), or a list of
+    paths (kept in order). Raises ``FileNotFoundError`` for a pattern that matches
+    nothing, or a path that is not there."""
+    if isinstance(paths_or_glob, (str, os.PathLike)):
+        text = os.fspath(paths_or_glob)
+        if glob_module.has_magic(text):
+            found = sorted(glob_module.glob(text))
+            if not found:
+                raise FileNotFoundError(f"no file matches {text!r}")
+            return [os.path.abspath(p) for p in found]
+        paths = [text]
+    else:
+        paths = [os.fspath(p) for p in paths_or_glob]
+        if not paths:
+            raise ValueError("from_parquet needs at least one file")
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"no Parquet file {p!r}")
+    return [os.path.abspath(p) for p in paths]
+
+
+class ParquetReader(Reader):
+    """Numeric ``columns`` of the Parquet files ``paths`` as one ``[rows, columns]``
+    array of ``dtype`` (see the module docstring)."""
+
+    file_backed = False
+    makes_blocks = True
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        columns: Sequence[str] | None,
+        dtype: Any,
+        nulls: str,
+    ) -> None:
+        pa = _pyarrow()
+        if nulls not in ("nan", "raise"):
+            raise ValueError(f"nulls={nulls!r}: use 'nan' or 'raise'")
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind not in "biuf":
+            raise ValueError(f"dtype={dtype!r}: from_parquet gives numbers; use a numeric dtype")
+        self.nulls = nulls
+        self.paths = list(paths)
+        groups: list[tuple[int, int, int]] = []  # (file, group, rows)
+        chosen: list[str] | None = list(columns) if columns is not None else None
+        for i, path in enumerate(self.paths):
+            try:
+                meta = pa.parquet.ParquetFile(path).metadata
+            except (OSError, pa.ArrowException) as exc:
+                raise SourceError(f"{path} is not a readable Parquet file: {exc}") from None
+            schema = meta.schema.to_arrow_schema()
+            names = list(schema.names)
+            if chosen is None:
+                chosen = names
+            for name in chosen:
+                if name not in names:
+                    raise SourceError(
+                        f"{path} has no column {name!r}; its columns: {', '.join(names)}"
+                    )
+                kind = schema.field(name).type
+                if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
+                        or pa.types.is_boolean(kind)):  # fmt: skip
+                    raise SourceError(
+                        f"{path}: column {name!r} is {kind}, not numeric; pick numeric "
+                        "columns with columns=[...]"
+                    )
+            for g in range(meta.num_row_groups):
+                groups.append((i, g, int(meta.row_group(g).num_rows)))
+        assert chosen is not None
+        if not chosen:
+            raise SourceError(f"{self.paths[0]} has no columns to read")
+        self.columns = chosen
+        self.groups = groups
+        self.group_starts = [0]
+        for _, _, n in groups:
+            self.group_starts.append(self.group_starts[-1] + n)
+        self.n_rows = self.group_starts[-1]
+        self.row_shape = (len(chosen),)
+        self.stats = [file_stat(p) for p in self.paths]
+        first = os.path.basename(self.paths[0])
+        more = f" and {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
+        self.label = f"from_parquet({first!r}{more})"
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_local", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def group_bounds(self, rows: int) -> tuple[int, ...]:
+        """Block boundaries on row-group edges: each block the groups that together
+        make at most about ``rows`` rows (at least one group)."""
+        bounds = [0]
+        for start in self.group_starts[1:]:
+            if start - bounds[-1] >= rows:
+                bounds.append(start)
+        if bounds[-1] != self.group_starts[-1]:
+            bounds.append(self.group_starts[-1])
+        return tuple(bounds)
+
+    def _file(self, i: int) -> Any:
+        cache: tuple[int, dict[int, Any]] | None = getattr(self._local, "files", None)
+        if cache is None or cache[0] != os.getpid():
+            cache = self._local.files = (os.getpid(), {})
+        opened = cache[1]
+        if i not in opened:
+            opened[i] = _pyarrow().parquet.ParquetFile(self.paths[i])
+        return opened[i]
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        out = np.empty((max(0, b - a), len(self.columns)), self.dtype)
+        if b <= a:
+            return out
+        first = bisect.bisect_right(self.group_starts, a) - 1
+        last = bisect.bisect_right(self.group_starts, b - 1) - 1
+        for k in range(first, last + 1):
+            i, g, _ = self.groups[k]
+            start = self.group_starts[k]
+            lo, hi = max(a, start), min(b, self.group_starts[k + 1])
+            table = self._file(i).read_row_groups([g], columns=self.columns)
+            for j, name in enumerate(self.columns):
+                column = table.column(name)
+                if column.null_count:
+                    self._nulls(name, i, g, column.null_count)
+                values = column.to_numpy(zero_copy_only=False)
+                out[lo - a : hi - a, j] = values[lo - start : hi - start]
+        return out
+
+    def _nulls(self, name: str, i: int, g: int, count: int) -> None:
+        if self.nulls == "raise" or self.dtype.kind != "f":
+            fix = "; pass nulls='nan' with a float dtype to read them as NaN"
+            if self.nulls == "nan":
+                fix = f"; {self.dtype} has no NaN: pass a float dtype"
+            raise SourceError(
+                f"{self.paths[i]}: column {name!r} has {count} null(s) in row group {g}{fix}"
+            )
+
+    def check(self) -> None:
+        for path, stat in zip(self.paths, self.stats, strict=True):
+            check_identity(path, stat, "tw.from_parquet")
+
+    def token(self) -> str:
+        files = ",".join(f"({p!r},{s})" for p, s in zip(self.paths, self.stats, strict=True))
+        return f"parquet([{files}],{self.columns!r},{self.dtype.str},{self.nulls})"
+
+    def files(self) -> list[str]:
+        return list(self.paths)
