@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -136,3 +138,99 @@ def test_other_errors_are_not_retried() -> None:
     with pytest.raises(tw.errors.BlockError, match="not memory"):
         y.compute()
     assert calls == [8]
+
+
+@pytest.mark.executors("serial")  # counts calls in this process
+def test_the_size_that_worked_serves_the_rest_of_the_block_and_the_next_blocks() -> None:
+    # A function that runs out of memory above 1,000 rows, on 20,000-row blocks: 20,000,
+    # 10,000, 5,000, 2,500 and 1,250 fail once each, then every piece is 625 rows.
+    a = np.random.default_rng(2).uniform(size=(100_000, 2))
+    fn, sizes = limited(1000, lambda: MemoryError("cannot allocate"))
+    x = tw.from_array(a, rows=20_000)
+    assert x.nblocks == 5
+    y = x.map_blocks(fn, dtype=np.float64, row_shape=(2,))
+    np.testing.assert_array_equal(y.compute(), np.sqrt(a) + 1)
+    oversized = [n for n in sizes if n > 1000]
+    assert len(oversized) <= 6, oversized
+    assert oversized == [20_000, 10_000, 5_000, 2_500, 1_250]
+    assert set(sizes) - set(oversized) == {625}
+    assert sum(sizes) - sum(oversized) == len(a)  # each row computed once
+
+
+@pytest.mark.executors("serial")  # counts calls in this process
+def test_a_reduction_chunk_uses_the_size_that_worked_at_once() -> None:
+    a = np.random.default_rng(3).normal(size=(60_000, 2))
+    seen: list[int] = []
+
+    def chunk(b: np.ndarray, start: int) -> list[tuple[int, int]]:
+        seen.append(len(b))
+        if len(b) > 1000:
+            raise MemoryError
+        return [(start, len(b))]
+
+    x = tw.from_array(a, rows=20_000)
+    r = x.reduction(chunk, lambda p, q: p + q, with_offset=True, commutative=False)
+    pieces = r.compute()
+    assert [n for n in seen if n > 1000] == [20_000, 10_000, 5_000, 2_500, 1_250]
+    assert {n for _, n in pieces} == {625}
+    assert [s for s, _ in pieces] == list(range(0, 60_000, 625))  # offsets stay global
+
+
+@pytest.mark.executors("serial")  # counts calls in this process
+def test_the_caches_are_emptied_before_each_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    steps: list[str] = []
+    monkeypatch.setattr(oom, "empty_gpu_caches", lambda: steps.append("empty"))
+
+    def fn(b: np.ndarray) -> np.ndarray:
+        steps.append(f"call {len(b)}")
+        if len(b) > 2:
+            raise MemoryError
+        return b * 2
+
+    y = tw.from_array(np.ones((16, 2)), rows=8).map_blocks(fn, dtype=np.float64, row_shape=(2,))
+    np.testing.assert_array_equal(y.compute(), np.full((16, 2), 2.0))
+    assert steps == [
+        "call 8", "empty", "call 4", "empty", "call 2", "call 2", "call 2", "call 2",
+        "call 2", "call 2", "call 2", "call 2",
+    ]  # fmt: skip
+
+
+CASES = {
+    "too big": (
+        "CUDA out of memory. Tried to allocate 100.00 GiB (GPU 0; 80.00 GiB total capacity; "
+        "1.00 GiB already allocated; 78.00 GiB free; 1.00 GiB reserved in total by PyTorch)",
+        r"Too big for the device: one request of 100\.00 GB exceeds its 80\.00 GB",
+    ),
+    "fragmented": (
+        "CUDA out of memory. Tried to allocate 1.00 GiB (GPU 0; 80.00 GiB total capacity; "
+        "70.00 GiB already allocated; 512.00 MiB free; 79.00 GiB reserved in total by PyTorch)",
+        r"Looks like fragmentation: 9\.00 GB is reserved but unallocated.*expandable_segments",
+    ),
+    "another process": (
+        "CUDA out of memory. Tried to allocate 1.00 GiB (GPU 0; 80.00 GiB total capacity; "
+        "70.00 GiB already allocated; 0 bytes free; 70.00 GiB reserved in total by PyTorch)",
+        r"10\.00 GB of the device is used outside this allocator.*another process",
+    ),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.executors("serial")  # counts calls in this process
+@pytest.mark.parametrize("case", CASES)
+def test_one_row_that_does_not_fit_on_the_gpu_names_the_case(case: str) -> None:
+    torch = pytest.importorskip("torch")
+    message, diagnosis = CASES[case]
+    fn, sizes = limited(0, lambda: torch.cuda.OutOfMemoryError(message))
+    y = tw.from_array(np.ones((4, 2)), rows=4).map_blocks(fn, dtype=np.float64, row_shape=(2,))
+    with pytest.raises(OutOfMemoryError, match=r"\(4, 2, 1 rows\).*" + diagnosis):
+        y.compute(executor="serial")
+    assert sizes == [4, 2, 1]
+
+
+def test_emptying_the_gpu_caches_imports_neither_torch_nor_cupy() -> None:
+    code = (
+        "import sys; from tierflow.storage import oom; oom.empty_gpu_caches(); "
+        "print('torch' in sys.modules, 'cupy' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.errors import BlockError
+from tierflow.engine.ops import MapBlocks
+from tierflow.errors import BlockError, DependencyError
 
 
 @pytest.fixture
@@ -113,11 +114,47 @@ def test_cuda_map_blocks_runs_on_the_gpu(a: np.ndarray) -> None:
     np.testing.assert_allclose(y.compute()[:, 0], (a * a).sum(axis=1), rtol=1e-4)
 
 
-def test_device_auto_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
+def test_device_auto_without_torch_gives_numpy_blocks_on_the_cpu(
+    a: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    kinds: list[type] = []
+
+    def double(b: np.ndarray) -> np.ndarray:
+        kinds.append(type(b))
+        return b * 2
+
+    y = tw.from_array(a, rows=256).map_blocks(double, device="auto")
+    assert y.dtype == np.float32 and y.shape == (1000, 6)  # from a NumPy probe block
+    assert kinds == [np.ndarray]
+    np.testing.assert_array_equal(y.compute(), a * 2)
+    assert set(kinds) == {np.ndarray} and len(kinds) > 1
+
+
+@pytest.mark.executors("serial")  # computes nothing
+def test_auto_resolved_where_torch_is_missing_gives_numpy_blocks(
+    a: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A plan made where torch is installed, run in a process without it.
     monkeypatch.setitem(sys.modules, "torch", None)
-    x = tw.from_array(np.ones((10, 3), np.float32))
-    with pytest.raises(ImportError, match=r"pip install 'tierflow\[torch\]'"):
-        x.map_blocks(lambda b: b * 2, device="auto")
+    op = MapBlocks(lambda b: b + 1, 1, np.float32, (6,), device="auto")
+    np.testing.assert_array_equal(op.apply(a[:10]), a[:10] + 1)
+    assert op.device is None and repr(op) == "MapBlocks(map_blocks)"
+
+
+@pytest.mark.executors("serial")  # computes nothing
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_gpu_without_torch_names_the_extra(
+    a: np.ndarray, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(
+        DependencyError,
+        match=rf"torch tensors for map_blocks\(device='{device}'\) need the optional "
+        r"package 'torch': pip install 'tierflow\[torch\]'",
+    ):
+        tw.from_array(a).map_blocks(lambda b: b * 2, device=device)
 
 
 def _kind_of(block: np.ndarray) -> np.ndarray:

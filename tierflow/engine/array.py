@@ -982,11 +982,15 @@ class Array:
         may be split (in halves, after an out-of-memory error) or merged differently
         from run to run. ``others`` are arrays with the same rows, passed as blocks too.
         ``device="cpu"`` gives ``fn`` NumPy blocks; ``"cuda"``/``"cuda:N"`` gives torch
-        tensors on that GPU; ``"auto"`` torch tensors on the GPU with the most free
-        memory, or on the CPU without one. ``dtype`` and ``row_shape`` of the result
-        default to those of ``fn`` on a probe block of two zero rows (called now; give
-        both to skip it). A result with the wrong number of rows, row shape or a dtype
-        that does not cast raises :class:`~tierflow.errors.BlockError` naming the block.
+        tensors on that GPU (without torch: :class:`~tierflow.errors.DependencyError`
+        naming the extra). ``"auto"`` gives torch tensors on the GPU with the most free
+        memory, or on the CPU without one; where torch is not installed it runs on the
+        CPU and gives NumPy blocks, as ``"cpu"`` does (a function written for ``"auto"``
+        should accept both, e.g. by using only operators they share). ``dtype`` and
+        ``row_shape`` of the result default to those of ``fn`` on a probe block of two
+        zero rows (called now; give both to skip it). A result with the wrong number of
+        rows, row shape or a dtype that does not cast raises
+        :class:`~tierflow.errors.BlockError` naming the block.
         """
         if not callable(fn):
             raise TypeError(f"map_blocks needs a function, got {type(fn).__name__}")
@@ -1326,20 +1330,23 @@ class Array:
 
 
 def _device(device: str) -> str | None:
+    """What ``map_blocks(device=...)`` hands its function: None for NumPy blocks
+    (``"cpu"``, and ``"auto"`` without torch), ``"auto"`` for torch tensors on the device
+    chosen at the first block, ``"cuda:N"`` for tensors on that GPU. Only a GPU asked
+    by name needs torch: :class:`~tierflow.errors.DependencyError` without it,
+    ValueError for a GPU that is not here."""
     text = str(device)
     if text == "cpu":
         return None
-    if text == "auto" or text == "cuda" or text.startswith("cuda:"):
-        # Both hand fn torch tensors ("auto" on the CPU when there is no GPU).
-        try:
-            import torch  # noqa: F401
-        except ImportError:
+    if text == "auto":
+        return "auto" if ops.has_torch() else None
+    if text == "cuda" or text.startswith("cuda:"):
+        if not ops.has_torch():
             from ..errors import missing_dependency
 
-            raise missing_dependency("torch", "torch", f"map_blocks(device={device!r})") from None
-    if text == "auto":
-        return "auto"
-    if text == "cuda" or text.startswith("cuda:"):
+            raise missing_dependency(
+                "torch", "torch", f"torch tensors for map_blocks(device={device!r})"
+            )
         found = devices.gpus()
         index = 0 if text == "cuda" else int(text.split(":", 1)[1])
         if not any(d.index == index for d in found):

@@ -1,4 +1,4 @@
-"""Out-of-memory halving: retry an operator on the two halves of its block.
+"""Out-of-memory halving: retry an operator on the halves of its block.
 
 The policy (stated with the scheduler's, :mod:`tierflow.engine.scheduler`):
 
@@ -6,20 +6,34 @@ The policy (stated with the scheduler's, :mod:`tierflow.engine.scheduler`):
   :func:`call_chunk` (a reduction's chunk). Each tries the call once, directly, and
   only when it raises an out-of-memory error — ``MemoryError``, torch's or cupy's
   (:func:`tierflow.storage.oom.is_oom`) — retries it on rows ``[0, n/2)`` and
-  ``[n/2, n)`` of its input blocks, recursively, down to one row. Before a retry the
-  failed attempt's memory is reclaimed by :func:`tierflow.storage.oom.recover` (the
-  one recovery sequence, shared with ``memory.fit_batch``): frames cleared, garbage
-  collected, GPU caches emptied.
-* The pieces are stitched: a block operator writes each half into its half of the
+  ``[n/2, n)`` of its input blocks, down to one row. Before a retry the failed
+  attempt's memory is reclaimed by :func:`tierflow.storage.oom.recover` (the one
+  recovery sequence, shared with ``memory.fit_batch``): frames cleared, garbage
+  collected, the caches of torch and cupy emptied where they are imported
+  (:func:`tierflow.storage.oom.empty_gpu_caches`).
+* Each failure remembers half its rows as the operator's size (by the node's key, for
+  the rest of the process; only ever lowered), and every call — the rest of the block
+  being halved as much as the next blocks — is first cut into pieces of the size
+  remembered then. So only the first failing piece of each size is tried, and the
+  sizes that fail are found in about ``log2(block rows / rows that fit)`` attempts.
+  A function that fails above 1,000 rows on 20,000-row blocks fails on 20,000,
+  10,000, 5,000, 2,500 and 1,250 rows, once each; then every piece, in this block
+  and the next, has 625::
+
+      block 0: 20000 x -> 10000 x -> 5000 x -> 2500 x -> 1250 x -> 625 ok, 625 ok,
+               then the other 1250, 2500, 5000 and 10000 rows: 625 at a time
+      block 1: 625 at a time from the start
+
+* The pieces are stitched: a block operator writes each piece into its rows of the
   output block (no second copy when the output is given), a reduction combines the
-  halves' partials (the right half's first row is the block's first row plus the
-  half's size, so ``argmin`` indices stay global).
-* The size that worked is remembered per operator (by the node's key, for the rest of
-  the process): its next blocks are cut into pieces of that size before they are tried.
+  pieces' partials left to right (a piece's first row is the block's first row plus
+  its start, so ``argmin`` indices stay global).
 * Only operators that map rows to rows can be split this way (every block operator and
   reduction chunk). One row that still does not fit raises
   :class:`~tierflow.errors.OutOfMemoryError` with the sizes tried and a diagnosis
-  (:func:`tierflow.storage.oom.explain_oom`: the RAM or GPU figures and the remedy).
+  (:func:`tierflow.storage.oom.explain_oom`: the RAM or GPU figures and which case it
+  is — too big for the device, fragmented, or memory held outside the allocator — and
+  the remedy).
 """
 
 from __future__ import annotations
@@ -148,28 +162,18 @@ def call(
     """``fn(*blocks, out=out)`` with out-of-memory halving (see the module docstring).
 
     ``site`` names the operator (:class:`Site`), ``where`` the block (a string, or a
-    callable that gives one) in the final error. The halves write into their halves of
+    callable that gives one) in the final error. The pieces write into their rows of
     ``out`` when it is given, else their results are concatenated.
     """
-    key, label = site.key, site.label
-    if key not in _sizes:
+    if site.key not in _sizes:
         # The common case: one call, nothing remembered, nothing to split.
         try:
             return fn(*blocks, out=out)
         except Exception as exc:
-            if not _retry(label, where, _rows(blocks), exc, ()):
+            if not _retry(site.label, where, _rows(blocks), exc, ()):
                 raise
-        return _halves(_Operator(key, label, where), fn, blocks, out, [_rows(blocks)])
-    op = _Operator(key, label, where)
-    rows = _rows(blocks)
-    pieces = _pieces(rows, remembered(key))
-    if len(pieces) == 1:
-        return _block(op, fn, blocks, out, [])
-    results = []
-    for a, b in pieces:
-        part = out[a:b] if out is not None else None
-        results.append(_block(op, fn, [x[a:b] for x in blocks], part, []))
-    return out if out is not None else np.concatenate(results)
+        return _halves(_Operator(site.key, site.label, where), fn, blocks, out, [_rows(blocks)])
+    return _block(_Operator(site.key, site.label, where), fn, blocks, out, [])
 
 
 def _block(
@@ -179,6 +183,16 @@ def _block(
     out: np.ndarray | None,
     tried: list[int],
 ) -> np.ndarray:
+    """``fn`` on these rows: in pieces of the remembered size when they are more (the
+    size may have shrunk since the caller cut them), else in one call, halved if it
+    runs out of memory. ``tried``: the sizes that failed on the way to these rows."""
+    pieces = _pieces(_rows(blocks), remembered(op.key))
+    if len(pieces) > 1:
+        results = [
+            _block(op, fn, [x[a:b] for x in blocks], None if out is None else out[a:b], tried)
+            for a, b in pieces
+        ]
+        return out if out is not None else np.concatenate(results)
     try:
         return fn(*blocks, out=out)
     except Exception as exc:
@@ -194,44 +208,43 @@ def _halves(
     out: np.ndarray | None,
     tried: list[int],
 ) -> np.ndarray:
+    """After ``fn`` ran out of memory on these rows: remember half their number and
+    run them again through :func:`_block`, which cuts them at the remembered size."""
     rows = _rows(blocks)
-    half = (rows + 1) // 2
-    _remember(op.key, half)
+    _remember(op.key, (rows + 1) // 2)
     log.info("%s ran out of memory on %d rows; retrying on halves", op.label, rows)
-    left = _block(op, fn, [b[:half] for b in blocks], None if out is None else out[:half], tried)
-    right = _block(op, fn, [b[half:] for b in blocks], None if out is None else out[half:], tried)
-    if out is not None:
-        return out
-    return np.concatenate([left, right])
+    return _block(op, fn, blocks, out, tried)
 
 
 def call_chunk(
     site: Site, where: Any, op: Any, blocks: Sequence[np.ndarray], row_offset: int
 ) -> Any:
     """``op.chunk(*blocks, row_offset=row_offset)`` with out-of-memory halving; the
-    halves' partials are combined left before right (``op.combine``). The arguments
-    are :func:`call`'s."""
-    key, label = site.key, site.label
-    if key not in _sizes:
+    pieces' partials are combined left to right (``op.combine``). The arguments are
+    :func:`call`'s."""
+    if site.key not in _sizes:
         # The common case: one call, nothing remembered, nothing to split.
         try:
             return op.chunk(*blocks, row_offset=row_offset)
         except Exception as exc:
-            if not _retry(label, where, _rows(blocks), exc, ()):
+            if not _retry(site.label, where, _rows(blocks), exc, ()):
                 raise
-        who = _Operator(key, label, where)
+        who = _Operator(site.key, site.label, where)
         return _chunk_halves(who, op, blocks, row_offset, [_rows(blocks)])
-    who = _Operator(key, label, where)
-    partial: Any = None
-    for a, b in _pieces(_rows(blocks), remembered(key)):
-        piece = _chunk(who, op, [x[a:b] for x in blocks], row_offset + a, [])
-        partial = piece if a == 0 else op.combine(partial, piece)
-    return partial
+    return _chunk(_Operator(site.key, site.label, where), op, blocks, row_offset, [])
 
 
 def _chunk(
     who: _Operator, op: Any, blocks: Sequence[np.ndarray], row_offset: int, tried: list[int]
 ) -> Any:
+    """:func:`_block` for a reduction's chunk: the pieces' partials are combined."""
+    pieces = _pieces(_rows(blocks), remembered(who.key))
+    if len(pieces) > 1:
+        partial: Any = None
+        for a, b in pieces:
+            piece = _chunk(who, op, [x[a:b] for x in blocks], row_offset + a, tried)
+            partial = piece if a == 0 else op.combine(partial, piece)
+        return partial
     try:
         return op.chunk(*blocks, row_offset=row_offset)
     except Exception as exc:
@@ -243,10 +256,8 @@ def _chunk(
 def _chunk_halves(
     who: _Operator, op: Any, blocks: Sequence[np.ndarray], row_offset: int, tried: list[int]
 ) -> Any:
+    """:func:`_halves` for a reduction's chunk."""
     rows = _rows(blocks)
-    half = (rows + 1) // 2
-    _remember(who.key, half)
+    _remember(who.key, (rows + 1) // 2)
     log.info("%s ran out of memory on %d rows; retrying on halves", who.label, rows)
-    left = _chunk(who, op, [b[:half] for b in blocks], row_offset, tried)
-    right = _chunk(who, op, [b[half:] for b in blocks], row_offset + half, tried)
-    return op.combine(left, right)
+    return _chunk(who, op, blocks, row_offset, tried)

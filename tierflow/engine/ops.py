@@ -27,6 +27,7 @@ __all__ = [
     "Reshape",
     "Stack",
     "UfuncOutput",
+    "has_torch",
     "numpy_dtype",
     "to_device",
     "to_host",
@@ -43,6 +44,16 @@ def to_host(value: Any) -> Any:
     if _is_tensor(value):
         return value.detach().cpu().numpy()
     return value
+
+
+def has_torch() -> bool:
+    """Whether torch imports in this process (importing it): what ``device="auto"``
+    needs to hand a function tensors rather than NumPy blocks."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def to_device(block: Any, device: str) -> Any:
@@ -83,9 +94,10 @@ class MapBlocks:
     """``fn(*blocks, **kwargs)`` on row blocks: a user function as a BlockOp.
 
     ``device`` None gives ``fn`` NumPy blocks; ``"cpu"`` or ``"cuda:N"`` gives it torch
-    tensors there. The result must have the blocks' number of rows, ``out_row_shape``
-    and a dtype that casts to ``out_dtype`` (``same_kind``); otherwise ValueError names
-    both shapes or dtypes (the engine adds the block).
+    tensors there; ``"auto"`` is resolved on the first block (:meth:`_resolve`). The
+    result must have the blocks' number of rows, ``out_row_shape`` and a dtype that
+    casts to ``out_dtype`` (``same_kind``); otherwise ValueError names both shapes or
+    dtypes (the engine adds the block).
     """
 
     row_independent = True
@@ -152,12 +164,16 @@ class MapBlocks:
             return out
         return result
 
-    def _resolve(self, blocks: Sequence[Any]) -> str:
+    def _resolve(self, blocks: Sequence[Any]) -> str | None:
         """``device="auto"``: the GPU with the most free memory if it has room for the
-        blocks and the result (twice over, for the function's own tensors), else the CPU.
-        Decided on the first block and kept."""
+        blocks and the result (twice over, for the function's own tensors), else the CPU
+        (torch tensors there; NumPy blocks, None, in a process without torch). Decided
+        on the first block and kept."""
         from ..system import devices
 
+        if not has_torch():
+            self.device = None
+            return None
         need = 2 * sum(int(np.asarray(b).nbytes) for b in blocks) + 2 * block_bytes(
             blocks[0].shape[0], self.out_row_shape, self.out_dtype
         )
