@@ -89,3 +89,39 @@ def ray_runtime() -> Iterator[Any]:
 def tierflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh folder for tests that need their own spill or store root."""
     return tmp_path_factory.mktemp("tierflow-own")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, Any]]:
+    """An S3-compatible server on localhost (moto's server mode) with a bucket
+    ``tierflow``; yields the ``storage_options`` s3fs needs to reach it."""
+    import socket
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    try:
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=options["endpoint_url"],
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="tierflow")
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield options
+    finally:
+        server.stop()

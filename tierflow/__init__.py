@@ -16,6 +16,7 @@ from .engine.array import (
     from_npy,
     from_parquet,
     from_raw,
+    from_zarr,
 )
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
@@ -48,6 +49,7 @@ __all__ = [
     "from_npy",
     "from_parquet",
     "from_raw",
+    "from_zarr",
     "memory",
     "persist",
     "stack",

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zarr
 
 import tierflow as tw
 from tierflow.errors import SourceError
@@ -150,3 +151,87 @@ def test_a_parquet_file_changed_after_the_build_is_refused(tmp_path: Path) -> No
     os.utime(path, ns=(1, 1))  # a different modification time even on a coarse clock
     with pytest.raises(SourceError, match=r"changed after the array was built.*tw.from_parquet"):
         x.compute()
+
+
+# -- Zarr ------------------------------------------------------------------------------
+
+
+def _zarr(path: Path | str, data: np.ndarray, **options: object) -> zarr.Array:
+    z = zarr.create_array(store=str(path), shape=data.shape, dtype=data.dtype, **options)
+    z[:] = data
+    return z
+
+
+def test_a_zarr_array_computes_as_numpy_in_whole_chunks(executor_name: str, tmp_path: Path) -> None:
+    data = np.random.default_rng(1).random((4000, 3, 2)).astype(np.float32)
+    _zarr(tmp_path / "a.zarr", data, chunks=(300, 2, 2))  # trailing axes chunked too
+    x = tw.from_zarr(tmp_path / "a.zarr", rows=1000)
+    assert x.shape == (4000, 3, 2) and x.dtype == np.float32
+    assert x._node.bounds == (0, 900, 1800, 2700, 3600, 4000)  # 1000 rounded to 3 chunks
+    np.testing.assert_array_equal((x * 2).compute(executor=executor_name), data * 2)
+    np.testing.assert_allclose(
+        x.sum(axis=0).compute(executor=executor_name), data.astype(np.float64).sum(0), rtol=1e-6
+    )
+
+
+def test_zarr_format_2_and_sharded_arrays(tmp_path: Path) -> None:
+    data = np.arange(6000, dtype=np.int32).reshape(2000, 3)
+    _zarr(tmp_path / "v2.zarr", data, chunks=(128, 3), zarr_format=2)
+    np.testing.assert_array_equal(tw.from_zarr(tmp_path / "v2.zarr").compute(), data)
+    _zarr(tmp_path / "s.zarr", data, chunks=(50, 3), shards=(500, 3))
+    x = tw.from_zarr(tmp_path / "s.zarr", rows=700)
+    assert x._node.bounds == (0, 500, 1000, 1500, 2000)  # whole shards
+    np.testing.assert_array_equal(x.compute(), data)
+
+
+def test_a_chunk_never_written_reads_as_the_fill_value(tmp_path: Path) -> None:
+    z = zarr.create_array(
+        store=str(tmp_path / "f.zarr"), shape=(1000, 2), chunks=(100, 2), dtype="float64",
+        fill_value=-1.0,
+    )  # fmt: skip
+    z[:250] = 5.0
+    want = np.full((1000, 2), -1.0)
+    want[:250] = 5.0
+    np.testing.assert_array_equal(tw.from_zarr(tmp_path / "f.zarr").compute(), want)
+
+
+def test_a_corrupt_chunk_is_named(tmp_path: Path) -> None:
+    _zarr(tmp_path / "c.zarr", np.ones((1000, 2)), chunks=(100, 2))
+    x = tw.from_zarr(tmp_path / "c.zarr", rows=500)
+    bad = tmp_path / "c.zarr" / "c" / "7" / "0"
+    stat = bad.stat()
+    bad.write_bytes(b"\x00garbage" * 3)
+    os.utime(bad, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    y = tw.from_zarr(tmp_path / "c.zarr", rows=500)  # built after the damage
+    with pytest.raises(SourceError, match=r"chunk 'c/7/0' \(rows 700:800\) cannot be read"):
+        y.compute()
+    with pytest.raises(SourceError, match=r"changed after the array was built.*tw.from_zarr"):
+        x.compute()  # built before it: its objects' sizes differ now
+
+
+def test_zarr_errors_say_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no Zarr array at"):
+        tw.from_zarr(tmp_path / "none.zarr")
+    zarr.create_array(store=str(tmp_path / "s.zarr"), shape=(3,), dtype=str)
+    with pytest.raises(SourceError, match="not numbers"):
+        tw.from_zarr(tmp_path / "s.zarr")
+
+
+def test_zarr_over_s3_gives_the_same_bytes_as_on_disk(
+    s3_server: dict[str, object], tmp_path: Path
+) -> None:
+    data = np.random.default_rng(2).random((3000, 4)).astype(np.float32)
+    _zarr(tmp_path / "a.zarr", data, chunks=(250, 4))
+    url = "s3://tierflow/a.zarr"
+    z = zarr.create_array(
+        store=url, shape=data.shape, dtype=data.dtype, chunks=(250, 4),
+        storage_options=s3_server, overwrite=True,
+    )  # fmt: skip
+    z[:] = data
+    remote = tw.from_zarr(url, rows=1000, storage_options=s3_server)
+    local = tw.from_zarr(tmp_path / "a.zarr", rows=1000)
+    assert remote.compute().tobytes() == local.compute().tobytes() == data.tobytes()
+    np.testing.assert_array_equal(remote.sum(axis=0).compute(), local.sum(axis=0).compute())
+    z[:250] = 0  # a chunk rewritten in the bucket: its ETag changes
+    with pytest.raises(SourceError, match="changed after the array was built"):
+        remote.compute()

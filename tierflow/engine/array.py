@@ -114,6 +114,36 @@ def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
     return _wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
 
 
+def from_zarr(
+    path_or_url: str | os.PathLike[str],
+    rows: int | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> Array:
+    """A lazy array over a Zarr array (format 3 or 2; needs zarr: ``pip install
+    'tierflow[zarr]'``), in blocks of whole chunks along axis 0.
+
+    ``path_or_url``: a folder, or an fsspec URL (``s3://bucket/x.zarr``; with
+    ``storage_options`` for the filesystem, such as ``{"endpoint_url": ...}``; needs
+    s3fs for ``s3://``). ``rows`` is rounded down to whole chunks (whole shards for a
+    sharded array), at least one; the default is as in :func:`from_npy`, rounded the
+    same way. The chunks along the other axes are read together. Blocks are read and
+    decompressed in the process that runs the task. A chunk never written reads as the
+    fill value; one that cannot be decoded raises :class:`~tierflow.errors.SourceError`
+    naming its key. An array whose objects changed after this call is refused at the
+    next compute; its cache key follows the store URL, the metadata and the objects'
+    sizes and times (or ETags).
+    """
+    from .formats import ZarrReader
+
+    reader = ZarrReader(path_or_url, storage_options)
+    n_rows = int(reader.n_rows or 0)
+    unit = reader.chunk_rows
+    step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, n_rows)
+    step = max(1, step // unit) * unit
+    return _wrap(graph.Source(reader, blocksize.bounds(n_rows, step, reader.row_nbytes)))
+
+
 def from_hdf5(path: str | os.PathLike[str], dataset: str, rows: int | None = None) -> Array:
     """A lazy array over dataset ``dataset`` of the HDF5 file ``path`` (needs h5py:
     ``pip install 'tierflow[hdf5]'``), in blocks of ``rows`` rows.

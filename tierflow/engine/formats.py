@@ -1,10 +1,17 @@
-"""Readers of array formats: HDF5 datasets (h5py) and Parquet tables (pyarrow).
+"""Readers of array formats: Zarr arrays, HDF5 datasets (h5py), Parquet tables (pyarrow).
 
 Both read by path in whichever process runs the task (a worker process or a cluster
 worker reopens the file), and both are told apart by the files' identity: size,
 modification time and inode, read when the array is built. A file changed after that is
 refused at the next compute (:meth:`check`), as ``.npy`` files are.
 
+* :class:`ZarrReader`: a Zarr array (format 3 or 2) on a local disk or in object storage
+  (an fsspec URL: ``s3://...``). Blocks are whole numbers of chunks (of shards, for a
+  sharded array) along axis 0, the chunks along the other axes read together; zarr
+  reads and decompresses them in the process that runs the task. A chunk that was never
+  written reads as the fill value; a chunk that cannot be decoded raises ``SourceError``
+  naming its key. Its identity is the store URL, the array's metadata, and every stored
+  object's size and modification time (or ETag, in object storage).
 * :class:`Hdf5Reader`: rows ``a:b`` of one dataset, read with ``read_direct`` into a new
   block (h5py decompresses chunked, compressed datasets itself). Default blocks are whole
   chunks along axis 0. The file stays open per process (h5py's handles are not shared
@@ -20,6 +27,9 @@ from __future__ import annotations
 
 import bisect
 import glob as glob_module
+import hashlib
+import itertools
+import json
 import os
 import threading
 from collections.abc import Sequence
@@ -30,7 +40,7 @@ import numpy as np
 from ..errors import SourceError, missing_dependency
 from .sources import Reader, check_identity, file_stat
 
-__all__ = ["Hdf5Reader", "ParquetReader", "parquet_paths"]
+__all__ = ["Hdf5Reader", "ParquetReader", "ZarrReader", "parquet_paths"]
 
 
 def _h5py() -> Any:
@@ -41,6 +51,14 @@ def _h5py() -> Any:
     return h5py
 
 
+def _zarr() -> Any:
+    try:
+        import zarr
+    except ImportError:
+        raise missing_dependency("zarr", "zarr", "tw.from_zarr") from None
+    return zarr
+
+
 def _pyarrow() -> Any:
     try:
         import pyarrow
@@ -48,6 +66,137 @@ def _pyarrow() -> Any:
     except ImportError:
         raise missing_dependency("pyarrow", "parquet", "tw.from_parquet") from None
     return pyarrow
+
+
+# -- Zarr ------------------------------------------------------------------------------
+
+
+def _is_url(text: str) -> bool:
+    return "://" in text and not text.startswith("file://")
+
+
+class ZarrReader(Reader):
+    """The Zarr array at ``url`` (a folder, or an fsspec URL with ``storage_options``);
+    see the module docstring."""
+
+    file_backed = False
+    makes_blocks = True
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> None:
+        _zarr()
+        text = os.fspath(url)
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        self.url = text if _is_url(text) else os.path.abspath(text)
+        self.storage_options = dict(storage_options or {})
+        array = self._open()
+        self.dtype = np.dtype(array.dtype)
+        if self.dtype.hasobject or self.dtype.kind in "OSUV":
+            raise SourceError(
+                f"{self.url} holds {self.dtype}, not numbers; tierflow reads numeric arrays"
+            )
+        if array.ndim == 0:
+            raise SourceError(f"{self.url} is a 0-d Zarr array: it has no rows")
+        self.row_shape = tuple(int(n) for n in array.shape[1:])
+        self.n_rows = int(array.shape[0])
+        unit = array.shards if getattr(array, "shards", None) else array.chunks
+        self.unit = tuple(int(n) for n in unit)  # what one stored object holds
+        self.chunk_rows = self.unit[0]
+        self.metadata = json.dumps(array.metadata.to_dict(), sort_keys=True, default=str)
+        self.objects = self._objects()
+        self.label = f"from_zarr({os.path.basename(self.url.rstrip('/'))!r})"
+        self._local = threading.local()
+
+    def _open(self) -> Any:
+        zarr = _zarr()
+        try:
+            if _is_url(self.url):
+                return zarr.open_array(self.url, mode="r", storage_options=self.storage_options)
+            return zarr.open_array(self.url, mode="r")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no Zarr array at {self.url}") from None
+        except Exception as exc:
+            raise SourceError(f"{self.url} is not a readable Zarr array: {exc}") from None
+
+    def _objects(self) -> str:
+        """A digest of every stored object's key, size and modification time or ETag."""
+        import fsspec
+
+        try:
+            fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            found = fs.find(root, detail=True)
+        except Exception as exc:
+            raise SourceError(f"{self.url}: listing the array's objects failed: {exc}") from None
+        digest = hashlib.sha256()
+        for name in sorted(found):
+            info = found[name]
+            when = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+            digest.update(f"{name}\0{info.get('size')}\0{when}\n".encode())
+        return digest.hexdigest()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_local", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def _array(self) -> Any:
+        found = getattr(self._local, "open", None)
+        if found is None or found[0] != os.getpid():
+            found = self._local.open = (os.getpid(), self._open())
+        return found[1]
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        array = self._array()
+        try:
+            return np.asarray(array[a:b])
+        except Exception as exc:
+            raise self._corrupt(array, a, b, exc) from None
+
+    def _corrupt(self, array: Any, a: int, b: int, exc: Exception) -> SourceError:
+        """The error naming the stored object of rows ``a:b`` that cannot be read."""
+        rows, n = self.chunk_rows, int(self.n_rows or 0)
+        grid = [range(-(-k // u)) for k, u in zip(self.row_shape, self.unit[1:], strict=True)]
+        for i in range(a // rows, -(-b // rows)):
+            first, last = i * rows, min(n, (i + 1) * rows)
+            for rest in itertools.product(*grid):
+                trailing = [
+                    slice(j * u, (j + 1) * u) for j, u in zip(rest, self.unit[1:], strict=True)
+                ]
+                try:
+                    array[tuple([slice(first, last), *trailing])]
+                except Exception as found:
+                    key = array.metadata.encode_chunk_key((i, *rest))
+                    return SourceError(
+                        f"{self.url}: chunk {key!r} (rows {first}:{last}) cannot be read: "
+                        f"{found}. The object is damaged or was written with a codec this "
+                        "installation lacks"
+                    )
+        return SourceError(f"{self.url}: reading rows {a}:{b} failed: {exc}")
+
+    def check(self) -> None:
+        if self._objects() != self.objects:
+            raise SourceError(
+                f"{self.url} changed after the array was built from it (its objects' sizes, "
+                "times or ETags differ); its shape and key describe the old contents, so "
+                "tierflow will not read it. Build the array again (tw.from_zarr) to use it"
+            )
+
+    def token(self) -> str:
+        meta = hashlib.sha256(self.metadata.encode()).hexdigest()[:16]
+        return f"zarr({self.url!r},{meta},{self.objects[:32]})"
+
+    def files(self) -> list[str]:
+        if _is_url(self.url):
+            return []  # object storage: every worker reaches it by URL
+        for name in ("zarr.json", ".zarray"):
+            path = os.path.join(self.url, name)
+            if os.path.exists(path):
+                return [path]
+        return []
 
 
 # -- HDF5 ------------------------------------------------------------------------------
