@@ -235,3 +235,93 @@ def test_zarr_over_s3_gives_the_same_bytes_as_on_disk(
     z[:250] = 0  # a chunk rewritten in the bucket: its ETag changes
     with pytest.raises(SourceError, match="changed after the array was built"):
         remote.compute()
+
+
+# -- to_zarr ---------------------------------------------------------------------------
+
+
+def test_to_zarr_writes_the_same_numbers_on_every_executor(
+    executor_name: str, tmp_path: Path
+) -> None:
+    data = np.random.default_rng(3).random((5000, 4)).astype(np.float32)
+    x = tw.from_array(data, rows=1000)
+    (x * 2 + 1).to_zarr(tmp_path / "out.zarr", executor=executor_name)
+    z = zarr.open_array(str(tmp_path / "out.zarr"), mode="r")
+    assert z.chunks == (1000, 4) and z.shape == (5000, 4)
+    np.testing.assert_array_equal(z[:], data * 2 + 1)
+    assert z.attrs["tierflow"] == {"complete": True}
+    # and back again: the same bytes
+    back = tw.from_zarr(tmp_path / "out.zarr").compute(executor=executor_name)
+    assert back.tobytes() == (data * 2 + 1).tobytes()
+
+
+def test_to_zarr_chunks_shards_and_compressors(tmp_path: Path) -> None:
+    data = np.arange(24_000.0).reshape(6000, 4)
+    x = tw.from_array(data, rows=2000)
+    x.to_zarr(tmp_path / "s.zarr", chunks=250, shards=1000, compressors=None)
+    z = zarr.open_array(str(tmp_path / "s.zarr"), mode="r")
+    assert z.chunks == (250, 4) and z.shards == (1000, 4) and z.compressors == ()
+    np.testing.assert_array_equal(z[:], data)
+    with pytest.raises(
+        ValueError,
+        match=r"blocks start at rows such as 2000, which are not whole chunks of 300 rows",
+    ):
+        x.to_zarr(tmp_path / "bad.zarr", chunks=300)
+    with pytest.raises(
+        ValueError, match=r"shards \(700, 4\) must be whole numbers of chunks \(250, 4\)"
+    ):
+        x.to_zarr(tmp_path / "bad.zarr", chunks=250, shards=700)
+    assert not (tmp_path / "bad.zarr").exists()  # refused before anything was written
+
+
+def test_to_zarr_of_a_masked_array_grows_in_whole_chunks(
+    executor_name: str, tmp_path: Path
+) -> None:
+    data = np.random.default_rng(4).random((7000, 3))
+    x = tw.from_array(data, rows=1000)
+    kept = x[x[:, 0] > 0.3]
+    kept.to_zarr(tmp_path / "m.zarr", chunks=400, executor=executor_name)
+    z = zarr.open_array(str(tmp_path / "m.zarr"), mode="r")
+    want = data[data[:, 0] > 0.3]
+    assert z.shape == want.shape and z.chunks == (400, 3)
+    np.testing.assert_array_equal(z[:], want)
+    assert z.attrs["tierflow"] == {"complete": True}
+
+
+def test_a_failed_to_zarr_leaves_the_array_marked_incomplete_and_cache_resumes(
+    tmp_path: Path,
+) -> None:
+    data = np.arange(8000.0).reshape(4000, 2)
+    calls = tmp_path / "calls"
+    calls.mkdir()
+
+    def fails_on_block_3(block: np.ndarray) -> np.ndarray:
+        (calls / f"{int(block[0, 0])}").touch()
+        if block[0, 0] == 6000.0 and not (tmp_path / "fixed").exists():
+            raise RuntimeError("block 3 fails")
+        return block * 2
+
+    y = tw.from_array(data, rows=1000).map_blocks(fails_on_block_3, row_shape=(2,))
+    with pytest.raises(RuntimeError, match="block 3 fails"):
+        y.to_zarr(tmp_path / "r.zarr", cache=str(tmp_path / "store"), executor="serial")
+    z = zarr.open_array(str(tmp_path / "r.zarr"), mode="r")
+    assert z.attrs["tierflow"] == {"complete": False}
+    (tmp_path / "fixed").touch()
+    for f in calls.iterdir():
+        f.unlink()
+    y.to_zarr(tmp_path / "r.zarr", cache=str(tmp_path / "store"), executor="serial")
+    z = zarr.open_array(str(tmp_path / "r.zarr"), mode="r")
+    np.testing.assert_array_equal(z[:], data * 2)
+    assert z.attrs["tierflow"] == {"complete": True}
+    assert sorted(int(p.name) for p in calls.iterdir()) == [6000]  # only the failed block ran
+
+
+def test_to_zarr_over_s3_matches_a_local_write(
+    s3_server: dict[str, object], tmp_path: Path
+) -> None:
+    data = np.random.default_rng(5).random((3000, 4)).astype(np.float32)
+    x = tw.from_array(data, rows=500)
+    x.to_zarr("s3://tierflow/out.zarr", storage_options=s3_server)
+    x.to_zarr(tmp_path / "out.zarr")
+    remote = tw.from_zarr("s3://tierflow/out.zarr", storage_options=s3_server)
+    assert remote.compute().tobytes() == tw.from_zarr(tmp_path / "out.zarr").compute().tobytes()

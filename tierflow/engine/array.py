@@ -600,6 +600,28 @@ class Array:
 
         to_npy(self, path, **options)
 
+    def to_zarr(self, path_or_url: str | os.PathLike[str], **options: Any) -> None:
+        """Write the result to a Zarr array (format 3; needs zarr) at a folder or an
+        fsspec URL, streaming, however big it is.
+
+        ``chunks``: rows per chunk (an int) or a chunk shape; default the array's block
+        size, so that each block task writes whole chunks. ``shards``: rows (or a shape)
+        per shard, a whole number of chunks; default none. ``compressors``: as zarr's
+        ``create_array`` takes them (default zarr's). ``storage_options``: the
+        filesystem's options for a URL. Chunks (or shards) must divide the blocks: the
+        error says which row does not. An array already at the place is replaced.
+
+        The array carries the attribute ``tierflow: {"complete": false}`` until its
+        last block is in; a run that fails or is killed leaves it so, with no torn chunk
+        (each chunk is written whole, under a temporary name on a local disk). With
+        ``cache=``, a run again computes only the blocks it had not finished. Arrays of
+        unknown row counts (after a mask) are written too, growing as blocks arrive.
+        Other options as :meth:`compute`.
+        """
+        from .compute import to_zarr
+
+        to_zarr(self, path_or_url, **options)
+
     def to_dask(self) -> Any:
         """A ``dask.array.Array`` of this array whose chunks compute through tierflow.
 

@@ -25,11 +25,11 @@ from .executors import make_executor
 from .graph import Chunked
 from .plan import Target, build_plan, describe
 from .progress import progress_callbacks
-from .sinks import ArraySink, NpySink, sweep_temps, temp_file
+from .sinks import ArraySink, NpySink, ZarrSink, sweep_temps, temp_file
 from .sources import ArrayReader
 from .types import Executor, callback_list
 
-__all__ = ["compute", "persist", "to_npy"]
+__all__ = ["compute", "persist", "to_npy", "to_zarr"]
 
 log = logging.getLogger("tierflow.engine")
 
@@ -172,6 +172,35 @@ def to_npy(
         _save_atomic(np.asarray(value), os.fspath(path), fsync)
         return
     _run([Target(node, NpySink(node, path, fsync=fsync))], RunOptions(**options))
+
+
+def to_zarr(  # noqa: PLR0913 -- public: the array's layout and the store's options
+    array: Any,
+    path_or_url: str | os.PathLike[str],
+    *,
+    chunks: Any = None,
+    shards: Any = None,
+    compressors: Any = "auto",
+    storage_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> None:
+    """Write ``array`` to a Zarr array at ``path_or_url`` (see ``Array.to_zarr``)."""
+    _check_options("to_zarr", options, "chunks", "shards", "compressors", "storage_options")
+    node = array._node
+    if not isinstance(node, Chunked):
+        raise TypeError(
+            "to_zarr writes chunked arrays (row blocks); this is a reduction's result: "
+            "compute() it and save it with np.save or zarr"
+        )
+    sink = ZarrSink(
+        node,
+        path_or_url,
+        chunks=chunks,
+        shards=shards,
+        compressors=compressors,
+        storage_options=storage_options,
+    )
+    _run([Target(node, sink)], RunOptions(**options))
 
 
 def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:

@@ -52,7 +52,7 @@ from . import graph
 from .graph import Chunked, Node
 from .lower import lower_pass
 from .program import Accumulator, BlockIndex, Program, Request, RowRange
-from .sinks import ArraySink, NpySink
+from .sinks import ArraySink, NpySink, ZarrSink
 from .types import Task, TaskMemory
 
 __all__ = ["Plan", "Target", "build_plan", "describe"]
@@ -68,7 +68,7 @@ class Target:
     """One result a compute asks for: ``node`` computed into ``sink`` (None for a value)."""
 
     node: Node
-    sink: ArraySink | NpySink | None = None
+    sink: ArraySink | NpySink | ZarrSink | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +183,19 @@ def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[Request
         # a block kept whole, which is the per-block path a compute of many small
         # blocks takes, so it does no more than one lookup.
         steps: dict[int, int] = {}
+        # A sink that writes whole stored objects (a Zarr chunk) has pieces cut on them.
+        align = math.lcm(1, *(int(getattr(sink, "align", 1)) for _, sink in p.sinks))
         for a, b in itertools.pairwise(bounds):
             rows = b - a
             step = steps.get(rows)
             if step is None:
                 need = program.memory(rows).total if rows else 0
                 pieces = min(rows, math.ceil(need / task_limit)) if need > task_limit else 1
-                step = steps[rows] = 0 if pieces <= 1 else math.ceil(rows / pieces)
+                step = 0 if pieces <= 1 else math.ceil(rows / pieces)
+                if step:
+                    step = -(-step // align) * align
+                    step = 0 if step >= rows else step
+                steps[rows] = step
             if not step:
                 append((RowRange(a, b), rows))
                 continue
@@ -432,7 +438,7 @@ class _PassTasks:
         npy_held = [
             (pos, sink)
             for pos, (_, sink) in enumerate(self.p.sinks)
-            if not sink.known and isinstance(sink, NpySink)
+            if not sink.known and getattr(sink, "appends", False)
         ]
         last_append = self._add_blocks_and_appends(npy_held) if npy_held else self._add_blocks()
         self._add_finishes(last_append)
@@ -524,7 +530,7 @@ def _sink_task(
     written: commit known rows, commit a file after its appends, or assemble held blocks."""
     if sink.known:
         return Task(f"commit {node.label()}", lambda: sink.commit(), after=blocks)
-    if isinstance(sink, NpySink):
+    if getattr(sink, "appends", False):
         return Task(
             f"commit {node.label()}",
             lambda *r: sink.commit(r[0] if r else 0),

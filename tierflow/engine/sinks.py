@@ -49,7 +49,16 @@ from ..system import pressure, processes
 from ..system.types import Level
 from .graph import Chunked
 
-__all__ = ["ArraySink", "FileRows", "NpySink", "npy_header", "sweep_temps", "temp_file"]
+__all__ = [
+    "ArraySink",
+    "FileRows",
+    "NpySink",
+    "ZarrRows",
+    "ZarrSink",
+    "npy_header",
+    "sweep_temps",
+    "temp_file",
+]
 
 _MAGIC = b"\x93NUMPY"
 _ALIGN = 64
@@ -280,6 +289,8 @@ class ArraySink:
 class NpySink:
     """The result of ``to_npy``: a ``.npy`` file, renamed into place at the end."""
 
+    appends = True  # unknown row counts: blocks appended in row order
+
     def __init__(self, node: Chunked, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.node = node
         self.path = os.path.abspath(os.fspath(path))
@@ -428,3 +439,198 @@ class NpySink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.tmp)
             self.tmp = None
+
+
+class ZarrRows:
+    """Where a worker process writes a Zarr sink's known rows: the array at ``url``,
+    opened once per process (small and picklable)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        self.url = url
+        self.storage_options = storage_options
+        self._open: tuple[int, Any] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ZarrRows, (self.url, self.storage_options))
+
+    def array(self) -> Any:
+        if self._open is None or self._open[0] != os.getpid():
+            self._open = (os.getpid(), _open_zarr(self.url, self.storage_options, "r+"))
+        return self._open[1]
+
+    def write(self, row: int, block: np.ndarray) -> None:
+        """Write ``block`` at row ``row``: whole chunks (the planner cut the tasks so)."""
+        if len(block):
+            self.array()[row : row + len(block)] = block
+
+
+def _open_zarr(url: str, storage_options: dict[str, Any], mode: str) -> Any:
+    import zarr
+
+    if "://" in url:
+        return zarr.open_array(url, mode=mode, storage_options=storage_options)
+    return zarr.open_array(url, mode=mode)
+
+
+def _zarr_url(path_or_url: str | os.PathLike[str]) -> str:
+    text = os.fspath(path_or_url)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return text if "://" in text else os.path.abspath(text)
+
+
+class ZarrSink:
+    """The result of ``to_zarr``: a Zarr array, written in whole chunks (or shards).
+
+    The array is created at :meth:`open` with the attribute ``tierflow: {"complete":
+    false}``, set to true by :meth:`commit` once the last block is in; a run that fails
+    or is killed leaves it marked incomplete, with no torn chunk (each chunk is one
+    object, written whole: zarr's local store writes a temporary file and renames it, an
+    object store puts it at once). Known rows: each block task writes its rows, whole
+    chunks, where it runs (:meth:`place`); :attr:`align` makes the planner cut tasks on
+    chunk edges. Unknown rows (after a mask): blocks are appended in row order, whole
+    chunks written as they fill, the array resized as it grows.
+    """
+
+    appends = True  # unknown row counts: appended in order, as a .npy file is
+
+    def __init__(  # noqa: PLR0913 -- to_zarr's options, passed through
+        self,
+        node: Chunked,
+        path_or_url: str | os.PathLike[str],
+        *,
+        chunks: Any = None,
+        shards: Any = None,
+        compressors: Any = "auto",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        try:
+            import zarr  # noqa: F401
+        except ImportError:
+            from ..errors import missing_dependency
+
+            raise missing_dependency("zarr", "zarr", "to_zarr") from None
+        self.node = node
+        self.url = _zarr_url(path_or_url)
+        self.storage_options = dict(storage_options or {})
+        self.known = node.n_rows is not None
+        self.dtype: np.dtype = node.dtype  # type: ignore[assignment]
+        self.row_shape = tuple(node.row_shape)
+        self.row_nbytes = self.dtype.itemsize * math.prod(self.row_shape)
+        self.chunks = self._chunks(chunks)
+        self.shards = None if shards is None else self._full(shards, "shards")
+        if self.shards is not None and any(
+            s % c for s, c in zip(self.shards, self.chunks, strict=True)
+        ):
+            raise ValueError(
+                f"to_zarr: shards {self.shards} must be whole numbers of chunks {self.chunks}"
+            )
+        self.align = (self.shards or self.chunks)[0]  # rows of one stored object
+        if self.known and node.bounds is not None:
+            off = [a for a in node.bounds[1:-1] if a % self.align]
+            if off:
+                raise ValueError(
+                    f"to_zarr: the array's blocks start at rows such as {off[0]}, which are not "
+                    f"whole {'shards' if self.shards else 'chunks'} of {self.align} rows; pass "
+                    f"chunks= (and shards=) dividing the block size, or build the array with "
+                    f"rows= a multiple of {self.align}"
+                )
+        self.compressors = compressors
+        self.array: Any = None
+        self._scratch = _Scratch(self.dtype, self.row_shape)
+        self._tail: list[np.ndarray] = []  # appended rows not yet a whole object
+        self._tail_rows = 0
+        self._written = 0  # rows written by appends
+
+    def _full(self, value: Any, what: str) -> tuple[int, ...]:
+        if isinstance(value, (int, np.integer)):
+            return (int(value), *self.row_shape)
+        shape = tuple(int(n) for n in value)
+        if len(shape) != 1 + len(self.row_shape) or min(shape, default=1) < 1:
+            raise ValueError(
+                f"to_zarr: {what}={value!r}: give rows per {what[:-1]} (an int), or a shape of "
+                f"{1 + len(self.row_shape)} positive sizes"
+            )
+        return shape
+
+    def _chunks(self, chunks: Any) -> tuple[int, ...]:
+        if chunks is not None:
+            return self._full(chunks, "chunks")
+        bounds = self.node.bounds
+        if self.known and bounds is not None and len(bounds) > 2:
+            return (max(1, bounds[1] - bounds[0]), *self.row_shape)
+        from . import blocksize
+
+        rows = blocksize.default_rows(self.row_nbytes, self.node.n_rows)
+        if self.known:
+            rows = min(rows, max(1, self.node.n_rows or 1))
+        return (rows, *self.row_shape)
+
+    def open(self) -> None:
+        """Create the array, marked incomplete (an array already there is replaced)."""
+        import zarr
+
+        options: dict[str, Any] = {}
+        if "://" in self.url:
+            options["storage_options"] = self.storage_options
+        self.array = zarr.create_array(
+            store=self.url,
+            shape=(self.node.n_rows or 0, *self.row_shape),
+            dtype=self.dtype,
+            chunks=self.chunks,
+            shards=self.shards,
+            compressors=self.compressors,
+            attributes={"tierflow": {"complete": False}},
+            overwrite=True,
+            **options,
+        )
+
+    def place(self) -> ZarrRows | None:
+        """Where another process writes known rows: the array, by URL."""
+        return ZarrRows(self.url, self.storage_options) if self.known else None
+
+    def task_bytes(self, rows: int) -> int:
+        """The block a task writes from, and the encoder's copy of it."""
+        return 2 * rows * self.row_nbytes
+
+    def dest(self, a: int, b: int) -> np.ndarray:
+        return self._scratch.get(b - a)
+
+    def written(self, a: int, b: int, block: np.ndarray) -> None:
+        if b > a:
+            self.array[a:b] = block
+
+    def append(self, row: int, block: np.ndarray) -> int:
+        """Rows ``row:row + len(block)`` (unknown row counts, in order); the next row.
+        Whole objects are written as they fill."""
+        if len(block):
+            self._tail.append(np.array(block, dtype=self.dtype))
+            self._tail_rows += len(block)
+            if self._tail_rows >= self.align:
+                self._flush(whole=True)
+        return row + len(block)
+
+    def _flush(self, whole: bool) -> None:
+        rows = np.concatenate(self._tail) if len(self._tail) > 1 else self._tail[0]
+        take = (len(rows) // self.align) * self.align if whole else len(rows)
+        start = self._written
+        self.array.resize((start + take, *self.row_shape))
+        self.array[start : start + take] = rows[:take]
+        self._written += take
+        rest = rows[take:]
+        self._tail = [rest] if len(rest) else []
+        self._tail_rows = len(rest)
+
+    def commit(self, n_rows: int | None = None) -> None:
+        """Write what is left and mark the array complete."""
+        self._scratch.clear()
+        if not self.known and self._tail_rows:
+            self._flush(whole=False)
+        attributes = dict(self.array.attrs.asdict())
+        attributes["tierflow"] = {"complete": True}
+        self.array.update_attributes(attributes)
+
+    def abort(self) -> None:
+        """Leave the array as it is, marked incomplete (no chunk is torn)."""
+        self._scratch.clear()
+        self._tail = []
