@@ -325,3 +325,31 @@ def test_to_zarr_over_s3_matches_a_local_write(
     x.to_zarr(tmp_path / "out.zarr")
     remote = tw.from_zarr("s3://tierflow/out.zarr", storage_options=s3_server)
     assert remote.compute().tobytes() == tw.from_zarr(tmp_path / "out.zarr").compute().tobytes()
+
+
+def test_zarr_rows_in_object_storage_are_fetched_ahead_of_their_tasks(
+    s3_server: dict[str, object],
+) -> None:
+    data = np.random.default_rng(6).random((4000, 4))
+    z = zarr.create_array(
+        store="s3://tierflow/ahead.zarr", shape=data.shape, dtype=data.dtype, chunks=(100, 4),
+        storage_options=s3_server, overwrite=True,
+    )  # fmt: skip
+    z[:] = data
+    x = tw.from_zarr("s3://tierflow/ahead.zarr", rows=100, storage_options=s3_server)
+    np.testing.assert_array_equal((x * 2).compute(executor="threads"), data * 2)
+    reader = x._node.reader
+    assert reader.reads_ahead and reader.ahead_hits > 0  # 40 blocks, queued behind 2 workers
+    assert len(reader._ahead) <= 8
+
+
+def test_a_zarr_task_is_admitted_with_its_decoded_rows_and_the_codec_scratch(
+    tmp_path: Path,
+) -> None:
+    from tierflow.engine.program import SourceStep
+
+    _zarr(tmp_path / "a.zarr", np.ones((1000, 4), np.float32), chunks=(100, 4))
+    x = tw.from_zarr(tmp_path / "a.zarr", rows=200)
+    memory = SourceStep(x._node).memory(200, into_sink=False)
+    assert memory.outputs == 200 * 4 * 4  # the decoded block
+    assert memory.temps == 2 * 100 * 4 * 4  # one object encoded and decoded

@@ -30,6 +30,7 @@ import glob as glob_module
 import hashlib
 import itertools
 import json
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -71,6 +72,26 @@ def _pyarrow() -> Any:
 # -- Zarr ------------------------------------------------------------------------------
 
 
+AHEAD_MAX = 8  # blocks of object storage fetched ahead, per reader and process
+_ahead_lock = threading.Lock()
+_ahead_threads: Any = None
+
+
+def _ahead_pool() -> Any:
+    """The threads that fetch object-storage rows ahead (I/O: they wait on the network)."""
+    global _ahead_threads
+    with _lock_pool:
+        if _ahead_threads is None or _ahead_threads[0] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierflow-readahead")
+            _ahead_threads = (os.getpid(), pool)
+        return _ahead_threads[1]
+
+
+_lock_pool = threading.Lock()
+
+
 def _is_url(text: str) -> bool:
     return "://" in text and not text.startswith("file://")
 
@@ -102,6 +123,8 @@ class ZarrReader(Reader):
         unit = array.shards if getattr(array, "shards", None) else array.chunks
         self.unit = tuple(int(n) for n in unit)  # what one stored object holds
         self.chunk_rows = self.unit[0]
+        self.reads_ahead = _is_url(self.url)  # object storage: fetched ahead of use
+        self.ahead_hits = 0  # reads served by a fetch started ahead (in this process)
         self.metadata = json.dumps(array.metadata.to_dict(), sort_keys=True, default=str)
         self.objects = self._objects()
         self.label = f"from_zarr({os.path.basename(self.url.rstrip('/'))!r})"
@@ -137,11 +160,34 @@ class ZarrReader(Reader):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_local", None)
+        state.pop("_ahead", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+
+    def scratch_bytes(self, rows: int) -> int:
+        """A stored object's encoded and decoded bytes, at most (zarr decodes object by
+        object into the block)."""
+        return 2 * self.dtype.itemsize * math.prod(self.unit)
+
+    def readahead(self, a: int, b: int) -> None:
+        """Object storage: start fetching rows ``a:b`` on a reader thread (at most
+        :data:`AHEAD_MAX` blocks ahead; the block's bytes are the task's, admitted with
+        it); :meth:`read` takes them."""
+        if not self.reads_ahead:
+            return
+        ahead = self.__dict__.setdefault("_ahead", {})
+        with _ahead_lock:
+            if (a, b) in ahead:
+                return
+            while len(ahead) >= AHEAD_MAX:  # the oldest goes (its task read it itself)
+                ahead.pop(next(iter(ahead))).cancel()
+            ahead[(a, b)] = _ahead_pool().submit(self._fetch, a, b)
+
+    def _fetch(self, a: int, b: int) -> np.ndarray:
+        return np.asarray(self._array()[a:b])
 
     def _array(self) -> Any:
         found = getattr(self._local, "open", None)
@@ -150,8 +196,13 @@ class ZarrReader(Reader):
         return found[1]
 
     def read(self, a: int, b: int) -> np.ndarray:
+        with _ahead_lock:
+            fetching = self.__dict__.get("_ahead", {}).pop((a, b), None)
         array = self._array()
         try:
+            if fetching is not None and not fetching.cancelled():
+                self.ahead_hits += 1
+                return np.asarray(fetching.result())
             return np.asarray(array[a:b])
         except Exception as exc:
             raise self._corrupt(array, a, b, exc) from None

@@ -184,15 +184,15 @@ class SourceStep(Step):
         return self.reader.read_block(req.index)
 
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
-        if isinstance(req, RowRange) and self.reader.file_backed:
+        if isinstance(req, RowRange) and (self.reader.file_backed or self.reader.reads_ahead):
             yield self.reader, req.start, req.stop
 
     def memory(self, rows: int, into_sink: bool) -> TaskMemory:
         nbytes = rows * self.reader.row_nbytes
         if self.reader.file_backed:
             return TaskMemory(inputs=nbytes)  # file pages faulted in, released after
-        if self.reader.makes_blocks:
-            return TaskMemory(outputs=nbytes)  # rows loaded or computed
+        if self.reader.makes_blocks:  # rows loaded (decoded) or computed, and the scratch
+            return TaskMemory(outputs=nbytes, temps=self.reader.scratch_bytes(rows))
         return TaskMemory()  # views of an array already in memory
 
 
@@ -810,19 +810,24 @@ class Program:
         return list(found)
 
     def reads_files(self) -> bool:
-        """Whether any step reads a file (else there is nothing to read ahead)."""
-        return any(isinstance(s, SourceStep) and s.reader.file_backed for s in self.steps())
+        """Whether any step reads a file or object storage (else there is nothing to
+        read ahead)."""
+        return any(
+            isinstance(s, SourceStep) and (s.reader.file_backed or s.reader.reads_ahead)
+            for s in self.steps()
+        )
 
-    def prefetch(self, req: Request) -> None:
-        """Ask the kernel for the file rows ``req`` will read (none for what the cache
-        holds)."""
+    def prefetch(self, req: Request, remote: bool = False) -> None:
+        """Ask the kernel for the file rows ``req`` will read, and a reader of object
+        storage to fetch its rows (none for what the cache holds; ``remote``: files
+        only, the task runs in another process)."""
         seen = set()
         roots = [s.step for s in self.sinks] + [
             i for r in self.reductions if not r.cached(req) for i in r.inputs
         ]
         for root in roots:
             for reader, a, b in root.sources(req):
-                if (id(reader), a, b) not in seen:
+                if (id(reader), a, b) not in seen and (reader.file_backed or not remote):
                     seen.add((id(reader), a, b))
                     reader.readahead(a, b)
 

@@ -449,7 +449,7 @@ class _Run:
         if task.block and self.remote:
             self._submit_remote(i, task, args)
             if task.prefetch is not None:
-                self._prefetch(task)
+                self._prefetch(task, remote=True)
             return
 
         def call() -> tuple[Any, float]:
@@ -488,12 +488,15 @@ class _Run:
             executor.submit_task(desc, done)
 
     @staticmethod
-    def _prefetch(task: Task) -> None:
+    def _prefetch(task: Task, remote: bool = False) -> None:
         """Read ahead for a submitted task. After the submit: a task that waits in the
-        queue has its rows read meanwhile; one that started at once reads them itself."""
+        queue has its rows read meanwhile; one that started at once reads them itself.
+        ``remote``: the task runs in another process, which reads what this one would
+        fetch into its own memory (object storage): only files are read ahead, for the
+        page cache a worker on this machine shares."""
         assert task.prefetch is not None
         try:
-            task.prefetch()
+            task.prefetch(remote=remote) if remote else task.prefetch()
         except Exception:  # a hint; the read itself reports real problems
             log.debug("readahead for %s failed", task.name, exc_info=True)
 

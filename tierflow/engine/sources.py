@@ -67,6 +67,7 @@ class Reader(abc.ABC):
     file_backed = False
     makes_blocks = False
     computes = False
+    reads_ahead = False  # readahead fetches rows into this process (object storage)
 
     @property
     def row_nbytes(self) -> int:
@@ -91,6 +92,10 @@ class Reader(abc.ABC):
     def readahead(self, a: int, b: int) -> None:
         """Ask for rows ``a:b`` ahead of use (a hint)."""
         return None  # nothing to do for data in memory
+
+    def scratch_bytes(self, rows: int) -> int:
+        """Bytes a read of ``rows`` rows needs beside the block (a codec's buffers)."""
+        return 0
 
     def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
         """Drop the pages of rows ``a:b`` from this process (a hint)."""

@@ -142,7 +142,8 @@ class Task:
     on it has finished. ``after`` are tasks that must finish first without passing
     their results (so they are not held for this one). ``memory`` is the projection
     admission uses. ``prefetch``, if
-    any, is called when the task is submitted (readahead of its source blocks).
+    any, is called when the task is submitted (readahead of its source blocks;
+    ``remote=True`` when the task runs in another process).
     ``rows`` is for progress reports; ``name`` says what the task does (``"block 3 of
     sum"``).
 
@@ -157,7 +158,7 @@ class Task:
     fn: Callable[..., Any]
     deps: tuple[int, ...] = ()
     memory: TaskMemory = field(default_factory=TaskMemory)
-    prefetch: Callable[[], None] | None = None
+    prefetch: Callable[..., None] | None = None
     rows: int = 0
     after: tuple[int, ...] = ()
     args: tuple[Any, ...] = ()
