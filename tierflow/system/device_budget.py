@@ -97,11 +97,12 @@ _levels: dict[str, Level] = {}
 _levels_at = -1e18
 
 
-def _reading() -> list[devices.Device]:
-    """The GPUs now; drops the fixed budgets and levels when the provider changed."""
+def _reading(found: Sequence[devices.Device] | None = None) -> list[devices.Device]:
+    """The GPUs now (``found``, when the caller has just read them); drops the fixed
+    budgets and levels when the provider changed, and fixes those of new GPUs."""
     global _fixed_for, _levels_at
     provider = devices.provider()
-    found = devices.gpus()
+    found = list(devices.gpus() if found is None else found)
     with _lock:
         if provider is not _fixed_for:
             _fixed.clear()
@@ -288,9 +289,10 @@ class DeviceBudget:
         }
 
 
-def device_budgets() -> list[DeviceBudget]:
-    """Every GPU as a tier now (a fresh reading of free memory); empty without a GPU."""
-    found = _reading()
+def device_budgets(found: Sequence[devices.Device] | None = None) -> list[DeviceBudget]:
+    """Every GPU as a tier now (a fresh reading of free memory, or the GPUs ``found``
+    that the caller has just read); empty without a GPU."""
+    found = _reading(found)
     with _lock:
         fixed = dict(_fixed)
     return [
