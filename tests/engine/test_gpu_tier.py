@@ -20,7 +20,7 @@ import pytest
 import tierflow as tw
 from tierflow import config
 from tierflow.engine import gpu_tier
-from tierflow.errors import OutOfMemoryError
+from tierflow.errors import OutOfMemoryError, TierflowError
 from tierflow.system import device_budget
 from tierflow.system.devices import FakeGpus, use_provider
 
@@ -173,6 +173,30 @@ def test_a_named_gpu_that_is_too_small_is_named() -> None:
     ):
         run(watch, blocks=2, workers=2, device="cuda:1")
     assert sum(watch.blocks.values()) == 0
+
+
+def test_auto_runs_on_the_cpu_when_a_task_fits_no_gpu_budget() -> None:
+    watch = Watch(company=1)
+    with use_provider(gpus(0.5)):
+        run(watch, blocks=2, workers=2, device="auto")
+    assert set(watch.blocks) == {None}
+    watch = Watch(company=1)
+    with use_provider(gpus(2)):
+        run(watch, blocks=2, workers=2, device="auto")
+    assert set(watch.blocks) == {"cuda:0"}
+
+
+def test_a_gpu_gone_by_the_time_the_compute_runs_is_named() -> None:
+    a = np.ones((2 * ROWS, COLS), np.float32)
+    with use_provider(gpus(100, 100)):
+        y = tw.from_array(a, rows=ROWS).map_blocks(
+            lambda t: t, device="cuda:1", dtype=np.float32, row_shape=(COLS,)
+        )
+    with (
+        use_provider(gpus(100)),
+        pytest.raises(TierflowError, match=r"runs on cuda:1, which is not here \(GPUs: cuda:0\)"),
+    ):
+        y.compute(progress=False)
 
 
 def test_a_failing_device_task_gives_its_seat_back() -> None:

@@ -30,8 +30,8 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    :meth:`tierflow.engine.program.Program.memory`. A task whose single row exceeds
    the whole budget is refused before anything runs, quoting the numbers.
 6. **Devices.** A block task whose program runs a ``map_blocks`` on a GPU
-   (``device="cuda"``, ``"cuda:N"``, or ``"auto"`` where there is a GPU) is a device
-   task (``Task.device``): it also projects its bytes on the GPU (``device_bytes``: the
+   (``device="cuda"``, ``"cuda:N"``, or ``"auto"`` where a GPU's budget fits the task)
+   is a device task (``Task.device``): it also projects its bytes on the GPU (``device_bytes``: the
    blocks in and the result out, twice over for the function's own tensors, as
    ``MapBlocks`` estimates them), and the scheduler admits it against that GPU's budget.
 7. **Cache.** With a cache session (:mod:`tierflow.engine.cache`), values it found
@@ -56,7 +56,7 @@ from ..config import format_bytes
 from ..errors import OutOfMemoryError
 from ..operators.types import block_bytes
 from ..storage import oom
-from ..system import devices
+from ..system import device_budget, devices
 from . import graph
 from .graph import Chunked, Node
 from .lower import lower_pass
@@ -483,6 +483,8 @@ class _PassTasks:
             device_need = self._device_needs.get(rows, -1)
             if device_need < 0:
                 device_need = self._device_needs[rows] = device_bytes(self._device_steps, rows)
+            if device_need > self._auto_limit:
+                device, device_need = None, 0  # "auto" that fits no GPU: the CPU
         return Task(
             f"block {j} of {program.name}",
             _run_prepared if prepared else program.run,
@@ -504,6 +506,15 @@ class _PassTasks:
     @functools.cached_property
     def _device(self) -> str | None:
         return task_device(self._device_steps)
+
+    @functools.cached_property
+    def _auto_limit(self) -> int | float:
+        """The most GPU bytes a task may project and stay a device task: no limit when
+        a step names a GPU ("cuda", "cuda:N"), else ("auto" only) the largest GPU
+        budget; above it "auto" runs on the CPU."""
+        if any(step.op.device != "auto" for step in self._device_steps):
+            return math.inf
+        return max(device_budget.budgets().values(), default=0)
 
     @functools.cached_property
     def _files(self) -> bool:

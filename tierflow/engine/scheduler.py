@@ -172,7 +172,7 @@ from typing import Any
 import numpy as np
 
 from ..config import format_bytes
-from ..errors import OutOfMemoryError
+from ..errors import OutOfMemoryError, TierflowError
 from ..storage import pages, placement, spill
 from ..system import budget as budget_module
 from ..system import device_budget, pressure
@@ -630,7 +630,7 @@ class _Run:
                 where = device if device in budgets else None
             if where is None:
                 have = ", ".join(budgets) or "none"
-                raise OutOfMemoryError(
+                raise TierflowError(
                     f"{name} runs on {device}, which is not here (GPUs: {have}); run it with "
                     "device='cpu' or on a machine with that GPU"
                 )
