@@ -232,6 +232,37 @@ def test_a_compute_inside_a_device_task_runs_though_its_caller_holds_the_only_sl
     assert np.all(got == 2.0 * inner.size)
 
 
+def test_the_plan_gives_block_tasks_their_device_and_gpu_bytes() -> None:
+    from tierflow.engine.plan import Target, build_plan, describe
+    from tierflow.engine.sinks import ArraySink
+
+    a = np.ones((2 * ROWS, COLS), np.float32)
+    with use_provider(gpus(100)):
+        y = tw.from_array(a, rows=ROWS).map_blocks(
+            lambda t: t, device="cuda", dtype=np.float32, row_shape=(COLS,)
+        )
+        node = y._node
+        plan = build_plan([Target(node, ArraySink(node))], workers=2, budget=1 << 30)
+    blocks = [t for t in plan.tasks if t.block]
+    assert [(t.device, t.device_bytes) for t in blocks] == [("cuda", TASK)] * 2
+    assert f"device=cuda/{TASK}" in describe(plan, tasks=True)
+    assert not any(t.device for t in plan.tasks if not t.block)
+
+
+def test_a_probed_function_gets_tensors_on_a_simulated_gpu() -> None:
+    kinds: set[str] = set()
+
+    def double(t: Any) -> Any:
+        kinds.add(t.device.type)
+        return t * 2
+
+    a = np.ones((2 * ROWS, COLS), np.float32)
+    with use_provider(gpus(100)):
+        y = tw.from_array(a, rows=ROWS).map_blocks(double, device="cuda")  # probes
+        np.testing.assert_array_equal(y.compute(progress=False), a * 2)
+    assert kinds == {"cpu"}
+
+
 def test_running_on_sets_the_device_for_the_block_only() -> None:
     assert gpu_tier.current_device() is None
     with gpu_tier.running_on("cuda:1"):
