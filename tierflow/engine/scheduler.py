@@ -611,9 +611,10 @@ class _Run:
         return ledger.admit(need, room)
 
     def check_devices(self) -> None:
-        """Read the GPUs' budgets and slots for this run; raise
+        """Read the GPUs' budgets and slots for this run, before any task runs. Raises
         :class:`~tierflow.errors.OutOfMemoryError` for a device task that projects more
-        than its GPU's whole budget (it could never be admitted). Before any task runs."""
+        than its GPU's whole budget (it could never be admitted), and
+        :class:`~tierflow.errors.TierflowError` for one whose GPU is not here."""
         asked: dict[tuple[str, int], str] = {}  # (device, bytes) -> the first task's name
         for t, d in zip(self.tasks, self.devices, strict=True):
             if d is not None:
