@@ -86,9 +86,10 @@ class MapBlocks:
     """``fn(*blocks, **kwargs)`` on row blocks: a user function as a BlockOp.
 
     ``device`` None gives ``fn`` NumPy blocks; ``"cpu"`` or ``"cuda:N"`` gives it torch
-    tensors there; ``"cuda"`` on the GPU the scheduler seated the task on. The result must have the blocks' number of rows, ``out_row_shape``
-    and a dtype that casts to ``out_dtype`` (``same_kind``); otherwise ValueError names
-    both shapes or dtypes (the engine adds the block).
+    tensors there; ``"cuda"`` on the GPU the scheduler seated the task on. The result
+    must have the blocks' number of rows, ``out_row_shape`` and a dtype that casts to
+    ``out_dtype`` (``same_kind``); otherwise ValueError names both shapes or dtypes (the
+    engine adds the block).
     """
 
     row_independent = True
