@@ -47,6 +47,27 @@ def test_status_prints_status_limits_pressure_and_devices(
     assert re.match(r"^  cpu: \d+ cores?, \d+\.\d GB free$", lines[4])
 
 
+def test_status_prints_each_gpus_budget_holdings_and_level(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with use_provider(FakeGpus([(6 * GB, 8 * GB), (GB // 2, 8 * GB)])):
+        assert main(["status"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("gpu budgets:")
+    assert lines[at + 1 :] == [
+        "  cuda:0 budget 5.6 GB (6.0 GB free of 8.0 GB, margin 409.6 MB), tierflow holds 0 B, "
+        "pressure ok",
+        "  cuda:1 budget 102.4 MB (512.0 MB free of 8.0 GB, margin 409.6 MB), tierflow holds "
+        "0 B, pressure high",
+    ]
+
+
+def test_status_without_a_gpu_prints_no_gpu_budgets(capsys: pytest.CaptureFixture[str]) -> None:
+    with use_provider(FakeGpus([])):
+        assert main(["status"]) == 0
+    assert "gpu budgets:" not in capsys.readouterr().out
+
+
 def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     with use_provider(FakeGpus([(6 * GB, 8 * GB)], names=["NVIDIA Test"])):
         assert main(["status", "--json"]) == 0
@@ -55,8 +76,20 @@ def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str])
     status = data["status"]
     for key in ("ram_free", "ram_usable", "rss", "budget", "swap_used", "ssd_free", "cores"):
         assert isinstance(status[key], int), key
-    assert status["text"].endswith("| cuda:0 6.0/8.0 GB free")
+    assert status["text"].endswith("| cuda:0 6.0/8.0 GB free (budget 5.6 GB, tierflow 0 B, ok)")
     assert status["gpus"][0]["free"] == 6 * GB
+    # The default margin: 5 % of 8 GB (above the 256 MB floor).
+    assert status["gpu_budgets"][0] | {"text": None} == {
+        "id": "cuda:0",
+        "name": "NVIDIA Test",
+        "free": 6 * GB,
+        "total": 8 * GB,
+        "margin": int(0.05 * 8 * GB),
+        "budget": 6 * GB - int(0.05 * 8 * GB),
+        "admitted": 0,
+        "level": "ok",
+        "text": None,
+    }
     limits = data["limits"]
     assert {"usable", "free", "budget", "source", "text"} <= set(limits)
     assert limits["usable"] == status["ram_usable"]

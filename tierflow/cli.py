@@ -2,7 +2,7 @@
 
 ::
 
-    tierflow status          # status line, limits, pressure and devices, readable
+    tierflow status          # status line, limits, pressure, devices and GPU budgets
     tierflow status --json   # the same as one JSON object, sizes in bytes
     tierflow demo            # a file 4x the RAM budget, standardised in two streamed passes
     tierflow --version
@@ -120,6 +120,11 @@ def status(args: argparse.Namespace) -> int:
     print("devices:")
     for line in str(report["devices"]).splitlines():
         print(f"  {line}")
+    tiers = report["status"].gpu_budgets
+    if tiers:
+        print("gpu budgets:")
+        for tier in tiers:
+            print(f"  {tier}")
     return 0
 
 

@@ -50,6 +50,8 @@ DEFAULTS: dict[str, Any] = {
     "cache": None,  # store (name or path) every compute caches in; None = none; "1" = "cache"
     "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
     "shared_dir": None,  # folder every cluster worker sees; None = the spill folder on one host
+    "gpu_margin": None,  # bytes left free on each GPU; None = max(256 MB, 5 % of its total)
+    "gpu_slots": 2,  # device tasks that run at once on each GPU (one CUDA stream each)
 }
 
 ENVIRONMENT: dict[str, str] = {
@@ -58,11 +60,15 @@ ENVIRONMENT: dict[str, str] = {
     "store_dir": "TIERFLOW_STORE_DIR",
     "cache": "TIERFLOW_CACHE",
     "shared_dir": "TIERFLOW_SHARED_DIR",
+    "gpu_margin": "TIERFLOW_GPU_MARGIN",
+    "gpu_slots": "TIERFLOW_GPU_SLOTS",
 }
 
 _EXAMPLES = {
     "ram_budget": "12GB, 512MB or a number of bytes",
     "budget_fraction": "0.7",
+    "gpu_margin": "512MB, 0 or a number of bytes",
+    "gpu_slots": "2",
 }
 
 _UNITS = {
@@ -134,6 +140,19 @@ def _convert(name: str, value: Any, origin: str) -> Any:
         if not 0 < fraction <= 1:
             raise ConfigError(f"{origin}={value!r} must be a fraction in (0, 1], such as 0.7")
         return fraction
+    if name == "gpu_margin":
+        # 0 is a margin (use every free byte), unlike a budget of 0.
+        if not isinstance(value, bool) and str(value).strip() in ("0", "0.0", "0B", "0b"):
+            return 0
+        return parse_size(value, origin)
+    if name == "gpu_slots":
+        try:
+            slots = int(str(value).strip()) if not isinstance(value, bool) else 0
+        except ValueError:
+            slots = 0
+        if slots < 1 or (isinstance(value, float) and value != slots):
+            raise ConfigError(f"{origin}={value!r} must be a whole number of slots >= 1, such as 2")
+        return slots
     if name in ("spill_dir", "store_dir", "proc_root", "shared_dir"):
         return os.fspath(value)
     if name == "cache":

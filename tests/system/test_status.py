@@ -25,7 +25,11 @@ LINE = re.compile(
     r" \| swap (?P<swap>\d+\.\d) GB"
     r" \| SSD (?P<ssd>\d+(\.\d)?) GB free at (?P<spill>\S.*?)"
     r" \| (?P<cores>\d+) cores?, load (?P<load>\d+\.\d\d|n/a)"
-    r" \| (?P<gpus>no GPU|cuda:\d+ \d+\.\d/\d+\.\d GB free(, cuda:\d+ \d+\.\d/\d+\.\d GB free)*)$"
+    r" \| (?P<gpus>no GPU|{gpu}(, {gpu})*)$".replace(
+        "{gpu}",
+        r"cuda:\d+ \d+\.\d/\d+\.\d GB free \(budget [0-9.]+ [KMGT]?B, tierflow [0-9.]+ [KMGT]?B, "
+        r"(ok|moderate|high|critical)\)",
+    )
 )
 
 
@@ -106,10 +110,43 @@ def test_line_with_gpus(machine: SimpleNamespace) -> None:
     gpus = [(int(130.1 * GB), int(139.8 * GB)), (int(2.5 * GB), 80 * GB)]
     with use_provider(FakeGpus(gpus, names=["NVIDIA H200", "NVIDIA A100"])):
         line = str(memory.status())
+    # Margins: 5 % of 139.8 GB (7.0 GB), and 5 % of 80 GB (4 GB, more than is free).
     assert line.endswith(
-        "| 2 cores, load 0.34 | cuda:0 130.1/139.8 GB free, cuda:1 2.5/80.0 GB free"
+        "| 2 cores, load 0.34 | cuda:0 130.1/139.8 GB free (budget 123.1 GB, tierflow 0 B, ok), "
+        "cuda:1 2.5/80.0 GB free (budget 0 B, tierflow 0 B, critical)"
     )
     assert LINE.match(line)
+
+
+def test_gpu_budgets_show_what_tierflow_holds_and_the_level(machine: SimpleNamespace) -> None:
+    from tierflow.system.device_budget import ledger
+
+    with use_provider(FakeGpus([(6 * GB, 8 * GB), (GB, 8 * GB)])), config.set(gpu_margin="1GB"):
+        seat = ledger.force("cuda:0", 512 << 20)
+        try:
+            found = memory.status()
+        finally:
+            ledger.release(seat)
+    assert str(found).endswith(
+        "cuda:0 6.0/8.0 GB free (budget 5.0 GB, tierflow 512.0 MB, ok), "
+        "cuda:1 1.0/8.0 GB free (budget 0 B, tierflow 0 B, moderate)"
+    )
+    data = json.loads(json.dumps(found.as_dict()))
+    first = data["gpu_budgets"][0]
+    assert first | {"text": None} == {
+        "id": "cuda:0",
+        "name": "Fake GPU 0",
+        "free": 6 * GB,
+        "total": 8 * GB,
+        "margin": GB,
+        "budget": 5 * GB,
+        "admitted": 512 << 20,
+        "level": "ok",
+        "text": None,
+    }
+    assert data["gpu_budgets"][1]["level"] == "moderate"
+    page = found._repr_html_()
+    assert "cuda:0 budget" in page and "tierflow holds 512.0 MB, pressure ok" in page
 
 
 def test_small_disk_keeps_a_decimal_and_no_load_average(
@@ -166,6 +203,7 @@ def test_dict_is_json_with_bytes(machine: SimpleNamespace) -> None:
     assert data["cores"] == 2
     assert data["load_1m"] == 0.34
     assert data["gpus"] == []
+    assert data["gpu_budgets"] == []
     assert data["text"] == str(found)
 
 

@@ -1407,7 +1407,8 @@ def _device(device: str) -> str | None:
                 f"map_blocks(device={device!r}): no such GPU (GPUs here: {have}); use "
                 "device='auto' to run on the CPU when there is no GPU"
             )
-        return f"cuda:{index}"
+        # "cuda" stays open: the scheduler seats each task on the roomiest GPU.
+        return "cuda" if text == "cuda" else f"cuda:{index}"
     raise ValueError(f"device={device!r}: use 'cpu', 'auto', 'cuda' or 'cuda:N'")
 
 

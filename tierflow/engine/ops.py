@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..operators.types import Partial, block_bytes
+from ..system.devices import torch_device
+from .gpu_tier import current_device
 
 __all__ = [
     "ALONG_AXIS",
@@ -60,6 +62,7 @@ def to_device(block: Any, device: str) -> Any:
     """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed)."""
     import torch
 
+    device = torch_device(device)  # simulated GPUs hold CPU tensors
     if _is_tensor(block):
         return block.to(device)
     array = np.asarray(block)
@@ -94,10 +97,11 @@ class MapBlocks:
     """``fn(*blocks, **kwargs)`` on row blocks: a user function as a BlockOp.
 
     ``device`` None gives ``fn`` NumPy blocks; ``"cpu"`` or ``"cuda:N"`` gives it torch
-    tensors there; ``"auto"`` is resolved on the first block (:meth:`_resolve`). The
-    result must have the blocks' number of rows, ``out_row_shape`` and a dtype that
-    casts to ``out_dtype`` (``same_kind``); otherwise ValueError names both shapes or
-    dtypes (the engine adds the block).
+    tensors there; ``"cuda"`` on the GPU the scheduler seated the task on; ``"auto"``
+    there too when the scheduler seated it, else resolved on the first block
+    (:meth:`_resolve`). The result must have the blocks' number of rows,
+    ``out_row_shape`` and a dtype that casts to ``out_dtype`` (``same_kind``); otherwise
+    ValueError names both shapes or dtypes (the engine adds the block).
     """
 
     row_independent = True
@@ -123,6 +127,9 @@ class MapBlocks:
         """The function's result for these blocks, checked, as a NumPy block."""
         rows = blocks[0].shape[0]
         device = self.device
+        if device in ("cuda", "auto"):
+            # The GPU the scheduler seated this task on, when it did (engine.gpu_tier).
+            device = current_device() or device
         if device == "auto":
             device = self._resolve(blocks)
         if device:

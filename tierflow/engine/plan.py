@@ -29,7 +29,12 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    it reads, blocks it makes, operators' scratch), computed by the pure function
    :meth:`tierflow.engine.program.Program.memory`. A task whose single row exceeds
    the whole budget is refused before anything runs, quoting the numbers.
-6. **Cache.** With a cache session (:mod:`tierflow.engine.cache`), values it found
+6. **Devices.** A block task whose program runs a ``map_blocks`` on a GPU
+   (``device="cuda"``, ``"cuda:N"``, or ``"auto"`` where a GPU's budget fits the task)
+   is a device task (``Task.device``): it also projects its bytes on the GPU (``device_bytes``: the
+   blocks in and the result out, twice over for the function's own tensors, as
+   ``MapBlocks`` estimates them), and the scheduler admits it against that GPU's budget.
+7. **Cache.** With a cache session (:mod:`tierflow.engine.cache`), values it found
    (``session.resolved``) are constants: nothing below them is planned. Its chunked
    nodes and reductions are lowered with the session (cached steps, cached partials),
    and the tasks that finish its values write them to the cache.
@@ -45,17 +50,30 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..config import format_bytes
 from ..errors import OutOfMemoryError
+from ..operators.types import block_bytes
 from ..storage import oom
+from ..system import device_budget, devices
 from . import graph
 from .graph import Chunked, Node
 from .lower import lower_pass
-from .program import Accumulator, BlockIndex, Program, Request, RowRange
+from .ops import MapBlocks
+from .program import Accumulator, BlockIndex, KernelStep, Program, Request, RowRange
 from .sinks import ArraySink, NpySink, ZarrSink
 from .types import Task, TaskMemory
 
-__all__ = ["Plan", "Target", "build_plan", "describe"]
+__all__ = [
+    "Plan",
+    "Target",
+    "build_plan",
+    "describe",
+    "device_bytes",
+    "device_steps",
+    "task_device",
+]
 
 log = logging.getLogger("tierflow.engine")
 
@@ -430,6 +448,7 @@ class _PassTasks:
         self.prepare: int | None = None
         self.blocks: list[int] = []
         self._memories: dict[int, TaskMemory] = {0: TaskMemory()}
+        self._device_needs: dict[int, int] = {}
 
     def add(self) -> None:
         self.plan.programs.append(self.program)
@@ -465,6 +484,13 @@ class _PassTasks:
             memory = self._memories[rows] = program.memory(rows)
         prefetch = functools.partial(program.prefetch, req) if self._files else None
         prepared = self.prepare is not None
+        device, device_need = self._device, 0
+        if device is not None:
+            device_need = self._device_needs.get(rows, -1)
+            if device_need < 0:
+                device_need = self._device_needs[rows] = device_bytes(self._device_steps, rows)
+            if device_need > self._auto_limit:
+                device, device_need = None, 0  # "auto" that fits no GPU: the CPU
         return Task(
             f"block {j} of {program.name}",
             _run_prepared if prepared else program.run,
@@ -475,7 +501,26 @@ class _PassTasks:
             args=(j, req),
             block=True,
             program=None if prepared else program,
+            device=device,
+            device_bytes=device_need,
         )
+
+    @functools.cached_property
+    def _device_steps(self) -> list[KernelStep]:
+        return device_steps(self.program)
+
+    @functools.cached_property
+    def _device(self) -> str | None:
+        return task_device(self._device_steps)
+
+    @functools.cached_property
+    def _auto_limit(self) -> int | float:
+        """The most GPU bytes a task may project and stay a device task: no limit when
+        a step names a GPU ("cuda", "cuda:N"), else ("auto" only) the largest GPU
+        budget; above it "auto" runs on the CPU."""
+        if any(step.op.device != "auto" for step in self._device_steps):
+            return math.inf
+        return max(device_budget.budgets().values(), default=0)
 
     @functools.cached_property
     def _files(self) -> bool:
@@ -521,6 +566,54 @@ class _PassTasks:
             self.planner.sink_task[node.ident] = plan.add(
                 _sink_task(node, sink, pos, blocks, last_append.get(pos))
             )
+
+
+def device_steps(program: Program) -> list[KernelStep]:
+    """The steps of ``program`` that run a user function on a GPU: ``map_blocks`` with
+    ``device="cuda"`` or ``"cuda:N"``, or ``"auto"`` while there is a GPU."""
+    found = []
+    gpu_here: bool | None = None
+    for step in program.steps():
+        op = getattr(step, "op", None)
+        if not isinstance(step, KernelStep) or not isinstance(op, MapBlocks):
+            continue
+        device = op.device or "cpu"
+        if device == "auto":
+            if gpu_here is None:
+                gpu_here = bool(devices.gpus())
+            if gpu_here:
+                found.append(step)
+        elif device.startswith("cuda"):
+            found.append(step)
+    return found
+
+
+def task_device(steps: list[KernelStep]) -> str | None:
+    """The device a task running ``steps`` asks for: the first GPU a step names
+    (``"cuda:N"``), else ``"cuda"`` (any GPU), None without such steps."""
+    if not steps:
+        return None
+    for step in steps:
+        device = step.op.device
+        if device is not None and device.startswith("cuda:"):
+            return str(device)
+    return "cuda"
+
+
+def device_bytes(steps: list[KernelStep], rows: int) -> int:
+    """Projected GPU bytes of a task on ``rows`` rows running ``steps``: each step's
+    blocks in and result out, twice over for the function's own tensors (a pure
+    function of the steps, as ``MapBlocks`` estimates it)."""
+    total = 0
+    for step in steps:
+        op = step.op
+        ins = 0
+        for s in step.inputs:
+            node = s.node
+            if isinstance(node, Chunked):
+                ins += block_bytes(rows, node.row_shape, np.dtype(node.dtype))
+        total += 2 * ins + 2 * block_bytes(rows, op.out_row_shape, op.out_dtype)
+    return total
 
 
 def _sink_task(
@@ -589,8 +682,8 @@ def describe(plan: Plan, *, tasks: bool = False) -> str:
 
     ``tasks=True`` adds every pass's program and every task, one per line: index, name,
     the tasks whose results it takes (``deps``) and those it waits for (``after``), its
-    rows and projected bytes (inputs/outputs/scratch). The plan's golden tests compare
-    this text."""
+    rows and projected bytes (inputs/outputs/scratch), and for a device task its device
+    and projected bytes there. The plan's golden tests compare this text."""
     counts: dict[str, int] = defaultdict(int)
     for t in plan.tasks:
         counts[t.name.split(" ", 1)[0]] += 1
@@ -607,6 +700,7 @@ def describe(plan: Plan, *, tasks: bool = False) -> str:
         lines.append(
             f"{i}: {t.name} deps={list(t.deps)} after={list(t.after)} rows={t.rows} "
             f"mem={m.inputs}/{m.outputs}/{m.temps}"
+            + (f" device={t.device}/{t.device_bytes}" if t.device else "")
         )
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""The scheduler: runs a plan's tasks through an executor, within the RAM budget.
+"""The scheduler: runs a plan's tasks through an executor, within the RAM and GPU budgets.
 
 It knows tasks (:class:`~tierflow.engine.types.Task`) and one ``submit`` call of an
 :class:`~tierflow.engine.types.Executor`; it does not know threads. All of its state
@@ -58,6 +58,30 @@ those computes run more tasks); their running tasks finish and give their bytes 
 and the ledger wakes the waiting run. A compute whose tasks do not fit beside another's runs after it rather
 than beside it. Tasks that project nothing (finishing a reduction, committing a file)
 are always admitted.
+
+GPUs
+----
+A device task (``Task.device``: a block task running ``map_blocks`` on a GPU) is also
+admitted against a GPU (:mod:`tierflow.system.device_budget`). Each GPU has a budget
+(its free memory less the ``gpu_margin``), a pressure level from its free fraction, and
+``gpu_slots`` worker slots (2) shared by every compute. The task is seated on a free
+slot of the GPU it names, or for ``"cuda"`` of the GPU with the most room
+(``budget - admitted``) at that moment, when its projected device bytes fit beside what
+is admitted there and the GPU's level is below ``high`` (a GPU that holds nothing takes
+one task at any level); otherwise it waits like a task whose RAM does not fit. The seat
+is taken before its RAM (and given back if the RAM does not fit), and returned when the
+task ends. Blocks of one array therefore spread over several GPUs by free memory::
+
+    cuda:0 budget 40 MB, cuda:1 budget 20 MB, tasks of 10 MB, 8 slots each
+    admitted:  0 -> cuda:0 (room 40)   1 -> cuda:0 (30)   2 -> cuda:0 (20, tie, first)
+               3 -> cuda:1 (20)        4 -> cuda:0 (10)   5 -> cuda:1 (10) ... then wait
+
+The task runs inside :func:`tierflow.engine.gpu_tier.running_in_slot`: it learns its GPU
+(``current_device()``, which ``map_blocks(device="cuda")`` uses) and runs on its slot's
+CUDA stream. A task that projects more than its GPU's whole budget (for ``"cuda"``: than
+the largest) could never be admitted: the run refuses it before any task starts, with
+the numbers. A nested run (below) with nothing in flight seats its task whatever is
+taken: its caller holds a slot of that GPU and waits for it.
 
 One wait could have no end: a running task that waits for a compute it started on
 another thread, rather than in its own (see "Nested computes"). So a run that has
@@ -148,11 +172,13 @@ from typing import Any
 import numpy as np
 
 from ..config import format_bytes
+from ..errors import OutOfMemoryError, TierflowError
 from ..storage import pages, placement, spill
 from ..system import budget as budget_module
-from ..system import pressure
+from ..system import device_budget, pressure
+from ..system.device_budget import Seat
 from ..system.types import Level
-from . import halving
+from . import gpu_tier, halving
 from . import tasks as tasks_module
 from .executors import SerialExecutor, in_task
 from .tasks import BlockTask
@@ -411,14 +437,21 @@ class _Run:
             # A cluster admits block tasks against the budget of the worker that runs
             # them (the task declares its bytes); this process's budget is not theirs.
             self.needs = [0 if t.block else need for t, need in zip(tasks, self.needs, strict=True)]
+        # GPUs a task is admitted on (a worker process admits against its own GPUs).
+        self.devices = [None if self.remote and t.block else t.device for t in tasks]
+        self.seats: dict[int, Seat] = {}  # device tasks in flight -> their seats
+        self.gpu_budgets: dict[str, int] = {}  # read once by check_devices
+        self.gpu_slots = 0
+        self._levels: dict[str, Level] | None = None  # read once per _admit call
         # Kinds of tasks that may run on the lane: those projecting under SMALL_TASK
-        # (no lane beside worker processes: the lane saves thread hand-offs).
+        # (no lane beside worker processes: the lane saves thread hand-offs; none for
+        # device tasks, which run on their GPU's slots).
         kinds: dict[Any, _Kind] = {}
         self.kinds: list[_Kind | None] = [
             (kinds.get(t.fn) or kinds.setdefault(t.fn, _Kind()))
-            if need < SMALL_TASK and not (self.remote and t.block)
+            if need < SMALL_TASK and not (self.remote and t.block) and device is None
             else None
-            for t, need in zip(tasks, self.needs, strict=True)
+            for t, need, device in zip(tasks, self.needs, self.devices, strict=True)
         ]
         self.lane = _Lane(self.inbox)
         # Callbacks' task_done methods, looked up once rather than for every task.
@@ -452,9 +485,20 @@ class _Run:
                 self._prefetch(task, remote=True)
             return
 
-        def call() -> tuple[Any, float]:
-            start = perf_counter()
-            return fn(*args), perf_counter() - start
+        seat = self.seats.get(i)
+        if seat is None:
+
+            def call() -> tuple[Any, float]:
+                start = perf_counter()
+                return fn(*args), perf_counter() - start
+
+        else:
+
+            def call() -> tuple[Any, float]:
+                start = perf_counter()
+                with gpu_tier.running_in_slot(seat.device, seat.slot):
+                    result = fn(*args)
+                return result, perf_counter() - start
 
         def done(outcome: Any, error: BaseException | None) -> None:
             put((i, outcome, error))
@@ -509,11 +553,13 @@ class _Run:
         admitted; when this run has nothing in flight, also when no task of any compute
         runs; and always as the only task in flight of a nested run (see the module
         docstring). Small tasks may queue deeper (:data:`SMALL_TASK`); tasks of a kind
-        on the lane are queued there, one at a time while the kind is probed."""
-        ready, tasks, needs, limits, kinds = (
-            self.ready, self.tasks, self.needs, self.limits, self.kinds,
+        on the lane are queued there, one at a time while the kind is probed. A device
+        task is seated on a GPU first (module docstring, "GPUs")."""
+        ready, tasks, needs, limits, kinds, devices = (
+            self.ready, self.tasks, self.needs, self.limits, self.kinds, self.devices,
         )  # fmt: skip
         self._room = None
+        self._levels = None
         lane: list[Any] = []
         admitted = True
         while ready:
@@ -526,7 +572,12 @@ class _Run:
                 kind = None  # runs on the workers
             if kind is not None and kind.probe_busy():
                 break  # probed one at a time, so no other thread slows it down
+            if devices[i] is not None and not self._seat(i):
+                admitted = False
+                break
             if need and not self._reserve(need):
+                if devices[i] is not None:
+                    device_budget.ledger.release(self.seats.pop(i))
                 admitted = False
                 break
             heapq.heappop(ready)
@@ -562,6 +613,72 @@ class _Run:
             room = self._room = budget_module.budget_bytes() - placement.ram_held()
         return ledger.admit(need, room)
 
+    def check_devices(self) -> None:
+        """Read the GPUs' budgets and slots for this run, before any task runs. Raises
+        :class:`~tierflow.errors.OutOfMemoryError` for a device task that projects more
+        than its GPU's whole budget (it could never be admitted), and
+        :class:`~tierflow.errors.TierflowError` for one whose GPU is not here."""
+        asked: dict[tuple[str, int], str] = {}  # (device, bytes) -> the first task's name
+        for t, d in zip(self.tasks, self.devices, strict=True):
+            if d is not None:
+                asked.setdefault((d, t.device_bytes), t.name)
+        if not asked:
+            return
+        self.gpu_budgets = device_budget.budgets()
+        self.gpu_slots = device_budget.slots()
+        for (device, nbytes), name in asked.items():
+            budgets = self.gpu_budgets
+            if device == "cuda":
+                where = max(budgets, key=lambda d: budgets[d], default=None)
+            else:
+                where = device if device in budgets else None
+            if where is None:
+                have = ", ".join(budgets) or "none"
+                raise TierflowError(
+                    f"{name} runs on {device}, which is not here (GPUs: {have}); run it with "
+                    "device='cpu' or on a machine with that GPU"
+                )
+            if nbytes > budgets[where]:
+                figures = {b.id: b for b in device_budget.device_budgets()}
+                fig = figures.get(where)
+                why = (
+                    f" ({format_bytes(fig.free)} free of {format_bytes(fig.total)} less a "
+                    f"margin of {format_bytes(fig.margin)})"
+                    if fig is not None
+                    else ""
+                )
+                largest = " (the largest of the GPUs here)" if device == "cuda" else ""
+                raise OutOfMemoryError(
+                    f"{name} needs {format_bytes(nbytes, 3)} on the GPU (blocks in, result "
+                    f"out and the function's own tensors), more than the whole budget of "
+                    f"{where}{largest}: {format_bytes(budgets[where], 3)}{why}; make blocks "
+                    "smaller (rows=), run it on another device (device='cuda:N' with more "
+                    "free memory, or 'cpu'), or lower the margin (gpu_margin, "
+                    "TIERFLOW_GPU_MARGIN)"
+                )
+
+    def _seat(self, i: int) -> bool:
+        """Seat device task ``i`` on a GPU slot (module docstring, "GPUs"); False when
+        it must wait. Scheduler thread only."""
+        task, device = self.tasks[i], self.devices[i]
+        assert device is not None
+        budgets = self.gpu_budgets
+        candidates = list(budgets) if device == "cuda" else [device]
+        ledger = device_budget.ledger
+        if self.one_always and self.in_flight == 0:
+            # A nested run: its caller holds a slot and waits for this task.
+            where = max(candidates, key=lambda d: budgets.get(d, 0) - ledger.admitted(d))
+            self.seats[i] = ledger.force(where, task.device_bytes)
+            return True
+        levels = self._levels
+        if levels is None:  # read once per _admit call
+            levels = self._levels = device_budget.levels_now()
+        seat = ledger.seat(candidates, task.device_bytes, budgets, levels, self.gpu_slots)
+        if seat is None:
+            return False
+        self.seats[i] = seat
+        return True
+
     # -- results ----------------------------------------------------------------------
 
     def _finished(self, i: int, outcome: Any) -> None:
@@ -574,6 +691,10 @@ class _Run:
         if need:
             self.running -= need
             budget_module.ledger.finish(need)
+        if self.seats:
+            seat = self.seats.pop(i, None)
+            if seat is not None:
+                device_budget.ledger.release(seat)
         result, seconds = outcome
         if consumers[i] > 0:
             self.results[i] = result
@@ -718,6 +839,9 @@ class _Run:
         ledger.finish(self.running)
         ledger.drop(self.held)
         self.running = self.held = 0
+        for seat in self.seats.values():
+            device_budget.ledger.release(seat)
+        self.seats.clear()
         for mapped in self.spilled:
             record = spill.spill_file_of(mapped)
             if record is not None:
@@ -757,6 +881,7 @@ def run(
                 )
             )
     try:
+        state.check_devices()
         state.loop()
         return {i: state.results[i] for i in state.keep if i in state.results}, state.stats
     except BaseException as exc:

@@ -152,6 +152,11 @@ class Task:
     program, or None when it is the first item of the result of the task's only
     dependency (a pass whose program binds computed values is made by a ``prepare``
     task).
+
+    A device task (``device`` set) runs on a GPU and is also admitted against that
+    GPU's budget (:mod:`tierflow.system.device_budget`): ``device`` is ``"cuda"`` (any
+    GPU, the one with the most room at admission) or ``"cuda:N"``; ``device_bytes`` is
+    what it projects there (blocks in, result out, the function's own tensors).
     """
 
     name: str
@@ -164,6 +169,8 @@ class Task:
     args: tuple[Any, ...] = ()
     block: bool = False
     program: Any = None
+    device: str | None = None
+    device_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ __all__ = [
     "cpu_device",
     "devices",
     "gpus",
+    "provider",
+    "torch_device",
     "use_provider",
 ]
 
@@ -313,6 +315,21 @@ def use_provider(provider: GpuProvider | None) -> _Restore:
         previous = _provider
         _provider = AutoGpus() if provider is None else provider
     return _Restore(previous)
+
+
+def provider() -> GpuProvider:
+    """The provider GPUs are read through now (see :func:`use_provider`)."""
+    return _provider
+
+
+def torch_device(device: str) -> str:
+    """The torch device that holds the tensors of ``device`` (``"cpu"``, ``"cuda"``,
+    ``"cuda:N"``): ``device`` itself, or ``"cpu"`` while the GPUs are simulated
+    (a provider whose ``backend`` is ``"fake"``), so that their tensors are CPU tensors
+    accounted as the fake device's."""
+    if device != "cpu" and getattr(_provider, "backend", None) == "fake":
+        return "cpu"
+    return device
 
 
 def gpus() -> DeviceList:

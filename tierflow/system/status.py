@@ -12,7 +12,10 @@
 - SSD: free space of the filesystem of the spill folder (``spill_dir`` setting), measured
   at its nearest existing parent when it is not created yet;
 - cores this process may use and the 1-minute load average;
-- each GPU's free and total memory (:func:`tierflow.system.devices.gpus`).
+- each GPU's free and total memory (:func:`tierflow.system.devices.gpus`), and as a
+  tier (:mod:`tierflow.system.device_budget`): its budget, what tierflow's running
+  device tasks hold there, and its pressure level, e.g.
+  ``cuda:0 6.0/8.0 GB free (budget 5.6 GB, tierflow 0.0 GB, ok)``.
 
 Sizes are binary GB (2**30 bytes). ``as_dict()`` gives every figure in bytes for JSON.
 """
@@ -29,7 +32,8 @@ from typing import Any
 import psutil
 
 from .. import config
-from . import budget, devices, limits
+from . import budget, device_budget, devices, limits
+from .device_budget import DeviceBudget
 from .devices import Device
 
 __all__ = ["Status", "status"]
@@ -47,7 +51,9 @@ class Status:
     ``ssd_free`` the free space where spill files go (``spill_dir``, measured at
     ``ssd_path``, its nearest existing folder); ``cores`` the cores this process may use;
     ``load_1m`` the 1-minute load average (None where the system has none); ``gpus`` one
-    :class:`~tierflow.system.devices.Device` per GPU.
+    :class:`~tierflow.system.devices.Device` per GPU, and ``gpu_budgets`` one
+    :class:`~tierflow.system.device_budget.DeviceBudget` per GPU (its budget, what
+    tierflow holds there, its level).
     """
 
     ram_free: int
@@ -62,11 +68,22 @@ class Status:
     cores: int
     load_1m: float | None
     gpus: tuple[Device, ...] = ()
+    gpu_budgets: tuple[DeviceBudget, ...] = ()
+
+    def _gpu_text(self, d: Device) -> str:
+        text = f"{d.id} {d.free / GB:.1f}/{d.total / GB:.1f} GB free"
+        tier = next((b for b in self.gpu_budgets if b.id == d.id), None)
+        if tier is None:
+            return text
+        return (
+            f"{text} (budget {_budget_text(tier.budget)}, tierflow "
+            f"{_budget_text(tier.admitted)}, {tier.level.value})"
+        )
 
     def _parts(self) -> list[str]:
         load = "n/a" if self.load_1m is None else f"{self.load_1m:.2f}"
         cores = f"{self.cores} core" + ("" if self.cores == 1 else "s")
-        gpus = ", ".join(f"{d.id} {d.free / GB:.1f}/{d.total / GB:.1f} GB free" for d in self.gpus)
+        gpus = ", ".join(self._gpu_text(d) for d in self.gpus)
         return [
             f"RAM {self.ram_free / GB:.1f}/{self.ram_usable / GB:.1f} GB free "
             f"(this program {self.rss / GB:.2f} GB, budget {_budget_text(self.budget)})",
@@ -97,6 +114,7 @@ class Status:
             "cores": self.cores,
             "load_1m": self.load_1m,
             "gpus": [d.as_dict() for d in self.gpus],
+            "gpu_budgets": [b.as_dict() for b in self.gpu_budgets],
             "text": str(self),
         }
 
@@ -112,6 +130,14 @@ class Status:
             ("CPU", f"{self.cores} cores", f"load {load}"),
         ]
         rows += [(d.id, f"{d.free / GB:.1f} of {d.total / GB:.1f} GB", d.name) for d in self.gpus]
+        rows += [
+            (
+                f"{b.id} budget",
+                _budget_text(b.budget),
+                f"tierflow holds {_budget_text(b.admitted)}, pressure {b.level.value}",
+            )
+            for b in self.gpu_budgets
+        ]
         if not self.gpus:
             rows.append(("GPU", "none", ""))
         body = "".join(
@@ -135,6 +161,7 @@ def status(root: str | None = None) -> Status:
     RAM 7.3/7.8 GB free (this program 0.04 GB, budget 5.1 GB) | swap 0.0 GB | ...
     """
     figures = limits.read_memory(root)
+    found = devices.gpus()
     spill_dir = os.path.abspath(os.path.expanduser(config.get("spill_dir")))
     ssd_path = _existing_parent(spill_dir)
     try:
@@ -153,7 +180,8 @@ def status(root: str | None = None) -> Status:
         ssd_path=ssd_path,
         cores=devices.cpu_cores(root),
         load_1m=load,
-        gpus=tuple(devices.gpus()),
+        gpus=tuple(found),
+        gpu_budgets=tuple(device_budget.device_budgets(found)),
     )
 
 
