@@ -55,9 +55,9 @@ def test_status_prints_each_gpus_budget_holdings_and_level(
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("gpu budgets:")
     assert lines[at + 1 :] == [
-        "  cuda:0 budget 5.6 GB (6.0 GB free of 8.0 GB, margin 409.6 MB), tierflow holds 0 B, "
+        "  cuda:0 budget 5.2 GB (6.0 GB free of 8.0 GB, margin 819.2 MB), tierflow holds 0 B, "
         "pressure ok",
-        "  cuda:1 budget 102.4 MB (512.0 MB free of 8.0 GB, margin 409.6 MB), tierflow holds "
+        "  cuda:1 budget 0 B (512.0 MB free of 8.0 GB, margin 819.2 MB), tierflow holds "
         "0 B, pressure high",
     ]
 
@@ -76,7 +76,7 @@ def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str])
     status = data["status"]
     for key in ("ram_free", "ram_usable", "rss", "budget", "swap_used", "ssd_free", "cores"):
         assert isinstance(status[key], int), key
-    assert status["text"].endswith("| cuda:0 6.0/8.0 GB free (budget 5.6 GB, tierflow 0 B, ok)")
+    assert status["text"].endswith("| cuda:0 6.0/8.0 GB free (budget 5.2 GB, tierflow 0 B, ok)")
     assert status["gpus"][0]["free"] == 6 * GB
     # The default margin: 5 % of 8 GB (above the 256 MB floor).
     assert status["gpu_budgets"][0] | {"text": None} == {
@@ -84,8 +84,8 @@ def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str])
         "name": "NVIDIA Test",
         "free": 6 * GB,
         "total": 8 * GB,
-        "margin": int(0.05 * 8 * GB),
-        "budget": 6 * GB - int(0.05 * 8 * GB),
+        "margin": int(0.10 * 8 * GB),
+        "budget": 6 * GB - int(0.10 * 8 * GB),
         "admitted": 0,
         "level": "ok",
         "text": None,

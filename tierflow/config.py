@@ -50,7 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "cache": None,  # store (name or path) every compute caches in; None = none; "1" = "cache"
     "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
     "shared_dir": None,  # folder every cluster worker sees; None = the spill folder on one host
-    "gpu_margin": None,  # bytes left free on each GPU; None = max(256 MB, 5 % of its total)
+    "gpu_margin": None,  # bytes left free on each GPU; None = max(256 MB, 10 % of its total)
     "gpu_slots": 2,  # device tasks that run at once on each GPU (one CUDA stream each)
 }
 

@@ -36,9 +36,9 @@ def _settings() -> Iterator[None]:
     config.reset()
 
 
-def test_default_margin_is_256_mb_or_5_percent_of_the_total_whichever_is_larger() -> None:
+def test_default_margin_is_256_mb_or_10_percent_of_the_total_whichever_is_larger() -> None:
     assert margin_bytes(1 * GB) == 256 * MB
-    assert margin_bytes(80 * GB) == 4 * GB
+    assert margin_bytes(80 * GB) == 8 * GB
 
 
 def test_margin_setting_overrides_the_default() -> None:
@@ -75,7 +75,7 @@ def test_slots_default_to_two_and_follow_the_setting() -> None:
 def test_budget_is_free_memory_less_the_margin_per_gpu() -> None:
     with use_provider(FakeGpus([(6 * GB, 8 * GB), (2 * GB, 40 * GB), (100 * MB, GB)])):
         assert device_budget.budgets() == {
-            "cuda:0": 6 * GB - int(0.05 * 8 * GB),
+            "cuda:0": 6 * GB - int(0.10 * 8 * GB),
             "cuda:1": 0,  # the 2 GB margin takes all of it
             "cuda:2": 0,  # 100 MB free, 256 MB margin
         }
@@ -185,12 +185,12 @@ def test_device_budgets_report_each_gpu_as_a_tier() -> None:
         finally:
             device_budget.ledger.release(seat)
     assert (tier.id, tier.name, tier.free, tier.total) == ("cuda:0", "Test GPU", 6 * GB, 8 * GB)
-    assert tier.margin == int(0.05 * 8 * GB)
+    assert tier.margin == int(0.10 * 8 * GB)
     assert tier.budget == 6 * GB - tier.margin
     assert tier.admitted == 100 * MB
     assert tier.level is Level.OK
     assert str(tier) == (
-        "cuda:0 budget 5.6 GB (6.0 GB free of 8.0 GB, margin 409.6 MB), tierflow holds "
+        "cuda:0 budget 5.2 GB (6.0 GB free of 8.0 GB, margin 819.2 MB), tierflow holds "
         "100.0 MB, pressure ok"
     )
     assert tier.as_dict()["level"] == "ok"

@@ -110,9 +110,9 @@ def test_line_with_gpus(machine: SimpleNamespace) -> None:
     gpus = [(int(130.1 * GB), int(139.8 * GB)), (int(2.5 * GB), 80 * GB)]
     with use_provider(FakeGpus(gpus, names=["NVIDIA H200", "NVIDIA A100"])):
         line = str(memory.status())
-    # Margins: 5 % of 139.8 GB (7.0 GB), and 5 % of 80 GB (4 GB, more than is free).
+    # Margins: 10 % of 139.8 GB (14.0 GB), and 10 % of 80 GB (8 GB, more than is free).
     assert line.endswith(
-        "| 2 cores, load 0.34 | cuda:0 130.1/139.8 GB free (budget 123.1 GB, tierflow 0 B, ok), "
+        "| 2 cores, load 0.34 | cuda:0 130.1/139.8 GB free (budget 116.1 GB, tierflow 0 B, ok), "
         "cuda:1 2.5/80.0 GB free (budget 0 B, tierflow 0 B, critical)"
     )
     assert LINE.match(line)

@@ -39,7 +39,7 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from ..config import MB, format_bytes
-from ..system import budget, devices, pressure
+from ..system import budget, device_budget, devices, pressure
 from ..system.types import Level
 from . import gpu, spill
 from .types import RAM, SSD, GpuBackend, Placement
@@ -59,8 +59,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SMALL = 1 * MB
-GPU_MARGIN_MIN = 256 * MB
-GPU_MARGIN_FRACTION = 0.10
 
 _MAX_BYTES = int(np.iinfo(np.intp).max)
 _DEVICE_RE = re.compile(r"cuda(?::(\d+))?")
@@ -116,8 +114,10 @@ def request(shape: ShapeLike, dtype: Any = "float64") -> tuple[tuple[int, ...], 
 
 
 def gpu_margin(total: int) -> int:
-    """Bytes of a GPU's memory that placement leaves free: max(256 MB, 10 % of total)."""
-    return max(GPU_MARGIN_MIN, int(total * GPU_MARGIN_FRACTION))
+    """Bytes of a GPU's memory that placement leaves free: the ``gpu_margin`` setting,
+    by default max(256 MB, 10 % of total) (the scheduler's GPU budgets leave the same,
+    :func:`tierflow.system.device_budget.margin_bytes`)."""
+    return device_budget.margin_bytes(total)
 
 
 # -- the table of live arrays ---------------------------------------------------------

@@ -3,7 +3,7 @@
 Each GPU is a tier of its own, beside the RAM budget (:mod:`tierflow.system.budget`):
 
 - **Budget.** Its free memory at the first reading in this process, less a margin: the
-  ``gpu_margin`` setting (``TIERFLOW_GPU_MARGIN``), by default ``max(256 MB, 5 % of the
+  ``gpu_margin`` setting (``TIERFLOW_GPU_MARGIN``), by default ``max(256 MB, 10 % of the
   GPU's total)``, which leaves room for the CUDA context, cuBLAS workspaces and the
   caching allocator's rounding. Like the RAM budget it is fixed once read, because
   tierflow's own tensors would shrink a budget that followed free memory; a new GPU
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 MIN_MARGIN = 256 * MB  # the default margin's floor: a CUDA context alone takes ~300 MB
-MARGIN_SHARE = 0.05  # the default margin's share of the GPU's total memory
+MARGIN_SHARE = 0.10  # the default margin's share of the GPU's total memory
 LEVEL_INTERVAL = 0.5  # seconds between two real readings in levels_now()
 
 _clock = time.monotonic  # levels_now()'s clock; tests drive it
@@ -70,7 +70,7 @@ _clock = time.monotonic  # levels_now()'s clock; tests drive it
 
 def margin_bytes(total: int) -> int:
     """The margin left free on a GPU of ``total`` bytes: ``gpu_margin``, or by default
-    ``max(256 MB, 5 % of total)``."""
+    ``max(256 MB, 10 % of total)``."""
     configured = config.get("gpu_margin")
     if configured is not None:
         return int(configured)
