@@ -289,3 +289,22 @@ def test_each_slot_runs_on_its_own_cuda_stream() -> None:
     )
     np.testing.assert_array_equal(y.compute(progress=False), a * 2)
     assert streams
+
+
+def test_blocks_persisted_on_the_gpu_take_room_and_make_way_for_device_tasks() -> None:
+    # The budget fits 2.5 tasks, and persisted blocks fill it: half a task's worth of
+    # the array's blocks and a block of two tasks' worth.
+    with use_provider(gpus(2.5)), config.set(gpu_slots=8):
+        kept = tw.from_array(np.ones((4 * ROWS, COLS // 2), np.float32), rows=ROWS)
+        kept = kept.persist(device="cuda:0")
+        store = kept._node.reader.store
+        store.put("big", np.ones(TASK // 2, np.float32))
+        assert store.held() == int(2.5 * TASK)
+        watch = Watch(company=3)
+        run(watch, blocks=6, workers=4)
+        # The tasks ran within the budget, and the largest persisted block was spilled
+        # to the host to make way for them.
+        assert watch.most["cuda:0"] >= 1
+        assert store.spilled >= 1 and store.where("big") == "ram"
+        assert device_budget.ledger.peak("cuda:0") <= int(2.5 * TASK)
+        np.testing.assert_array_equal(kept.compute(), np.ones((4 * ROWS, COLS // 2)))

@@ -183,3 +183,17 @@ def test_ram_pressure_moves_the_spilled_blocks_to_the_ssd() -> None:
     pressure.notify("high")
     assert store.where("a") == "ssd"
     np.testing.assert_array_equal(store.host("a"), block)
+
+
+def test_other_users_of_the_gpu_see_what_stores_hold_and_can_have_it_spilled() -> None:
+    from tierflow.storage.device_store import held_on, make_room
+
+    one, two = _store(100), _store(100)
+    one.put("a", _block(30, 1))
+    two.put("b", _block(50, 2))
+    one.put("c", _block(10, 3))
+    assert held_on("cuda:0") == 90 * KB and held_on("cuda:1") == 0
+    assert make_room("cuda:0", 40 * KB) == 50 * KB  # b, the largest of all, is enough
+    assert two.where("b") == "ram" and one.where("a") == "gpu"
+    assert make_room("cuda:0", 100 * KB) == 40 * KB  # then a, then c: all there was
+    assert held_on("cuda:0") == 0

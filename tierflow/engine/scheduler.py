@@ -173,7 +173,7 @@ import numpy as np
 
 from ..config import format_bytes
 from ..errors import OutOfMemoryError, TierflowError
-from ..storage import pages, placement, spill
+from ..storage import device_store, pages, placement, spill
 from ..system import budget as budget_module
 from ..system import device_budget, pressure
 from ..system.device_budget import Seat
@@ -673,7 +673,18 @@ class _Run:
         levels = self._levels
         if levels is None:  # read once per _admit call
             levels = self._levels = device_budget.levels_now()
-        seat = ledger.seat(candidates, task.device_bytes, budgets, levels, self.gpu_slots)
+        # Blocks persisted on a GPU (persist(device=...)) take room from its budget, and
+        # make way for device tasks: spilled to the host, largest first, when a task
+        # would not fit beside them.
+        kept = {d: device_store.held_on(d) for d in candidates}
+        room = {d: max(0, budgets[d] - kept[d]) for d in candidates if d in budgets}
+        seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
+        if seat is None and any(kept.values()):
+            where = max(candidates, key=lambda d: kept[d])
+            short = task.device_bytes - (room.get(where, 0) - ledger.admitted(where))
+            if short > 0 and device_store.make_room(where, short):
+                room[where] = max(0, budgets.get(where, 0) - device_store.held_on(where))
+                seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
         if seat is None:
             return False
         self.seats[i] = seat

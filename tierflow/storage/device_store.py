@@ -33,6 +33,7 @@ lock, and a block being moved is never handed out half-copied.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,44 @@ from ..system.types import Level
 from . import gpu, placement, spill
 from .types import GpuBackend
 
-__all__ = ["DEVICE", "DeviceStore"]
+__all__ = ["DEVICE", "DeviceStore", "held_on", "make_room"]
 
 DEVICE = "gpu"  # the tier name of a block on the device (beside placement's RAM, SSD)
+
+# Every live store, so that the GPU's other users (the scheduler's device tasks) count
+# what the stores hold there and can have it spilled (held_on, make_room).
+_stores: weakref.WeakSet[DeviceStore] = weakref.WeakSet()
+_stores_lock = threading.Lock()
+
+
+def _live(device: str) -> list[DeviceStore]:
+    with _stores_lock:
+        return [s for s in _stores if s.device == device]
+
+
+def held_on(device: str) -> int:
+    """Bytes every live store holds on GPU ``device``."""
+    return sum(s.held() for s in _live(device))
+
+
+def make_room(device: str, nbytes: int) -> int:
+    """Spill blocks of the live stores on GPU ``device`` to the host, the largest first
+    across the stores, until ``nbytes`` are freed or none is left there; the bytes
+    freed (the GPU under pressure from its other users)."""
+    freed = 0
+    while freed < nbytes:
+        best: tuple[int, DeviceStore, Hashable] | None = None
+        for store in _live(device):
+            with store._lock:
+                key = store._largest_locked(None)
+                if key is not None:
+                    size = store._blocks[key].nbytes
+                    if best is None or size > best[0]:
+                        best = (size, store, key)
+        if best is None:
+            return freed
+        freed += best[1]._spill(best[2])
+    return freed
 
 
 @dataclass
@@ -85,6 +121,8 @@ class DeviceStore:
         self.spilled = 0  # blocks moved from the device to the host
         self.read_back = 0  # blocks moved from the host back to the device
         pressure.subscribe(self)  # RAM under pressure: host copies go to the SSD
+        with _stores_lock:
+            _stores.add(self)
 
     # -- what is where ----------------------------------------------------------------
 
