@@ -143,9 +143,9 @@ scheduler returns, whatever happened::
 Out-of-memory halving
 ---------------------
 Inside a task, an operator that raises ``MemoryError`` or a torch/cupy out-of-memory
-error is retried on the halves of its block, recursively down to one row, the halves'
-results stitched, and the size that worked remembered for that operator's next blocks
-(:mod:`tierflow.engine.halving`). Operators on whole in-memory values cannot be split;
+error is retried on pieces of half its block, down to one row, the pieces' results
+stitched; each failure remembers half its size at once, for the rest of the block and
+for that operator's next blocks (:mod:`tierflow.engine.halving`). Operators on whole in-memory values cannot be split;
 their out-of-memory errors are explained (:func:`tierflow.storage.oom.explain_oom`).
 
 Failure and interruption
