@@ -185,11 +185,11 @@ def part_standardise(path: Path, folder: Path) -> None:
 
 
 def part_s3(rows: int, folder: Path) -> None:
+    import logging
+
     from moto.server import ThreadedMotoServer
 
     import tierflow as tw
-
-    import logging
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
     with socket.socket() as s:
