@@ -50,6 +50,8 @@ DEFAULTS: dict[str, Any] = {
     "cache": None,  # store (name or path) every compute caches in; None = none; "1" = "cache"
     "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
     "shared_dir": None,  # folder every cluster worker sees; None = the spill folder on one host
+    "device": "cpu",  # where fused operators and reductions run: cpu, auto, cuda, cuda:N
+    "copy_bandwidth": 12 * GB,  # bytes/s host-to-GPU copies reach (device="auto" weighs it)
 }
 
 ENVIRONMENT: dict[str, str] = {
@@ -58,6 +60,7 @@ ENVIRONMENT: dict[str, str] = {
     "store_dir": "TIERFLOW_STORE_DIR",
     "cache": "TIERFLOW_CACHE",
     "shared_dir": "TIERFLOW_SHARED_DIR",
+    "device": "TIERFLOW_DEVICE",
 }
 
 _EXAMPLES = {
@@ -138,6 +141,15 @@ def _convert(name: str, value: Any, origin: str) -> Any:
         return os.fspath(value)
     if name == "cache":
         return value if value not in ("", "0", "false", "False") else None
+    if name == "device":
+        text = str(value)
+        if text not in ("cpu", "auto", "cuda") and not (
+            text.startswith("cuda:") and text[5:].isdigit()
+        ):
+            raise ConfigError(f"{origin}={value!r}: use 'cpu', 'auto', 'cuda' or 'cuda:N'")
+        return text
+    if name == "copy_bandwidth":
+        return parse_size(value, origin)
     return value
 
 

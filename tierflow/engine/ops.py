@@ -46,9 +46,14 @@ def to_host(value: Any) -> Any:
 
 
 def to_device(block: Any, device: str) -> Any:
-    """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed)."""
+    """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed); a
+    simulated GPU's tensors are the CPU's (:func:`tierflow.engine.transfer.torch_device`)."""
     import torch
 
+    from .transfer import torch_device
+
+    if device.startswith("cuda"):
+        device = torch_device(device)
     if _is_tensor(block):
         return block.to(device)
     array = np.asarray(block)
@@ -109,7 +114,6 @@ class MapBlocks:
 
     def apply(self, *blocks: Any, out: np.ndarray | None = None) -> np.ndarray:
         """The function's result for these blocks, checked, as a NumPy block."""
-        rows = blocks[0].shape[0]
         device = self.device
         if device == "auto":
             device = self._resolve(blocks)
@@ -124,25 +128,8 @@ class MapBlocks:
         result = to_host(result)
         if not isinstance(result, np.ndarray):
             result = np.asarray(result)
-        want = _shape_text(rows, self.out_row_shape)
-        if (
-            result.ndim == 0
-            or result.shape[0] != rows
-            or tuple(result.shape[1:]) != self.out_row_shape
-        ):
-            got = "a scalar" if result.ndim == 0 else f"shape {result.shape}"
-            raise ValueError(
-                f"{self.name} returned {got} for a block of shape "
-                f"{tuple(blocks[0].shape)}; it must return shape {want}: one row per input "
-                "row, with the row shape declared (row_shape=) or found on the probe block"
-            )
+        self._check(tuple(blocks[0].shape), tuple(result.shape), result.dtype)
         if result.dtype != self.out_dtype:
-            if not np.can_cast(result.dtype, self.out_dtype, casting="same_kind"):
-                raise ValueError(
-                    f"{self.name} returned {result.dtype}, which does not cast to the "
-                    f"declared {self.out_dtype} (casting='same_kind'); return "
-                    f"{self.out_dtype} or pass dtype={result.dtype}"
-                )
             if out is not None:
                 np.copyto(out, result, casting="same_kind")
                 return out
@@ -151,6 +138,37 @@ class MapBlocks:
             np.copyto(out, result)
             return out
         return result
+
+    def apply_tensors(self, *tensors: Any) -> Any:
+        """The function's result for blocks that are torch tensors on one device, as a
+        tensor of ``out_dtype`` there, checked as :meth:`apply` checks: nothing comes
+        back to the host (a chain of GPU operators keeps its blocks on the GPU)."""
+        import torch
+
+        result = self.fn(*tensors, **self.kwargs)
+        if not _is_tensor(result):
+            result = torch.as_tensor(np.asarray(result), device=tensors[0].device)
+        self._check(tuple(tensors[0].shape), tuple(result.shape), numpy_dtype(result))
+        target = torch.from_numpy(np.empty(0, self.out_dtype)).dtype
+        return result if result.dtype == target else result.to(target)
+
+    def _check(self, block_shape: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """ValueError unless a result of ``shape`` and ``dtype`` fits a block of
+        ``block_shape`` (see the class docstring)."""
+        rows = block_shape[0]
+        if len(shape) == 0 or shape[0] != rows or shape[1:] != self.out_row_shape:
+            got = "a scalar" if len(shape) == 0 else f"shape {shape}"
+            raise ValueError(
+                f"{self.name} returned {got} for a block of shape {block_shape}; it must "
+                f"return shape {_shape_text(rows, self.out_row_shape)}: one row per input "
+                "row, with the row shape declared (row_shape=) or found on the probe block"
+            )
+        if dtype != self.out_dtype and not np.can_cast(dtype, self.out_dtype, "same_kind"):
+            raise ValueError(
+                f"{self.name} returned {dtype}, which does not cast to the "
+                f"declared {self.out_dtype} (casting='same_kind'); return "
+                f"{self.out_dtype} or pass dtype={dtype}"
+            )
 
     def _resolve(self, blocks: Sequence[Any]) -> str:
         """``device="auto"``: the GPU with the most free memory if it has room for the

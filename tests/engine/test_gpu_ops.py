@@ -1,0 +1,231 @@
+"""Fused operators and reductions on a GPU, with simulated GPUs (torch CPU tensors
+accounted as ``cuda:N``): results against NumPy, copies counted, copy/compute order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow import config
+from tierflow.engine import gpu_tier, offload, transfer
+from tierflow.system.devices import FakeGpus, use_provider
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch, pytest.mark.executors("threads", "serial")]
+
+GB = 1 << 30
+ROWS = 256  # rows per block: 1000 rows are 4 blocks
+
+
+@pytest.fixture
+def a() -> np.ndarray:
+    return np.random.default_rng(5).normal(size=(1000, 6)).astype(np.float32)
+
+
+@pytest.fixture
+def gpus() -> Iterator[None]:
+    """Two simulated GPUs, cuda:1 with the more free memory; copy counts from zero."""
+    with use_provider(FakeGpus([(4 * GB, 16 * GB), (8 * GB, 16 * GB)])):
+        transfer.reset_stats()
+        transfer.record_order(True)
+        yield
+        transfer.record_order(False)
+        transfer.reset_stats()
+
+
+def _copies(device: str = "cuda:1") -> transfer.CopyStats:
+    return transfer.stats(device)
+
+
+EXPRESSIONS = [
+    ("arithmetic", lambda x: (x * 2 + 1) / 3 - x),
+    ("transcendental", lambda x: np.exp(-(x**2)) + np.log1p(abs(x))),
+    ("comparison and where", lambda x: tw.where(x > 0.5, x, -x)),
+    ("clip and round", lambda x: np.round(np.clip(x, -1, 1), 2)),
+    ("cast to int and back", lambda x: (x * 10).astype(np.int16) // 3 + 0.5),
+    ("mixed dtypes", lambda x: x.astype(np.int8) + np.float64(0.25)),
+]
+
+
+@pytest.mark.parametrize("expr", [e for _, e in EXPRESSIONS], ids=[n for n, _ in EXPRESSIONS])
+@pytest.mark.usefixtures("gpus")
+def test_fused_expressions_on_the_gpu_match_numpy(a: np.ndarray, expr: object) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    y = expr(x)  # type: ignore[operator]
+    want = y.compute(device="cpu")
+    got = y.compute(device="cuda")
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert _copies().h2d == 4  # it did run on the (simulated) GPU
+
+
+REDUCTIONS = ["sum", "mean", "min", "max", "prod", "any", "all", "count_nonzero"]
+
+
+@pytest.mark.parametrize("kind", REDUCTIONS)
+@pytest.mark.usefixtures("gpus")
+def test_reductions_on_the_gpu_match_numpy(a: np.ndarray, kind: str) -> None:
+    """float32 sums and means accumulate in float64 on both sides, in a different
+    order: within rtol=1e-6 of NumPy's float64 result (the documented tolerance)."""
+    x = tw.from_array(a, rows=ROWS) * 0.5 + 1
+    data = a * np.float32(0.5) + np.float32(1)
+    for axis in (0, None, (0, 1)):
+        if kind == "count_nonzero":
+            got = np.count_nonzero(x, axis=axis).compute(device="cuda")
+            want = np.count_nonzero(data, axis=axis)
+        else:
+            got = getattr(x, kind)(axis=axis).compute(device="cuda")
+            ref = data.astype(np.float64) if kind in ("sum", "mean", "prod") else data
+            want = getattr(np, kind)(ref, axis=axis).astype(np.asarray(got).dtype)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert _copies().d2h >= 4  # partials came back from the device
+
+
+@pytest.mark.usefixtures("gpus")
+def test_integer_sums_on_the_gpu_are_exact_and_wrap_as_numpy_does() -> None:
+    data = np.arange(-3000, 3000, dtype=np.int32).reshape(2000, 3) * 1_000_000
+    x = tw.from_array(data, rows=300)
+    got = (x * 3).sum(axis=0).compute(device="cuda")
+    np.testing.assert_array_equal(got, (data * 3).sum(axis=0))
+    assert got.dtype == np.int64
+
+
+@pytest.mark.usefixtures("gpus")
+def test_a_chain_through_a_gpu_model_copies_each_block_in_once_and_only_partials_out(
+    a: np.ndarray,
+) -> None:
+    seen: list[str] = []
+
+    def model(t: object) -> object:
+        assert isinstance(t, torch.Tensor)
+        seen.append(str(t.device))
+        return torch.relu(t) * 3
+
+    x = tw.from_array(a, rows=ROWS)
+    y = ((x - 0.5) * 2).map_blocks(model, device="cuda:1").sum(axis=0)
+    seen.clear()  # the call on a probe block that found the result's dtype
+    got = y.compute(executor="serial")
+    np.testing.assert_allclose(got, (np.maximum((a - 0.5) * 2, 0) * 3).sum(axis=0), rtol=1e-6)
+    copies = _copies()
+    assert (copies.h2d, copies.h2d_bytes) == (4, a.nbytes)
+    assert (copies.d2h, copies.d2h_bytes) == (4, 4 * 6 * 8)  # one float64 partial a block
+    assert len(seen) == 4
+
+
+@pytest.mark.usefixtures("gpus")
+def test_the_copy_of_the_next_block_is_issued_before_this_block_computes(
+    a: np.ndarray,
+) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    (x * 2).sum(axis=0).compute(device="cuda:1", executor="serial")
+    assert _copies().order == [
+        ("copy", 0),
+        ("copy", 1),
+        ("compute", 0),
+        ("copy", 2),
+        ("compute", 1),
+        ("copy", 3),
+        ("compute", 2),
+        ("compute", 3),
+    ]
+
+
+@pytest.mark.usefixtures("gpus")
+def test_blocks_read_from_a_file_are_staged_ahead_and_written_to_a_file(
+    a: np.ndarray, tmp_path: Path
+) -> None:
+    np.save(tmp_path / "x.npy", a)
+    x = tw.from_npy(tmp_path / "x.npy", rows=ROWS)
+    (np.sqrt(abs(x)) * 2).to_npy(tmp_path / "y.npy", device="cuda:1")
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), np.sqrt(abs(a)) * 2, rtol=1e-6)
+    copies = _copies()
+    assert (copies.h2d, copies.d2h, copies.d2h_bytes) == (4, 4, a.nbytes)
+
+
+@pytest.mark.usefixtures("gpus")
+def test_a_gpu_map_blocks_pulls_its_neighbours_onto_the_gpu(a: np.ndarray) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    y = (x + 1).map_blocks(lambda t: t * 2, device="cuda:1").mean(axis=0)
+    np.testing.assert_allclose(y.compute(), ((a + 1) * 2).mean(axis=0), rtol=1e-6)
+    assert (_copies().h2d, _copies().d2h) == (4, 4)  # x in, partials out
+    transfer.reset_stats()
+    y.compute(device="cpu")  # asked for the CPU: the model's blocks go back and forth
+    assert (_copies().h2d, _copies().d2h) == (0, 0)  # ... through map_blocks' own copies
+
+
+@pytest.mark.usefixtures("gpus")
+def test_the_device_setting_applies_when_a_compute_does_not_say(a: np.ndarray) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    (x * 2).sum().compute()
+    assert _copies().h2d == 0
+    with config.set(device="cuda:0"):
+        (x * 2).sum().compute()
+    assert (transfer.stats("cuda:0").h2d, _copies().h2d) == (4, 0)
+
+
+@pytest.mark.usefixtures("gpus")
+def test_cuda_takes_the_gpu_with_the_most_free_memory_or_the_admitted_one(
+    a: np.ndarray,
+) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    (x * 2).sum().compute(device="cuda", executor="serial")
+    assert (transfer.stats("cuda:0").h2d, transfer.stats("cuda:1").h2d) == (0, 4)
+    with gpu_tier.running_on("cuda:0"):
+        (x * 2).sum().compute(device="cuda", executor="serial")
+    assert transfer.stats("cuda:0").h2d == 4
+
+
+def test_without_a_gpu_auto_runs_on_the_cpu_and_cuda_is_refused(a: np.ndarray) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    with use_provider(FakeGpus([])):
+        y = (x * 2).sum(axis=0)
+        np.testing.assert_array_equal(y.compute(device="auto"), y.compute(device="cpu"))
+        with pytest.raises(ValueError, match=r"device='cuda': no GPU here"):
+            (x * 2).sum().compute(device="cuda")
+        with pytest.raises(ValueError, match=r"device='cuda:3': no such GPU \(GPUs here: none"):
+            (x * 2).sum().compute(device="cuda:3")
+    with pytest.raises(ValueError, match=r"use 'cpu', 'auto', 'cuda' or 'cuda:N'"):
+        (x * 2).sum().compute(device="gpu")
+    with pytest.raises(tw.errors.ConfigError, match=r"device='gpu'"):
+        config.set(device="gpu")
+
+
+@pytest.mark.usefixtures("gpus")
+def test_what_torch_cannot_do_the_numpy_way_stays_on_the_cpu(a: np.ndarray) -> None:
+    x = tw.from_array(a, rows=ROWS)
+    y = np.cbrt(x).var(axis=0)  # no torch cbrt; var has no GPU partial
+    np.testing.assert_allclose(y.compute(device="cuda"), np.cbrt(a).var(axis=0), rtol=1e-5)
+    assert _copies().h2d == 0
+
+
+# -- device="auto" ----------------------------------------------------------------------
+
+
+def test_the_auto_rule_weighs_cpu_work_against_the_copy() -> None:
+    cheap = offload.Work(ops_per_row=3 * 8, copy_bytes_per_row=4 * 8, launches=4)
+    heavy = offload.Work(ops_per_row=40 * 8, copy_bytes_per_row=4 * 8, launches=4)
+    rows = 1 << 20
+    # 16 cores at 2e9 ops/s: cheap 24 ops a row = 0.79 ms; copying 32 MiB at 12 GB/s 2.6 ms.
+    assert not offload.gpu_pays(cheap, rows, bandwidth=12e9, cores=16)
+    assert offload.gpu_pays(heavy, rows, bandwidth=12e9, cores=16)  # 10.5 ms of CPU
+    assert offload.gpu_pays(cheap, rows, bandwidth=100e9, cores=16)  # 0.34 ms copy
+    assert not offload.gpu_pays(heavy, 10, bandwidth=12e9, cores=16)  # launches dominate
+
+
+@pytest.mark.usefixtures("gpus")
+def test_auto_puts_a_block_on_the_gpu_only_where_the_copy_pays() -> None:
+    # Blocks big enough for the work to outweigh 11 kernel launches (110 us).
+    data = np.random.default_rng(6).normal(size=(4 * 8192, 6)).astype(np.float32)
+    x = tw.from_array(data, rows=8192)
+    heavy = np.exp(np.sin(x) * np.cos(x)) + np.log1p(abs(x))
+    with config.set(copy_bandwidth="1KB"):  # a slow bus: every copy outweighs the work
+        np.testing.assert_allclose(heavy.sum(0).compute(device="auto"), heavy.sum(0).compute())
+    assert _copies().h2d == 0
+    with config.set(copy_bandwidth="1000TB"):  # a bus faster than any work: the GPU
+        got = heavy.sum(0).compute(device="auto")
+    np.testing.assert_allclose(got, heavy.sum(0).compute(), rtol=1e-6)
+    assert _copies().h2d == 4
