@@ -48,6 +48,9 @@ EXPRESSIONS = [
     ("clip and round", lambda x: np.round(np.clip(x, -1, 1), 2)),
     ("cast to int and back", lambda x: (x * 10).astype(np.int16) // 3 + 0.5),
     ("mixed dtypes", lambda x: x.astype(np.int8) + np.float64(0.25)),
+    ("scalar first", lambda x: 2 - x / (np.float32(3) * 2)),
+    ("row vectors", lambda x: (x - np.arange(6.0)) / np.linspace(1, 2, 6, dtype=np.float32)),
+    ("scalar branches", lambda x: tw.where(x > 0, 1.0, -1.0) * (x.astype(np.int16) * 2.5)),
 ]
 
 

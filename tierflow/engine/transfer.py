@@ -204,6 +204,9 @@ class Lane:
         self._staged: collections.OrderedDict[tuple[int, int, int], _Staged] = (
             collections.OrderedDict()
         )
+        # Blocks a task copied itself before the previous block's task staged them (two
+        # tasks running at once): staging them after that would copy them for nobody.
+        self._taken: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=16)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._copier = threading.Thread(
             target=self._copy_loop, name=f"tierflow-copy-{device}", daemon=True
@@ -271,6 +274,9 @@ class Lane:
         with self._lock:
             if key in self._staged:
                 return
+            if key in self._taken:
+                self._taken.remove(key)
+                return
             while len(self._staged) >= STAGING_BUFFERS:
                 self._staged.popitem(last=False)
 
@@ -290,6 +296,8 @@ class Lane:
         key = (id(reader), a, b)
         with self._lock:
             found = self._staged.pop(key, None)
+            if found is None:
+                self._taken.append(key)
         if found is None or found.reader is not reader:
             future = self._issue(index, lambda: reader.read(a, b))
         else:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .elementwise import Apply, AsType, Clip, Const, Expr, Input, Round, Where, infer, walk
+from .elementwise import Apply, AsType, Clip, Expr, Input, Round, Where, infer, walk
 from .reductions import RowReduction
 
 __all__ = [
@@ -202,6 +202,12 @@ class TorchKernel:
         self.out_row_shape: tuple[int, ...] = inferred.row_shape
         self._nodes = walk(expr)
         self._dtypes = {id(n): _dtype_of(inferred.values[id(n)]) for n in self._nodes}
+        # Nodes that read no block input: NumPy's own value, folded once.
+        self._fixed = {
+            id(n): inferred.values[id(n)]
+            for n in self._nodes
+            if not isinstance(n, Input) and not inferred.depends_on_input(n)
+        }
         self._consts: dict[Any, dict[int, Any]] = {}  # device -> node id -> tensor
 
     def __repr__(self) -> str:
@@ -214,50 +220,57 @@ class TorchKernel:
 
     def apply(self, *blocks: Any) -> Any:
         """The expression on ``blocks`` (torch tensors on one device)."""
-        import torch
-
         device = blocks[0].device
-        consts = self._consts.get(device)
-        if consts is None:
-            consts = self._consts[device] = {}
+        held = self._consts.get(device)
+        if held is None:
+            held = self._consts[device] = {}
         values: dict[int, Any] = {}
         for node in self._nodes:
             key = id(node)
             if isinstance(node, Input):
                 values[key] = blocks[node.index]
-            elif isinstance(node, Const):
-                value = node.value
-                if isinstance(value, np.ndarray):
-                    found = consts.get(key)
-                    if found is None:
-                        found = consts[key] = torch.from_numpy(np.array(value)).to(device)
-                    value = found
-                values[key] = value
+            elif key in self._fixed:
+                values[key] = self._fixed[key]
             else:
                 args = [values[id(c)] for c in node.children()]
-                values[key] = self._compute(
-                    node, args, [self._dtypes[id(c)] for c in node.children()]
-                )
+                values[key] = self._compute(node, args, held, device)
         return values[id(self.expr)]
 
-    def _compute(self, node: Expr, args: list[Any], dtypes: list[np.dtype | None]) -> Any:
+    def _compute(self, node: Expr, args: list[Any], held: dict[Any, Any], device: Any) -> Any:
+        """One node on evaluated operands: tensors, or constants (NumPy arrays and
+        scalars, made tensors of the working dtype on ``device`` once and kept)."""
         import torch
 
         out = self._dtypes[id(node)]
         assert out is not None
+        dtypes = [self._dtypes[id(c)] for c in node.children()]
         if out.kind == "b" and not all(d is None or d.kind == "b" for d in dtypes):
             work = np.result_type(
                 *[a if d is None else d for a, d in zip(args, dtypes, strict=True)]
             )
         else:
             work = out
+
+        def tensor(pos: int, value: Any, dtype: np.dtype) -> Any:
+            if isinstance(value, torch.Tensor):
+                want = torch_dtype(dtype)
+                return value if value.dtype == want else value.to(want)
+            key = (id(node), pos)
+            found = held.get(key)
+            if found is None:
+                array = np.ascontiguousarray(np.asarray(value).astype(dtype))
+                found = held[key] = torch.from_numpy(array).to(device)
+            return found
+
         if isinstance(node, AsType):
-            return _as(args[0], out)
+            return tensor(0, args[0], out)
         if isinstance(node, Where):
             cond = args[0]
-            cond = cond if _is_bool(cond) else cond != 0
-            return torch.where(cond, _as(args[1], out), _as(args[2], out))
-        cast = [_as(a, work) for a in args]
+            if not isinstance(cond, torch.Tensor):
+                return tensor(1 if bool(cond) else 2, args[1 if bool(cond) else 2], out)
+            cond = cond if cond.dtype == torch.bool else cond != 0
+            return torch.where(cond, tensor(1, args[1], out), tensor(2, args[2], out))
+        cast = [tensor(i, a, work) for i, a in enumerate(args)]
         if isinstance(node, Apply):
             result = getattr(torch, _UFUNCS[node.ufunc.__name__])(*cast)
         elif isinstance(node, Clip):
@@ -271,23 +284,7 @@ class TorchKernel:
             result = a if out.kind in "biu" else torch.round(a, decimals=node.decimals)
         else:
             raise TypeError(f"not an operation node: {node!r}")
-        return _as(result, out)
-
-
-def _is_bool(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
-
-
-def _as(value: Any, dtype: np.dtype) -> Any:
-    """``value`` (a tensor, a NumPy or Python scalar) as a tensor or scalar of ``dtype``."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        want = torch_dtype(dtype)
-        return value if value.dtype == want else value.to(want)
-    return torch.tensor(np.asarray(value, dtype=dtype)[()])
+        return tensor(-1, result, out)
 
 
 class TorchReduction:
