@@ -232,3 +232,28 @@ def test_auto_puts_a_block_on_the_gpu_only_where_the_copy_pays() -> None:
         got = heavy.sum(0).compute(device="auto")
     np.testing.assert_allclose(got, heavy.sum(0).compute(), rtol=1e-6)
     assert _copies().h2d == 4
+
+
+@pytest.mark.usefixtures("gpus")
+def test_a_gpu_model_that_runs_out_of_memory_is_halved_on_the_device(a: np.ndarray) -> None:
+    from tierflow.engine import halving
+
+    sizes: list[int] = []
+
+    def model(t: object) -> object:
+        assert isinstance(t, torch.Tensor)
+        sizes.append(len(t))
+        if len(t) > 64:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return t * 2
+
+    halving.forget()
+    try:
+        y = (x := tw.from_array(a, rows=ROWS)).map_blocks(model, device="cuda:1") + x
+        sizes.clear()
+        got = y.sum(axis=0).compute(executor="serial")
+    finally:
+        halving.forget()
+    np.testing.assert_allclose(got, (a.astype(np.float64) * 3).sum(axis=0), rtol=1e-6)
+    assert sizes[:3] == [256, 128, 64] and sizes.count(256) == 1  # later blocks: remembered
+    assert (_copies().h2d, _copies().d2h) == (4, 4)  # halves stayed on the device

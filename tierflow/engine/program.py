@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, OutOfMemoryError
-from ..operators import selection
+from ..operators import selection, torch_ops
 from ..operators.types import block_bytes
 from ..storage import pages
 from ..system import pressure
@@ -294,10 +294,25 @@ class KernelStep(Step):
             raise
 
     def _run_on_device(self, ctx: Context, req: Request) -> Any:
+        """The rows on the device. With out-of-memory halving as on the host: the
+        result goes into a tensor allocated first, which halves write their rows into."""
+        import torch
+
         blocks = [s.on_device(ctx, req) for s in self.inputs]
         ctx.start()
+        op, device_fn = self.op, self.device_fn
+        dtype = torch_ops.torch_dtype(op.out_dtype)
+        # halving's types say NumPy; it only slices and hands back what it is given
+        out: Any = torch.empty(
+            (blocks[0].shape[0], *op.out_row_shape), dtype=dtype, device=blocks[0].device
+        )
+
+        def fn(*parts: Any, out: Any) -> Any:
+            out.copy_(device_fn(*parts))
+            return out
+
         try:
-            return self.device_fn(*blocks)
+            return halving.call(self.site, ctx.describe, fn, blocks, out)
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:
@@ -680,15 +695,17 @@ class ReduceRoot:
         return partial
 
     def _run_on_device(self, ctx: Context, req: Request) -> Any:
-        """This block's partial computed on the task's device, on the host."""
+        """This block's partial computed on the task's device, on the host (halved on
+        out-of-memory as on the host)."""
         lane = ctx.lane
         assert lane is not None
         blocks = [s.on_device(ctx, req) for s in self.inputs]
         ctx.start()
-        value = self.device_kernel.apply(*blocks) if self.device_kernel is not None else blocks[0]
-        if value.shape[0] == 0:
+        if blocks[0].shape[0] == 0:
             return None
-        return lane.to_host(self.device_reduce.chunk(value))
+        chunker = _DeviceChunker(self.op, self.device_kernel, self.device_reduce, lane)
+        offset = req.start if isinstance(req, RowRange) else 0
+        return halving.call_chunk(self.site, ctx.describe, chunker, blocks, offset)
 
     def cached(self, req: Request) -> bool:
         """Whether this block's partial is in the cache (then it reads no input)."""
@@ -699,6 +716,24 @@ class ReduceRoot:
 
     def steps(self) -> list[Step]:
         return self.inputs
+
+
+@dataclass(frozen=True)
+class _DeviceChunker:
+    """A reduction's ``chunk`` on device tensors (the fused kernel, then the torch
+    partial, brought to the host) and its ``combine``, for halving."""
+
+    op: Any
+    kernel: Any
+    reduce: Any
+    lane: transfer.Lane
+
+    def chunk(self, *blocks: Any, row_offset: int = 0) -> Any:
+        value = self.kernel.apply(*blocks) if self.kernel is not None else blocks[0]
+        return self.lane.to_host(self.reduce.chunk(value))
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return self.op.combine(a, b)
 
 
 SHARED_MIN = 64 << 10  # a held block at least this big goes by a shared file
