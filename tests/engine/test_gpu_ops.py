@@ -257,3 +257,16 @@ def test_a_gpu_model_that_runs_out_of_memory_is_halved_on_the_device(a: np.ndarr
     np.testing.assert_allclose(got, (a.astype(np.float64) * 3).sum(axis=0), rtol=1e-6)
     assert sizes[:3] == [256, 128, 64] and sizes.count(256) == 1  # later blocks: remembered
     assert (_copies().h2d, _copies().d2h) == (4, 4)  # halves stayed on the device
+
+
+@pytest.mark.gpu
+def test_on_a_real_gpu_a_chain_copies_each_block_in_once(a: np.ndarray) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    transfer.reset_stats()
+    x = tw.from_array(a, rows=ROWS)
+    y = (x * 2 + 1).map_blocks(lambda t: torch.tanh(t), device="cuda:0").sum(axis=0)
+    want = np.tanh(a.astype(np.float64) * 2 + 1).sum(axis=0)
+    np.testing.assert_allclose(y.compute(), want, rtol=1e-5)
+    assert (transfer.stats("cuda:0").h2d, transfer.stats("cuda:0").d2h) == (4, 4)
+    assert not transfer.lane("cuda:0").fake
