@@ -197,7 +197,8 @@ class TorchKernel:
     ) -> None:
         self.expr = expr
         self.input_dtypes = [np.dtype(d) for d in input_dtypes]
-        inferred = infer(expr, self.input_dtypes, [tuple(s) for s in input_row_shapes])
+        self._row_shapes = [tuple(s) for s in input_row_shapes]
+        inferred = infer(expr, self.input_dtypes, self._row_shapes)
         self.out_dtype: np.dtype = inferred.dtype
         self.out_row_shape: tuple[int, ...] = inferred.row_shape
         self._nodes = walk(expr)
@@ -213,10 +214,9 @@ class TorchKernel:
     def __repr__(self) -> str:
         return f"TorchKernel({self.expr!r})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_consts"] = {}
-        return state
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt where it lands: its tables are keyed by the ids of expression nodes.
+        return (TorchKernel, (self.expr, self.input_dtypes, self._row_shapes))
 
     def apply(self, *blocks: Any) -> Any:
         """The expression on ``blocks`` (torch tensors on one device)."""
