@@ -273,3 +273,21 @@ def test_on_a_real_gpu_a_chain_copies_each_block_in_once(a: np.ndarray) -> None:
     np.testing.assert_allclose(y.compute(), want, rtol=1e-5)
     assert (transfer.stats("cuda:0").h2d, transfer.stats("cuda:0").d2h) == (4, 4)
     assert not transfer.lane("cuda:0").fake
+
+
+@pytest.mark.usefixtures("gpus")
+def test_a_programs_device_bytes_count_copies_outputs_and_intermediates(a: np.ndarray) -> None:
+    from tierflow.engine.lower import lower_pass
+
+    x = tw.from_array(a, rows=ROWS)
+    y = ((x - 0.5) * 2).map_blocks(lambda t: t * 3, device="cuda:1").sum(axis=0)
+    program, _ = lower_pass([], [y._node], {}, None, None)
+    row = 6 * 4  # bytes of a float32 row of 6
+    kernel = 2 * row + 2 * row  # output and halving output; subtract and multiply
+    model = 2 * row + row  # output and halving output; one output block of scratch
+    copied = 2 * row  # x's block, and the next block's staged beside it
+    partial = 6 * 16 + 64
+    assert program.device == "cuda:1"
+    assert program.device_bytes(ROWS) == ROWS * (kernel + model + copied) + partial
+    on_cpu, _ = lower_pass([], [y._node], {}, None, "cpu")
+    assert on_cpu.device is None and on_cpu.device_bytes(ROWS) == 0

@@ -40,11 +40,11 @@ def test_a_kernel_gives_numpys_dtype_and_values(expr: object, dtype: type) -> No
     want = FusedKernel(expr, [dtype], [(4,)]).apply(block)  # type: ignore[arg-type]
     assert kernel_supported(expr, [dtype])  # type: ignore[arg-type]
     kernel = TorchKernel(expr, [dtype], [(4,)])  # type: ignore[arg-type]
-    got = kernel.apply(torch.from_numpy(block)).numpy()
+    got = kernel.apply_tensors(torch.from_numpy(block)).numpy()
     assert got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=1e-6)
     again = pickle.loads(pickle.dumps(kernel))  # rebuilt from its expression
-    np.testing.assert_array_equal(again.apply(torch.from_numpy(block)).numpy(), got)
+    np.testing.assert_array_equal(again.apply_tensors(torch.from_numpy(block)).numpy(), got)
 
 
 def test_what_torch_does_not_do_the_numpy_way_is_not_supported() -> None:

@@ -110,13 +110,12 @@ def attach_device(program: Program) -> offload.Work:
             continue
         op = step.op
         if isinstance(op, MapBlocks) and op.device is not None:
-            step.device_fn = op.apply_tensors
+            step.device_op = op
             work = work + offload.Work(float("inf"), 0, 1)  # asked for a GPU by name
         elif isinstance(op, fused.FusedKernel) and torch_ops.kernel_supported(
             op.expr, op.input_dtypes, op.epilogue
         ):
-            kernel = torch_ops.TorchKernel(op.expr, op.input_dtypes, op.input_row_shapes)
-            step.device_fn = kernel.apply
+            step.device_op = torch_ops.TorchKernel(op.expr, op.input_dtypes, op.input_row_shapes)
             work = work + _kernel_work(op.expr, op.input_dtypes, op.input_row_shapes)
         else:
             continue

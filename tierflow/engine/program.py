@@ -256,12 +256,13 @@ class SourceStep(Step):
 class KernelStep(Step):
     """A block operator (a fused kernel, a user function, ...) on input steps.
 
-    ``device_fn``, when set (lowering sets it in a pass that asks for a device), computes
-    the same rows from tensors on the task's device (a
+    ``device_op``, when set (lowering sets it in a pass that asks for a device), computes
+    the same rows from tensors on the task's device with ``apply_tensors(*tensors)``,
+    its scratch there projected by ``temp_bytes(rows)`` (a
     :class:`~tierflow.operators.torch_ops.TorchKernel`, a GPU ``map_blocks``); in a task
     with a lane the step runs there and its value is a tensor."""
 
-    device_fn: Any = None
+    device_op: Any = None
 
     def __init__(
         self,
@@ -300,7 +301,7 @@ class KernelStep(Step):
 
         blocks = [s.on_device(ctx, req) for s in self.inputs]
         ctx.start()
-        op, device_fn = self.op, self.device_fn
+        op, device_fn = self.op, self.device_op.apply_tensors
         dtype = torch_ops.torch_dtype(op.out_dtype)
         # halving's types say NumPy; it only slices and hands back what it is given
         out: Any = torch.empty(
@@ -321,13 +322,13 @@ class KernelStep(Step):
             raise
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
-        if ctx.lane is not None and self.device_fn is not None:
+        if ctx.lane is not None and self.device_op is not None:
             return self._run_on_device(ctx, req)
         return self._run(ctx, req, None)
 
     def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
         lane = ctx.lane
-        if lane is not None and self.device_fn is not None:
+        if lane is not None and self.device_op is not None:
             return lane.to_host_into(self.eval(ctx, req), out)
         return self._run(ctx, req, out)
 
@@ -729,7 +730,7 @@ class _DeviceChunker:
     lane: transfer.Lane
 
     def chunk(self, *blocks: Any, row_offset: int = 0) -> Any:
-        value = self.kernel.apply(*blocks) if self.kernel is not None else blocks[0]
+        value = self.kernel.apply_tensors(*blocks) if self.kernel is not None else blocks[0]
         return self.lane.to_host(self.reduce.chunk(value))
 
     def combine(self, a: Any, b: Any) -> Any:
@@ -1011,6 +1012,41 @@ class Program:
             for step in r.inputs:
                 walk(step, 1)
         return "\n".join(lines)
+
+    def device_bytes(self, rows: int) -> int:
+        """Projected bytes one task on a block of ``rows`` rows holds on its GPU (0 for a
+        program without device steps), a pure function of the program:
+
+        * every block copied in (a host step that a device step reads), twice for a
+          source's rows (the next block's staged copy waits beside it);
+        * every device kernel's output block, once more for its halving output, and its
+          intermediates (a fused kernel's block-sized tensors; a ``map_blocks`` counts
+          one output block, as on the host);
+        * a device reduction's kernel intermediates and its partial."""
+        device_steps = [
+            s for s in self.steps() if isinstance(s, KernelStep) and s.device_op is not None
+        ]
+        roots = [r for r in self.reductions if r.device_reduce is not None]
+        if not device_steps and not roots:
+            return 0
+        total = 0
+        copied: dict[int, Step] = {}
+        for step in device_steps:
+            op = step.op
+            out = block_bytes(rows, op.out_row_shape, op.out_dtype)
+            total += 2 * out + int(step.device_op.temp_bytes(rows))
+            copied.update((id(s), s) for s in step.children() if s not in device_steps)
+        for root in roots:
+            if root.device_kernel is not None:
+                total += root.device_kernel.temp_bytes(rows)
+            total += root.device_reduce.partial_bytes()
+            copied.update((id(s), s) for s in root.inputs if s not in device_steps)
+        for host in copied.values():
+            node = host.node
+            assert isinstance(node, Chunked)
+            nbytes = block_bytes(rows, node.row_shape, node.dtype)  # type: ignore[arg-type]
+            total += 2 * nbytes if isinstance(host, SourceStep) else nbytes
+        return total
 
     def memory(self, rows: int) -> TaskMemory:
         """Projected bytes of one task on a block of ``rows`` rows (a pure function of

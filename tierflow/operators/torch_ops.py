@@ -187,7 +187,7 @@ def reduction_supported(op: Any) -> bool:
 class TorchKernel:
     """An elementwise expression on torch tensors (see the module docstring).
 
-    ``apply(*tensors)`` returns a tensor of the expression's dtype (the NumPy dtype
+    ``apply_tensors(*tensors)`` returns a tensor of the expression's dtype (the NumPy dtype
     ``out_dtype``, as torch's), on the inputs' device. Build it only where
     :func:`kernel_supported` says so.
     """
@@ -209,6 +209,14 @@ class TorchKernel:
             for n in self._nodes
             if not isinstance(n, Input) and not inferred.depends_on_input(n)
         }
+        # Bytes per row of every intermediate and the result (the probe values of nodes
+        # that read an input are zero-row arrays of the node's row shape and dtype).
+        self._row_bytes = sum(
+            math.prod(np.shape(inferred.values[id(n)])[1:])
+            * np.asarray(inferred.values[id(n)]).itemsize
+            for n in self._nodes
+            if not isinstance(n, Input) and id(n) not in self._fixed
+        )
         self._consts: dict[Any, dict[int, Any]] = {}  # device -> node id -> tensor
 
     def __repr__(self) -> str:
@@ -218,7 +226,12 @@ class TorchKernel:
         # Rebuilt where it lands: its tables are keyed by the ids of expression nodes.
         return (TorchKernel, (self.expr, self.input_dtypes, self._row_shapes))
 
-    def apply(self, *blocks: Any) -> Any:
+    def temp_bytes(self, rows: int) -> int:
+        """Device bytes of one ``apply`` on ``rows`` rows: every node's block-sized
+        tensor, the result's included (torch frees them as they die; this is the bound)."""
+        return rows * self._row_bytes
+
+    def apply_tensors(self, *blocks: Any) -> Any:
         """The expression on ``blocks`` (torch tensors on one device)."""
         device = blocks[0].device
         held = self._consts.get(device)
