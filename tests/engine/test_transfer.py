@@ -68,3 +68,22 @@ def test_staged_rows_are_taken_once_and_a_missed_guess_is_dropped() -> None:
         lane.upload(0, data[:1])  # copies run in order: this one done, all are
         assert transfer.stats("cuda:0").h2d == 5
         transfer.reset_stats()
+
+
+def test_a_big_block_is_staged_in_pieces_and_arrives_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transfer, "FILL_PIECE_BYTES", 1000)
+    data = np.arange(12_000, dtype=np.int64).reshape(1000, 12)  # 96 kB: 4 pieces
+    host = np.zeros_like(data)
+    calls: list[int] = []
+    real = np.copyto
+
+    def counted(dst: np.ndarray, src: np.ndarray, **kwargs: object) -> None:
+        calls.append(len(src))
+        real(dst, src, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transfer.np, "copyto", counted)
+    transfer._fill(host, data)
+    np.testing.assert_array_equal(host, data)
+    assert sorted(calls) == [250, 250, 250, 250]
