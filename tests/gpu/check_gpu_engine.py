@@ -141,8 +141,8 @@ def _correctness_checks(torch: Any) -> list[Callable[[], None]]:
     def _chain() -> None:
         from tierflow.engine import transfer
 
-        transfer.reset_stats()
         y = ((x - 0.5) * 2).map_blocks(lambda t: torch.relu(t) * 3, device="cuda").sum(axis=0)
+        transfer.reset_stats()  # after the probe block's copies
         got = y.compute()
         want = (np.maximum((a.astype(np.float64) - 0.5) * 2, 0) * 3).sum(axis=0)
         np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..operators.types import Partial, block_bytes
+from . import transfer
 
 __all__ = [
     "ALONG_AXIS",
@@ -38,30 +39,42 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def to_host(value: Any) -> Any:
-    """A torch tensor as a NumPy array (copied off the GPU if it is there); else ``value``."""
+def to_host(value: Any, device: str | None = None) -> Any:
+    """A torch tensor as a NumPy array (copied off the GPU if it is there); else ``value``.
+    ``device`` (``"cuda:N"``) is where the tensor is, for the copy counts
+    (:func:`tierflow.engine.transfer.stats`) of a simulated GPU."""
     if _is_tensor(value):
-        return value.detach().cpu().numpy()
+        where = device if device and device.startswith("cuda") else None
+        if value.is_cuda:
+            where = f"cuda:{value.device.index}"
+        array = value.detach().cpu().numpy()
+        if where is not None:
+            transfer.count(where, d2h=1, d2h_bytes=array.nbytes)
+        return array
     return value
 
 
 def to_device(block: Any, device: str) -> Any:
     """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed); a
-    simulated GPU's tensors are the CPU's (:func:`tierflow.engine.transfer.torch_device`)."""
+    simulated GPU's tensors are the CPU's (:func:`tierflow.engine.transfer.torch_device`).
+    A copy to a GPU is counted (:func:`tierflow.engine.transfer.stats`)."""
     import torch
 
-    from .transfer import torch_device
-
+    target: Any = device
     if device.startswith("cuda"):
-        device = torch_device(device)
+        target = transfer.torch_device(device)
     if _is_tensor(block):
-        return block.to(device)
-    array = np.asarray(block)
-    if not array.flags.writeable or not array.flags.c_contiguous:
-        # torch shares the buffer and warns about read-only memory (a file's pages);
-        # one copy avoids both, and the copy to the GPU costs it anyway.
-        array = np.array(array, order="C")
-    return torch.from_numpy(array).to(device, non_blocking=False)
+        moved = block.to(target)
+    else:
+        array = np.asarray(block)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            # torch shares the buffer and warns about read-only memory (a file's pages);
+            # one copy avoids both, and the copy to the GPU costs it anyway.
+            array = np.array(array, order="C")
+        moved = torch.from_numpy(array).to(target, non_blocking=False)
+    if device.startswith("cuda") and moved is not block:
+        transfer.count(device, h2d=1, h2d_bytes=moved.nbytes)
+    return moved
 
 
 def numpy_dtype(value: Any) -> np.dtype:
@@ -125,7 +138,7 @@ class MapBlocks:
             # against 0.3 us), which a function looping over rows pays on every row.
             args = [b.view(np.ndarray) if isinstance(b, np.memmap) else b for b in blocks]
         result = self.fn(*args, **self.kwargs)
-        result = to_host(result)
+        result = to_host(result, device)
         if not isinstance(result, np.ndarray):
             result = np.asarray(result)
         self._check(tuple(blocks[0].shape), tuple(result.shape), result.dtype)

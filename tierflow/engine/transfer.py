@@ -1,7 +1,9 @@
 """Moving blocks between the host and a GPU: pinned staging, two streams, readahead.
 
 Every host <-> device copy of the engine's block programs goes through one
-:class:`Lane` per device (:func:`lane`), which counts them (:func:`stats`):
+:class:`Lane` per device (:func:`lane`), which counts them (:func:`stats`; a
+``map_blocks`` on a GPU outside a GPU pass copies its blocks itself, and counts them with
+:func:`count`):
 
 * Host to device. A block is copied into a pinned (page-locked) staging buffer from a
   small pool (:data:`STAGING_BUFFERS` per device), then to the device on the lane's *copy
@@ -49,6 +51,7 @@ __all__ = [
     "STAGING_BUFFERS",
     "CopyStats",
     "Lane",
+    "count",
     "lane",
     "record_order",
     "reset_stats",
@@ -99,7 +102,9 @@ def record_order(on: bool = True) -> None:
     _recording = on
 
 
-def _count(device: str, **add: int) -> None:
+def count(device: str, **add: int) -> None:
+    """Add to ``device``'s copy counts (:class:`CopyStats` fields by name): every copy
+    between the host and a GPU is counted, here or by the caller that makes it."""
     with _stats_lock:
         s = _stats.setdefault(device, CopyStats())
         for name, n in add.items():
@@ -293,7 +298,7 @@ class Lane:
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
             self._staging.give(buf, event)
-        _count(self.device, h2d=1, h2d_bytes=nbytes)
+        count(self.device, h2d=1, h2d_bytes=nbytes)
         return tensor, event
 
     def stage(self, index: int, reader: Any, a: int, b: int) -> None:
@@ -361,7 +366,7 @@ class Lane:
         array = value.detach().cpu().numpy()
         if self.fake:
             array = array.copy()  # the "device" tensor's memory is not the host's
-        _count(self.device, d2h=1, d2h_bytes=array.nbytes)
+        count(self.device, d2h=1, d2h_bytes=array.nbytes)
         return array
 
     def to_host_into(self, value: Any, out: np.ndarray) -> np.ndarray:
@@ -371,7 +376,7 @@ class Lane:
         host = torch.from_numpy(dest) if dest.size else None
         if host is not None:
             host.copy_(value.detach().reshape(dest.shape))
-        _count(self.device, d2h=1, d2h_bytes=dest.nbytes)
+        count(self.device, d2h=1, d2h_bytes=dest.nbytes)
         if dest is not out:
             np.copyto(out, dest, casting="unsafe")
         return out
