@@ -296,3 +296,13 @@ def test_a_programs_device_bytes_count_copies_outputs_and_intermediates(a: np.nd
     assert program.device_bytes(ROWS) == ROWS * (kernel + model + copied) + partial
     on_cpu, _ = lower_pass([], [y._node], {}, None, "cpu")
     assert on_cpu.device is None and on_cpu.device_bytes(ROWS) == 0
+
+
+def test_the_device_setting_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERFLOW_DEVICE", "cuda:1")
+    config.reset()
+    assert config.get("device") == "cuda:1"
+    monkeypatch.setenv("TIERFLOW_DEVICE", "gpu0")
+    config.reset()
+    with pytest.raises(tw.errors.ConfigError, match=r"TIERFLOW_DEVICE='gpu0'"):
+        config.get("device")
