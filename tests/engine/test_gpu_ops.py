@@ -9,11 +9,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tierflow as tw
+from engine.test_properties import arrays, outcome
 from tierflow import config
 from tierflow.engine import gpu_tier, offload, transfer
 from tierflow.system.devices import FakeGpus, use_provider
+
+from common import examples
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.executors("threads", "serial")]
@@ -306,3 +311,46 @@ def test_the_device_setting_comes_from_the_environment(monkeypatch: pytest.Monke
     config.reset()
     with pytest.raises(tw.errors.ConfigError, match=r"TIERFLOW_DEVICE='gpu0'"):
         config.get("device")
+
+
+# -- properties: the GPU against the CPU -------------------------------------------------
+
+GPU_EXPRESSIONS = {
+    "x * 3 - 1": lambda x: x * 3 - 1,
+    "abs(x) + x": lambda x: abs(x) + x,
+    "maximum(x, 0)": lambda x: np.maximum(x, 0),
+    "x > 0": lambda x: x > 0,
+    "where(x > 0, x, 0)": lambda x: tw.where(x > 0, x, 0),
+}
+
+
+@settings(
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    a=arrays(),
+    expr=st.sampled_from(sorted(GPU_EXPRESSIONS)),
+    kind=st.sampled_from([None, "sum", "min", "max", "any", "mean"]),
+    block=st.integers(1, 7),
+)
+def test_any_dtype_and_block_size_gives_the_cpus_result_on_the_gpu(
+    a: np.ndarray, expr: str, kind: str | None, block: int
+) -> None:
+    with use_provider(FakeGpus([(GB, GB)])):
+        y = GPU_EXPRESSIONS[expr](tw.from_array(a, rows=block))
+        if kind is not None:
+            y = getattr(y, kind)(axis=0)
+        cpu = outcome(lambda: y.compute(device="cpu"))
+        gpu = outcome(lambda: y.compute(device="cuda"))
+    assert gpu[0] == cpu[0], (gpu, cpu)
+    if cpu[0] == "ok":
+        got, want = np.asarray(gpu[1]), np.asarray(cpu[1])
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if want.dtype.kind in "fc":
+            np.testing.assert_allclose(got, want, rtol=1e-3 if want.dtype == np.float16 else 1e-6)
+        else:
+            np.testing.assert_array_equal(got, want)
+    else:
+        assert gpu[1] is cpu[1]

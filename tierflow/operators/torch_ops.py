@@ -134,6 +134,16 @@ _UFUNCS = {
     "signbit": "signbit",
 }
 
+# What torch computes on booleans as NumPy does (NumPy's add is a logical or there, its
+# subtract raises, torch's abs and arithmetic have no boolean kernels).
+_BOOLEAN_UFUNCS = frozenset(
+    {
+        "logical_and", "logical_or", "logical_xor", "logical_not", "bitwise_and",
+        "bitwise_or", "bitwise_xor", "invert", "bitwise_not", "equal", "not_equal", "less",
+        "less_equal", "greater", "greater_equal", "maximum", "minimum",
+    }
+)  # fmt: skip
+
 _REDUCTIONS = frozenset({"sum", "prod", "min", "max", "any", "all", "mean", "count_nonzero"})
 
 
@@ -151,6 +161,17 @@ def _dtype_of(value: Any) -> np.dtype | None:
     return np.asarray(value).dtype
 
 
+def _work_dtype(out: np.dtype, operands: Sequence[Any]) -> np.dtype:
+    """The dtype a node computes in: its own, or for a boolean result of non-boolean
+    operands (a comparison) the operands' common dtype (NumPy's promotion)."""
+    dtypes = [_dtype_of(v) for v in operands]
+    if out.kind == "b" and not all(d is None or d.kind == "b" for d in dtypes):
+        return np.result_type(
+            *[v if d is None else d for v, d in zip(operands, dtypes, strict=True)]
+        )
+    return out
+
+
 def kernel_supported(expr: Expr, input_dtypes: Sequence[Any], epilogue: Any = None) -> bool:
     """Whether :class:`TorchKernel` evaluates ``expr`` exactly as NumPy would."""
     if epilogue is not None:
@@ -165,6 +186,13 @@ def kernel_supported(expr: Expr, input_dtypes: Sequence[Any], epilogue: Any = No
             return False
         if isinstance(node, Apply):
             if node.ufunc.__name__ not in _UFUNCS or node.kwargs:
+                return False
+            assert dtype is not None
+            operands = [inferred.values[id(c)] for c in node.children()]
+            if (
+                _work_dtype(dtype, operands).kind == "b"
+                and node.ufunc.__name__ not in _BOOLEAN_UFUNCS
+            ):
                 return False
         elif (
             isinstance(node, Round)
@@ -217,6 +245,12 @@ class TorchKernel:
             for n in self._nodes
             if not isinstance(n, Input) and id(n) not in self._fixed
         )
+        self._work: dict[int, np.dtype] = {}  # the dtype each computed node works in
+        for n in self._nodes:
+            out = self._dtypes[id(n)]
+            if out is not None and not isinstance(n, Input) and id(n) not in self._fixed:
+                operands = [inferred.values[id(c)] for c in n.children()]
+                self._work[id(n)] = _work_dtype(out, operands)
         self._consts: dict[Any, dict[int, Any]] = {}  # device -> node id -> tensor
 
     def __repr__(self) -> str:
@@ -256,13 +290,7 @@ class TorchKernel:
 
         out = self._dtypes[id(node)]
         assert out is not None
-        dtypes = [self._dtypes[id(c)] for c in node.children()]
-        if out.kind == "b" and not all(d is None or d.kind == "b" for d in dtypes):
-            work = np.result_type(
-                *[a if d is None else d for a, d in zip(args, dtypes, strict=True)]
-            )
-        else:
-            work = out
+        work = self._work[id(node)]
 
         def tensor(pos: int, value: Any, dtype: np.dtype) -> Any:
             if isinstance(value, torch.Tensor):
