@@ -321,6 +321,10 @@ GPU_EXPRESSIONS = {
     "maximum(x, 0)": lambda x: np.maximum(x, 0),
     "x > 0": lambda x: x > 0,
     "where(x > 0, x, 0)": lambda x: tw.where(x > 0, x, 0),
+    "x // 3 + x % 3": lambda x: x // 3 + x % 3,
+    "x / 2": lambda x: x / 2,
+    "sqrt(abs(x)) * exp(x * 0.01)": lambda x: np.sqrt(abs(x)) * np.exp(x * 0.01),
+    "clip(x, -5, 5) ** 2": lambda x: np.clip(x, -5, 5) ** 2,
 }
 
 

@@ -172,6 +172,15 @@ def _work_dtype(out: np.dtype, operands: Sequence[Any]) -> np.dtype:
     return out
 
 
+def _fits(value: Any, dtype: np.dtype) -> bool:
+    """Whether a Python number operand means the same in ``dtype``: an integer outside an
+    integer dtype's range does not (NumPy compares it as it is; a cast would wrap it)."""
+    if dtype.kind not in "biu" or not isinstance(value, int):
+        return True
+    with np.errstate(all="ignore"):
+        return bool(np.asarray(value).astype(dtype) == value)
+
+
 def kernel_supported(expr: Expr, input_dtypes: Sequence[Any], epilogue: Any = None) -> bool:
     """Whether :class:`TorchKernel` evaluates ``expr`` exactly as NumPy would."""
     if epilogue is not None:
@@ -184,11 +193,15 @@ def kernel_supported(expr: Expr, input_dtypes: Sequence[Any], epilogue: Any = No
         dtype = _dtype_of(inferred.values[id(node)])
         if dtype is not None and dtype not in TORCH_DTYPES:
             return False
+        operands = [inferred.values[id(c)] for c in node.children()]
+        if dtype is not None and operands and not isinstance(node, AsType):
+            work = _work_dtype(dtype, operands)
+            if not all(_fits(v, work) for v in operands if _dtype_of(v) is None):
+                return False  # NumPy handles an out-of-range Python number specially
         if isinstance(node, Apply):
             if node.ufunc.__name__ not in _UFUNCS or node.kwargs:
                 return False
             assert dtype is not None
-            operands = [inferred.values[id(c)] for c in node.children()]
             if (
                 _work_dtype(dtype, operands).kind == "b"
                 and node.ufunc.__name__ not in _BOOLEAN_UFUNCS
