@@ -55,6 +55,10 @@ def test_what_torch_does_not_do_the_numpy_way_is_not_supported() -> None:
     assert not kernel_supported(clip(X, -5, 5), [np.uint8])  # -5 would wrap to 251
     assert not kernel_supported(abs(X), [np.bool_])  # torch has no boolean abs
     assert kernel_supported(clip(X, 0, 5), [np.uint8])
+    assert not kernel_supported(X // Input(1), [np.int32, np.int32])  # y may hold zeros
+    assert kernel_supported(X // 3, [np.int32]) and kernel_supported(
+        X // Input(1), [np.float32] * 2
+    )
     assert not reduction_supported(reductions.reduction("var", np.float32, (3,), axis=0))
     assert not reduction_supported(reductions.reduction("sum", np.uint32, (3,), axis=0))
     assert reduction_supported(reductions.reduction("sum", np.float32, (3,), axis=0))

@@ -144,6 +144,9 @@ _BOOLEAN_UFUNCS = frozenset(
     }
 )  # fmt: skip
 
+# Integer divisions run on the GPU only by a constant other than zero.
+_INTEGER_DIVISIONS = frozenset({"floor_divide", "remainder", "fmod"})
+
 _REDUCTIONS = frozenset({"sum", "prod", "min", "max", "any", "all", "mean", "count_nonzero"})
 
 
@@ -207,6 +210,12 @@ def kernel_supported(expr: Expr, input_dtypes: Sequence[Any], epilogue: Any = No
                 and node.ufunc.__name__ not in _BOOLEAN_UFUNCS
             ):
                 return False
+            if (
+                node.ufunc.__name__ in _INTEGER_DIVISIONS
+                and _work_dtype(dtype, operands).kind in "iu"
+                and not (np.ndim(operands[1]) == 0 and operands[1] != 0)
+            ):
+                return False  # NumPy gives 0 for a division by zero, torch raises or not
         elif (
             isinstance(node, Round)
             and dtype is not None
