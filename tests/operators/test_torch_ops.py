@@ -56,6 +56,8 @@ def test_what_torch_does_not_do_the_numpy_way_is_not_supported() -> None:
     assert not kernel_supported(abs(X), [np.bool_])  # torch has no boolean abs
     assert kernel_supported(clip(X, 0, 5), [np.uint8])
     assert not kernel_supported(X // Input(1), [np.int32, np.int32])  # y may hold zeros
+    assert not kernel_supported(X ** Input(1), [np.int32, np.int32])  # may be negative
+    assert not kernel_supported(call(np.sign, X), [np.float32])  # torch: sign(nan) is 0
     assert kernel_supported(X // 3, [np.int32]) and kernel_supported(
         X // Input(1), [np.float32] * 2
     )

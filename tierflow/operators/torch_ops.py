@@ -103,7 +103,6 @@ _UFUNCS = {
     "minimum": "minimum",
     "fmax": "fmax",
     "fmin": "fmin",
-    "sign": "sign",
     "floor": "floor",
     "ceil": "ceil",
     "trunc": "trunc",
@@ -216,6 +215,12 @@ def kernel_supported(expr: Expr, input_dtypes: Sequence[Any], epilogue: Any = No
                 and not (np.ndim(operands[1]) == 0 and operands[1] != 0)
             ):
                 return False  # NumPy gives 0 for a division by zero, torch raises or not
+            if (
+                node.ufunc.__name__ == "power"
+                and _work_dtype(dtype, operands).kind in "iu"
+                and not (np.ndim(operands[1]) == 0 and operands[1] >= 0)
+            ):
+                return False  # NumPy refuses negative integer powers
         elif (
             isinstance(node, Round)
             and dtype is not None
