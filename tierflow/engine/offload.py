@@ -28,7 +28,7 @@ default ``"cpu"``) asks for one. Each block task then picks its device
    copies share one bus. ``copy_bandwidth`` is the ``copy_bandwidth`` setting (bytes
    per second, default 12 GB/s: PCIe 4 x16 from pinned memory; ``tests/gpu/
    check_gpu_engine.py`` measures a machine's own). With 16 cores and float32 data the
-   GPU pays from about 11 operations per element on: ``sqrt(x * 2 + 1).sum()`` stays
+   GPU pays from about 10 operations per element on: ``sqrt(x * 2 + 1).sum()`` stays
    on the CPU, a 20-term polynomial goes to the GPU.
 
 With no GPU, ``"auto"`` runs on the CPU and ``"cuda"`` raises ValueError.
