@@ -49,7 +49,10 @@ __all__ = [
     "TRANSCENDENTAL",
     "Work",
     "block_device",
+    "check",
+    "elements",
     "gpu_pays",
+    "op_weight",
     "pass_device",
 ]
 
