@@ -52,6 +52,8 @@ DEFAULTS: dict[str, Any] = {
     "shared_dir": None,  # folder every cluster worker sees; None = the spill folder on one host
     "gpu_margin": None,  # bytes left free on each GPU; None = max(256 MB, 10 % of its total)
     "gpu_slots": 2,  # device tasks that run at once on each GPU (one CUDA stream each)
+    "device": "cpu",  # where fused operators and reductions run: cpu, auto, cuda, cuda:N
+    "copy_bandwidth": 12 * GB,  # bytes/s host-to-GPU copies reach (device="auto" weighs it)
 }
 
 ENVIRONMENT: dict[str, str] = {
@@ -62,6 +64,7 @@ ENVIRONMENT: dict[str, str] = {
     "shared_dir": "TIERFLOW_SHARED_DIR",
     "gpu_margin": "TIERFLOW_GPU_MARGIN",
     "gpu_slots": "TIERFLOW_GPU_SLOTS",
+    "device": "TIERFLOW_DEVICE",
 }
 
 _EXAMPLES = {
@@ -127,37 +130,71 @@ def format_bytes(n: float, digits: int = 1) -> str:
     return f"{sign}{int(n)} B"
 
 
+def _fraction(value: Any, origin: str) -> float:
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"{origin}={value!r} must be a fraction in (0, 1], such as 0.7")
+    return fraction
+
+
+def _margin(value: Any, origin: str) -> int:
+    # 0 is a margin (use every free byte), unlike a budget of 0.
+    if not isinstance(value, bool) and str(value).strip() in ("0", "0.0", "0B", "0b"):
+        return 0
+    return parse_size(value, origin)
+
+
+def _slots(value: Any, origin: str) -> int:
+    try:
+        slots = int(str(value).strip()) if not isinstance(value, bool) else 0
+    except ValueError:
+        slots = 0
+    if slots < 1 or (isinstance(value, float) and value != slots):
+        raise ConfigError(f"{origin}={value!r} must be a whole number of slots >= 1, such as 2")
+    return slots
+
+
+def _device(value: Any, origin: str) -> str:
+    text = str(value)
+    if text not in ("cpu", "auto", "cuda") and not (
+        text.startswith("cuda:") and text[5:].isdigit()
+    ):
+        raise ConfigError(f"{origin}={value!r}: use 'cpu', 'auto', 'cuda' or 'cuda:N'")
+    return text
+
+
+def _cache(value: Any, origin: str) -> Any:
+    return value if value not in ("", "0", "false", "False") else None
+
+
+def _path(value: Any, origin: str) -> str:
+    return os.fspath(value)
+
+
+# How each setting's value is checked and converted (the others are taken as given).
+_CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
+    "ram_budget": parse_size,
+    "budget_fraction": _fraction,
+    "gpu_margin": _margin,
+    "gpu_slots": _slots,
+    "spill_dir": _path,
+    "store_dir": _path,
+    "proc_root": _path,
+    "shared_dir": _path,
+    "cache": _cache,
+    "device": _device,
+    "copy_bandwidth": parse_size,
+}
+
+
 def _convert(name: str, value: Any, origin: str) -> Any:
     if value is None:
         return None
-    if name == "ram_budget":
-        return parse_size(value, origin)
-    if name == "budget_fraction":
-        try:
-            fraction = float(value)
-        except (TypeError, ValueError):
-            fraction = -1.0
-        if not 0 < fraction <= 1:
-            raise ConfigError(f"{origin}={value!r} must be a fraction in (0, 1], such as 0.7")
-        return fraction
-    if name == "gpu_margin":
-        # 0 is a margin (use every free byte), unlike a budget of 0.
-        if not isinstance(value, bool) and str(value).strip() in ("0", "0.0", "0B", "0b"):
-            return 0
-        return parse_size(value, origin)
-    if name == "gpu_slots":
-        try:
-            slots = int(str(value).strip()) if not isinstance(value, bool) else 0
-        except ValueError:
-            slots = 0
-        if slots < 1 or (isinstance(value, float) and value != slots):
-            raise ConfigError(f"{origin}={value!r} must be a whole number of slots >= 1, such as 2")
-        return slots
-    if name in ("spill_dir", "store_dir", "proc_root", "shared_dir"):
-        return os.fspath(value)
-    if name == "cache":
-        return value if value not in ("", "0", "false", "False") else None
-    return value
+    convert = _CONVERTERS.get(name)
+    return value if convert is None else convert(value, origin)
 
 
 def _environment() -> dict[str, Any]:

@@ -23,6 +23,7 @@ from . import blocksize, graph, scheduler
 from . import cache as cache_module
 from .executors import make_executor
 from .graph import Chunked
+from .offload import check
 from .plan import Target, build_plan, describe
 from .progress import progress_callbacks
 from .sinks import ArraySink, NpySink, ZarrSink, sweep_temps, temp_file
@@ -43,6 +44,7 @@ class RunOptions:
     workers: int | None = None
     callbacks: Any = None
     cache: Any = None
+    device: str | None = None
 
 
 def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], scheduler.Stats]:
@@ -53,7 +55,11 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
         if session is not None:
             session.resolve([t.node for t in targets])
         plan = build_plan(
-            targets, workers=chosen.workers, budget=budget_module.budget_bytes(), cache=session
+            targets,
+            workers=chosen.workers,
+            budget=budget_module.budget_bytes(),
+            cache=session,
+            device=options.device,
         )
         log.debug("plan of %s: %s", plan.what, describe(plan))
         plan.open()
@@ -72,13 +78,14 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
     return plan.results(results), stats
 
 
-def compute(
+def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
     *arrays: Any,
     progress: bool | None = None,
     executor: str | Executor | None = None,
     workers: int | None = None,
     callbacks: Any = None,
     cache: Any = None,
+    device: str | None = None,
 ) -> tuple[Any, ...]:
     """Compute several results in one run; inputs they share are read once per stage.
 
@@ -100,6 +107,13 @@ def compute(
     marked with ``x.cache()``. See :mod:`tierflow.engine.cache`. A cache that cannot be
     written is a :class:`~tierflow.engine.cache.CacheWarning`, never an error.
 
+    ``device``: where fused elementwise operators and row reductions run: ``"cpu"``,
+    ``"cuda"`` (the GPU with the most free memory), ``"cuda:N"``, or ``"auto"`` (a GPU
+    where copying a block costs less than computing it on the CPU); None (default)
+    follows a ``map_blocks(device="cuda")`` in the same pass, else the ``device``
+    setting. Results come back as NumPy arrays either way. See
+    :mod:`tierflow.engine.offload` and docs/engine.md.
+
     Raises what a task raised (the first error; operators' errors as NumPy raises them,
     user functions' as :class:`~tierflow.errors.BlockError` naming the block),
     :class:`~tierflow.errors.SourceError` for a source file changed since the array was
@@ -113,7 +127,9 @@ def compute(
     requests = [
         Target(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None) for a in items
     ]
-    options = RunOptions(progress, executor, workers, callbacks, cache)
+    options = RunOptions(
+        progress, executor, workers, callbacks, cache, None if device is None else check(device)
+    )
     outputs, _ = _run(requests, options)
     return tuple(outputs)
 
@@ -135,13 +151,13 @@ def _check_options(function: str, options: dict[str, Any], *also: str) -> None:
 def persist(array: Any, *, device: str | None = None, **options: Any) -> Any:
     """Compute ``array`` now and return an Array over the result (in RAM or on the SSD)
     with the same key; options as :func:`compute`. ``device`` (``"cuda"``, ``"cuda:N"``,
-    ``"auto"``) keeps the result's blocks on a GPU while they fit its budget
-    (:mod:`tierflow.engine.device_persist`)."""
+    ``"auto"``) also computes there, as :func:`compute` does, and keeps the result's
+    blocks on that GPU while they fit its budget (:mod:`tierflow.engine.device_persist`)."""
     from .array import Array
 
-    _check_options("persist", options, "device")
+    _check_options("persist", options)
     node = array._node
-    (result,) = compute(array, **options)
+    (result,) = compute(array, device=device, **options)
     if isinstance(node, Chunked):
         reader: Any = ArrayReader(result)
         if node.bounds is not None:
@@ -171,6 +187,8 @@ def to_npy(
         (value,) = compute(array, **options)
         _save_atomic(np.asarray(value), os.fspath(path), fsync)
         return
+    if options.get("device") is not None:
+        options["device"] = check(options["device"])
     _run([Target(node, NpySink(node, path, fsync=fsync))], RunOptions(**options))
 
 
@@ -192,6 +210,8 @@ def to_zarr(  # noqa: PLR0913 -- public: the array's layout and the store's opti
             "to_zarr writes chunked arrays (row blocks); this is a reduction's result: "
             "compute() it and save it with np.save or zarr"
         )
+    if options.get("device") is not None:
+        options["device"] = check(options["device"])
     sink = ZarrSink(
         node,
         path_or_url,

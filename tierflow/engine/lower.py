@@ -21,6 +21,15 @@
 * Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step.
 * A node the compute caches (:mod:`tierflow.engine.cache`) is never fused into its
   consumers: its step is wrapped in a :class:`~tierflow.engine.program.CachedStep`.
+* A pass that asks for a device (:func:`tierflow.engine.offload.pass_device`) gets the
+  device form of every operator that has one (:func:`attach_device`): fused kernels
+  without an epilogue whose operations torch does the NumPy way, ``map_blocks`` on a
+  GPU, and the built-in sums, products, min/max, any/all, means and count_nonzero. In
+  a block task on a GPU these run there, one after the other, on the block copied
+  there once; the rest of the program runs on the host as before::
+
+      x -> (x - m) * s -> map_blocks(model, device="cuda") -> sum(0)
+           [copy x] TorchKernel  ->  model            ->  TorchReduction [partial back]
 
 Lowering builds; it runs nothing and opens nothing.
 """
@@ -32,9 +41,10 @@ from typing import Any
 import numpy as np
 
 from ..operators import elementwise as ew
-from ..operators import fused, reductions
-from . import graph
+from ..operators import fused, reductions, torch_ops
+from . import graph, offload
 from .graph import Chunked, Node
+from .ops import MapBlocks
 from .program import (
     Accumulator,
     CachedStep,
@@ -50,7 +60,7 @@ from .program import (
     TakeStep,
 )
 
-__all__ = ["Lowering", "lower_pass"]
+__all__ = ["Lowering", "attach_device", "lower_pass"]
 
 
 def lower_pass(
@@ -58,9 +68,12 @@ def lower_pass(
     reduces: list[graph.Reduce],
     values: dict[str, Any],
     cache: Any = None,
+    device: str | None = None,
 ) -> tuple[Program, dict[str, Accumulator]]:
     """The program of a pass computing ``sinks`` (``(node, sink)``) and ``reduces``,
-    with value nodes bound to ``values``, and each reduction's accumulator by key."""
+    with value nodes bound to ``values``, and each reduction's accumulator by key.
+    ``device`` is the compute's ``device=`` (None: not given; see
+    :func:`tierflow.engine.offload.pass_device`)."""
     lowering = Lowering(values, {n.ident for n, _ in sinks}, cache)
     accs: dict[str, Accumulator] = {}
 
@@ -72,7 +85,84 @@ def lower_pass(
     roots = [SinkRoot(n, lowering.step(n), sink) for n, sink in sinks]
     program = Program(roots, [lowering.reduce_root(r, acc_for) for r in reduces])
     program.session = cache
+    program.device = offload.pass_device(device, _gpu_map(program))
+    if program.device is not None:
+        program.work = attach_device(program)
     return program, accs
+
+
+def _gpu_map(program: Program) -> str | None:
+    """The GPU of a ``map_blocks(device="cuda:N")`` in the program, if any."""
+    for step in program.steps():
+        op = getattr(step, "op", None)
+        if isinstance(op, MapBlocks) and op.device and op.device.startswith("cuda"):
+            return op.device
+    return None
+
+
+def attach_device(program: Program) -> offload.Work:
+    """Give the program's operators their device forms (see the module docstring);
+    what a row of the program costs (for ``device="auto"``)."""
+    work = offload.Work(0.0, 0, 0)
+    uploads: set[int] = set()
+    for step in program.steps():
+        if not isinstance(step, KernelStep):
+            continue
+        op = step.op
+        if isinstance(op, MapBlocks) and op.device is not None:
+            step.device_op = op
+            work = work + offload.Work(float("inf"), 0, 1)  # asked for a GPU by name
+        elif isinstance(op, fused.FusedKernel) and torch_ops.kernel_supported(
+            op.expr, op.input_dtypes, op.epilogue
+        ):
+            step.device_op = torch_ops.TorchKernel(op.expr, op.input_dtypes, op.input_row_shapes)
+            work = work + _kernel_work(op.expr, op.input_dtypes, op.input_row_shapes)
+        else:
+            continue
+        uploads.update(id(s) for s in step.inputs if not isinstance(s, KernelStep))
+    for root in program.reductions:
+        chunker, op = root.chunker, root.op
+        if not torch_ops.reduction_supported(op):
+            continue
+        if isinstance(chunker, fused.FusedReduction):
+            kernel_op = chunker.kernel
+            if not torch_ops.kernel_supported(kernel_op.expr, kernel_op.input_dtypes):
+                continue
+            root.device_kernel = torch_ops.TorchKernel(
+                kernel_op.expr, kernel_op.input_dtypes, kernel_op.input_row_shapes
+            )
+            work = work + _kernel_work(
+                kernel_op.expr, kernel_op.input_dtypes, kernel_op.input_row_shapes
+            )
+        elif chunker is not op:
+            continue
+        root.device_reduce = torch_ops.TorchReduction(op)
+        elements = offload.elements(op.in_row_shape)
+        work = work + offload.Work(float(elements), 0, 2)
+        uploads.update(id(s) for s in root.inputs if not isinstance(s, KernelStep))
+    for step in program.steps():
+        if id(step) in uploads and isinstance(step.node, Chunked):
+            node = step.node
+            row = offload.elements(node.row_shape) * np.dtype(node.dtype).itemsize
+            work = work + offload.Work(0.0, row, 1)
+    return work
+
+
+def _kernel_work(
+    expr: ew.Expr, dtypes: list[np.dtype], row_shapes: list[tuple[int, ...]]
+) -> offload.Work:
+    """CPU operations per row of an elementwise expression, and its GPU kernels."""
+    inferred = ew.infer(expr, dtypes, row_shapes)
+    elements = offload.elements(inferred.row_shape)
+    ops = 0.0
+    launches = 0
+    for node in ew.walk(expr):
+        if isinstance(node, (ew.Input, ew.Const)):
+            continue
+        name = node.ufunc.__name__ if isinstance(node, ew.Apply) else ""
+        ops += offload.op_weight(name)
+        launches += 1
+    return offload.Work(ops * elements, 0, launches)
 
 
 class Lowering:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..operators.types import Partial, block_bytes
-from ..system.devices import torch_device
+from . import transfer
 from .gpu_tier import current_device
 
 __all__ = [
@@ -41,10 +41,18 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def to_host(value: Any) -> Any:
-    """A torch tensor as a NumPy array (copied off the GPU if it is there); else ``value``."""
+def to_host(value: Any, device: str | None = None) -> Any:
+    """A torch tensor as a NumPy array (copied off the GPU if it is there); else ``value``.
+    ``device`` (``"cuda:N"``) is where the tensor is, for the copy counts
+    (:func:`tierflow.engine.transfer.stats`) of a simulated GPU."""
     if _is_tensor(value):
-        return value.detach().cpu().numpy()
+        where = device if device and device.startswith("cuda") else None
+        if value.is_cuda:
+            where = f"cuda:{value.device.index}"
+        array = value.detach().cpu().numpy()
+        if where is not None:
+            transfer.count(where, d2h=1, d2h_bytes=array.nbytes)
+        return array
     return value
 
 
@@ -59,18 +67,26 @@ def has_torch() -> bool:
 
 
 def to_device(block: Any, device: str) -> Any:
-    """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed)."""
+    """A NumPy block as a torch tensor on ``device`` (a tensor is moved if needed); a
+    simulated GPU's tensors are the CPU's (:func:`tierflow.engine.transfer.torch_device`).
+    A copy to a GPU is counted (:func:`tierflow.engine.transfer.stats`)."""
     import torch
 
-    device = torch_device(device)  # simulated GPUs hold CPU tensors
+    target: Any = device
+    if device.startswith("cuda"):
+        target = transfer.torch_device(device)
     if _is_tensor(block):
-        return block.to(device)
-    array = np.asarray(block)
-    if not array.flags.writeable or not array.flags.c_contiguous:
-        # torch shares the buffer and warns about read-only memory (a file's pages);
-        # one copy avoids both, and the copy to the GPU costs it anyway.
-        array = np.array(array, order="C")
-    return torch.from_numpy(array).to(device, non_blocking=False)
+        moved = block.to(target)
+    else:
+        array = np.asarray(block)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            # torch shares the buffer and warns about read-only memory (a file's pages);
+            # one copy avoids both, and the copy to the GPU costs it anyway.
+            array = np.array(array, order="C")
+        moved = torch.from_numpy(array).to(target, non_blocking=False)
+    if device.startswith("cuda") and moved is not block:
+        transfer.count(device, h2d=1, h2d_bytes=moved.nbytes)
+    return moved
 
 
 def numpy_dtype(value: Any) -> np.dtype:
@@ -125,7 +141,6 @@ class MapBlocks:
 
     def apply(self, *blocks: Any, out: np.ndarray | None = None) -> np.ndarray:
         """The function's result for these blocks, checked, as a NumPy block."""
-        rows = blocks[0].shape[0]
         device = self.device
         if device in ("cuda", "auto"):
             # The GPU the scheduler seated this task on, when it did (engine.gpu_tier).
@@ -140,28 +155,11 @@ class MapBlocks:
             # against 0.3 us), which a function looping over rows pays on every row.
             args = [b.view(np.ndarray) if isinstance(b, np.memmap) else b for b in blocks]
         result = self.fn(*args, **self.kwargs)
-        result = to_host(result)
+        result = to_host(result, device)
         if not isinstance(result, np.ndarray):
             result = np.asarray(result)
-        want = _shape_text(rows, self.out_row_shape)
-        if (
-            result.ndim == 0
-            or result.shape[0] != rows
-            or tuple(result.shape[1:]) != self.out_row_shape
-        ):
-            got = "a scalar" if result.ndim == 0 else f"shape {result.shape}"
-            raise ValueError(
-                f"{self.name} returned {got} for a block of shape "
-                f"{tuple(blocks[0].shape)}; it must return shape {want}: one row per input "
-                "row, with the row shape declared (row_shape=) or found on the probe block"
-            )
+        self._check(tuple(blocks[0].shape), tuple(result.shape), result.dtype)
         if result.dtype != self.out_dtype:
-            if not np.can_cast(result.dtype, self.out_dtype, casting="same_kind"):
-                raise ValueError(
-                    f"{self.name} returned {result.dtype}, which does not cast to the "
-                    f"declared {self.out_dtype} (casting='same_kind'); return "
-                    f"{self.out_dtype} or pass dtype={result.dtype}"
-                )
             if out is not None:
                 np.copyto(out, result, casting="same_kind")
                 return out
@@ -170,6 +168,37 @@ class MapBlocks:
             np.copyto(out, result)
             return out
         return result
+
+    def apply_tensors(self, *tensors: Any) -> Any:
+        """The function's result for blocks that are torch tensors on one device, as a
+        tensor of ``out_dtype`` there, checked as :meth:`apply` checks: nothing comes
+        back to the host (a chain of GPU operators keeps its blocks on the GPU)."""
+        import torch
+
+        result = self.fn(*tensors, **self.kwargs)
+        if not _is_tensor(result):
+            result = torch.as_tensor(np.asarray(result), device=tensors[0].device)
+        self._check(tuple(tensors[0].shape), tuple(result.shape), numpy_dtype(result))
+        target = torch.from_numpy(np.empty(0, self.out_dtype)).dtype
+        return result if result.dtype == target else result.to(target)
+
+    def _check(self, block_shape: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """ValueError unless a result of ``shape`` and ``dtype`` fits a block of
+        ``block_shape`` (see the class docstring)."""
+        rows = block_shape[0]
+        if len(shape) == 0 or shape[0] != rows or shape[1:] != self.out_row_shape:
+            got = "a scalar" if len(shape) == 0 else f"shape {shape}"
+            raise ValueError(
+                f"{self.name} returned {got} for a block of shape {block_shape}; it must "
+                f"return shape {_shape_text(rows, self.out_row_shape)}: one row per input "
+                "row, with the row shape declared (row_shape=) or found on the probe block"
+            )
+        if dtype != self.out_dtype and not np.can_cast(dtype, self.out_dtype, "same_kind"):
+            raise ValueError(
+                f"{self.name} returned {dtype}, which does not cast to the "
+                f"declared {self.out_dtype} (casting='same_kind'); return "
+                f"{self.out_dtype} or pass dtype={dtype}"
+            )
 
     def _resolve(self, blocks: Sequence[Any]) -> str | None:
         """``device="auto"``: the GPU with the most free memory if it has room for the

@@ -248,12 +248,19 @@ class Planner:
     builds programs, but allocates and opens nothing."""
 
     def __init__(
-        self, targets: list[Target], *, workers: int, budget: int, cache: Any = None
+        self,
+        targets: list[Target],
+        *,
+        workers: int,
+        budget: int,
+        cache: Any = None,
+        device: str | None = None,
     ) -> None:
         self.targets = targets
         self.workers = max(1, workers)
         self.budget = budget
         self.cache = cache
+        self.device = device  # the compute's device= (None: not given)
         self.resolved: dict[str, Any] = cache.resolved if cache is not None else {}
         self.plan = Plan()
         self.nodes_by_key: dict[str, Node] = {}
@@ -381,17 +388,25 @@ class Planner:
         )
 
 
-def build_plan(targets: list[Target], *, workers: int, budget: int, cache: Any = None) -> Plan:
+def build_plan(
+    targets: list[Target],
+    *,
+    workers: int,
+    budget: int,
+    cache: Any = None,
+    device: str | None = None,
+) -> Plan:
     """The plan of a compute of ``targets`` (see the module docstring and
     :class:`Planner`).
 
-    ``cache`` is the compute's cache session, or None. Opens nothing: the caller opens
+    ``cache`` is the compute's cache session, or None; ``device`` the compute's
+    ``device=`` (see :func:`tierflow.engine.offload.pass_device`). Opens nothing: the caller opens
     the sinks with :meth:`Plan.open` when the compute starts. Raises
     :class:`~tierflow.errors.SourceError` for a changed source file and
     :class:`~tierflow.errors.OutOfMemoryError` for a task that cannot fit the budget
     even on one row.
     """
-    return Planner(targets, workers=workers, budget=budget, cache=cache).build()
+    return Planner(targets, workers=workers, budget=budget, cache=cache, device=device).build()
 
 
 def _dep_values(
@@ -440,7 +455,9 @@ class _PassTasks:
         values: dict[str, Any] = dict(const)
         values.update({v.ident: graph.placeholder(v) for v in self.bound})
         with graph._quiet():
-            self.program, self.accs = lower_pass(p.sinks, p.reduces, values, planner.cache)
+            self.program, self.accs = lower_pass(
+                p.sinks, p.reduces, values, planner.cache, planner.device
+            )
         _check_fits(p, self.program, planner.budget)
         task_limit = max(1, planner.budget // (TASKS_PER_WORKER * planner.workers))
         self.requests = _requests(p, self.program, task_limit)
@@ -464,13 +481,13 @@ class _PassTasks:
 
     def _add_prepare(self) -> None:
         keys = [v.ident for v in self.bound]
-        p, const, cache = self.p, self.const, self.planner.cache
+        p, const, cache, device = self.p, self.const, self.planner.cache, self.planner.device
         label, count = self.program.name, self.program.count
 
         def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
             real = dict(const)
             real.update(zip(keys, results, strict=False))
-            program, accs = lower_pass(p.sinks, p.reduces, real, cache)
+            program, accs = lower_pass(p.sinks, p.reduces, real, cache, device)
             program.name, program.count = label, count
             return program, accs
 

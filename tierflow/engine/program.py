@@ -42,13 +42,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, OutOfMemoryError
-from ..operators import selection
+from ..operators import selection, torch_ops
 from ..operators.types import block_bytes
 from ..storage import pages
 from ..system import pressure
 from ..system.types import Level
 from . import cache as cache_module
-from . import graph, halving
+from . import graph, halving, offload, transfer
 from .cache import MISS
 from .graph import Chunked, Node
 from .types import BlockIndex, Request, RowRange, TaskMemory
@@ -85,16 +85,27 @@ SKIPPED: Any = _Skipped()
 
 
 class Context:
-    """One task's state: the memo of evaluated steps and the source rows it read."""
+    """One task's state: the memo of evaluated steps, the source rows it read, and the
+    device lane its device steps run on (None: everything on the CPU)."""
 
-    __slots__ = ("index", "memo", "program", "reads", "req")
+    __slots__ = ("index", "lane", "memo", "program", "reads", "req", "started")
 
-    def __init__(self, index: int, req: Request, program: Program) -> None:
+    def __init__(
+        self, index: int, req: Request, program: Program, lane: transfer.Lane | None = None
+    ) -> None:
         self.index = index
         self.req = req
         self.program = program
-        self.memo: dict[tuple[int, Request], Any] = {}
+        self.lane = lane
+        self.started = False
+        self.memo: dict[tuple[Any, ...], Any] = {}
         self.reads: list[tuple[Any, int, int]] = []
+
+    def start(self) -> None:
+        """The block's compute on the device starts (its inputs are there)."""
+        if not self.started and self.lane is not None:
+            self.started = True
+            self.lane.started(self.index)
 
     def describe(self) -> str:
         """Which block this task computes, in words (made only for an error message)."""
@@ -143,12 +154,37 @@ class Step(abc.ABC):
         ctx.memo[(id(self), req)] = out
         return result
 
+    def host(self, ctx: Context, req: Request) -> np.ndarray:
+        """The rows ``req`` asks for as a NumPy block (brought back once from the device
+        when this step ran there)."""
+        value = self.eval(ctx, req)
+        if ctx.lane is None or isinstance(value, np.ndarray):
+            return value
+        key = (id(self), req, "host")
+        found = ctx.memo.get(key)
+        if found is None:
+            found = ctx.memo[key] = ctx.lane.to_host(value)
+        return found
+
+    def on_device(self, ctx: Context, req: Request) -> Any:
+        """The rows ``req`` asks for as a tensor on the task's device (copied there once
+        when this step ran on the host). Only in a task with a lane."""
+        key = (id(self), req, "device")
+        found = ctx.memo.get(key)
+        if found is None:
+            value = self.eval(ctx, req)
+            lane = ctx.lane
+            assert lane is not None
+            found = lane.upload(ctx.index, value) if isinstance(value, np.ndarray) else value
+            ctx.memo[key] = found
+        return found
+
     @abc.abstractmethod
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         """The rows ``req`` asks for (what :meth:`eval` memoises)."""
 
     def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
-        np.copyto(out, self.eval(ctx, req), casting="unsafe")
+        np.copyto(out, self.host(ctx, req), casting="unsafe")
         return out
 
     def children(self) -> list[Step]:
@@ -183,6 +219,27 @@ class SourceStep(Step):
             return block
         return self.reader.read_block(req.index)
 
+    def on_device(self, ctx: Context, req: Request) -> Any:
+        """The rows on the device, from the copy staged by the previous block's task when
+        there is one; stages the next block's rows before waiting (double buffering,
+        see :mod:`tierflow.engine.transfer`)."""
+        reader, n = self.reader, self.reader.n_rows
+        if not isinstance(req, RowRange) or n is None or reader.makes_blocks:
+            return super().on_device(ctx, req)
+        key = (id(self), req, "device")
+        found = ctx.memo.get(key)
+        if found is None:
+            lane = ctx.lane
+            assert lane is not None
+            a, b = req.start, req.stop
+            copy = lane.take(ctx.index, reader, a, b)
+            if b < n:
+                lane.stage(ctx.index + 1, reader, b, min(n, 2 * b - a))
+            found = ctx.memo[key] = lane.ready(copy)
+            if reader.file_backed:
+                ctx.reads.append((reader, a, b))
+        return found
+
     def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
         if isinstance(req, RowRange) and (self.reader.file_backed or self.reader.reads_ahead):
             yield self.reader, req.start, req.stop
@@ -197,7 +254,15 @@ class SourceStep(Step):
 
 
 class KernelStep(Step):
-    """A block operator (a fused kernel, a user function, ...) on input steps."""
+    """A block operator (a fused kernel, a user function, ...) on input steps.
+
+    ``device_op``, when set (lowering sets it in a pass that asks for a device), computes
+    the same rows from tensors on the task's device with ``apply_tensors(*tensors)``,
+    its scratch there projected by ``temp_bytes(rows)`` (a
+    :class:`~tierflow.operators.torch_ops.TorchKernel`, a GPU ``map_blocks``); in a task
+    with a lane the step runs there and its value is a tensor."""
+
+    device_op: Any = None
 
     def __init__(
         self,
@@ -219,7 +284,7 @@ class KernelStep(Step):
         return self._label
 
     def _run(self, ctx: Context, req: Request, out: np.ndarray | None) -> np.ndarray:
-        blocks = [s.eval(ctx, req) for s in self.inputs]
+        blocks = [s.host(ctx, req) for s in self.inputs]
         try:
             return halving.call(self.site, ctx.describe, self.op.apply, blocks, out)
         except (BlockError, OutOfMemoryError):
@@ -229,10 +294,42 @@ class KernelStep(Step):
                 raise _user_error(self._label, ctx, req, exc) from exc
             raise
 
+    def _run_on_device(self, ctx: Context, req: Request) -> Any:
+        """The rows on the device. With out-of-memory halving as on the host: the
+        result goes into a tensor allocated first, which halves write their rows into."""
+        import torch
+
+        blocks = [s.on_device(ctx, req) for s in self.inputs]
+        ctx.start()
+        op, device_fn = self.op, self.device_op.apply_tensors
+        dtype = torch_ops.torch_dtype(op.out_dtype)
+        # halving's types say NumPy; it only slices and hands back what it is given
+        out: Any = torch.empty(
+            (blocks[0].shape[0], *op.out_row_shape), dtype=dtype, device=blocks[0].device
+        )
+
+        def fn(*parts: Any, out: Any) -> Any:
+            out.copy_(device_fn(*parts))
+            return out
+
+        try:
+            return halving.call(self.site, ctx.describe, fn, blocks, out)
+        except (BlockError, OutOfMemoryError):
+            raise
+        except Exception as exc:
+            if self.user:
+                raise _user_error(self._label, ctx, req, exc) from exc
+            raise
+
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        if ctx.lane is not None and self.device_op is not None:
+            return self._run_on_device(ctx, req)
         return self._run(ctx, req, None)
 
     def _eval_into(self, ctx: Context, req: Request, out: np.ndarray) -> np.ndarray:
+        lane = ctx.lane
+        if lane is not None and self.device_op is not None:
+            return lane.to_host_into(self.eval(ctx, req), out)
         return self._run(ctx, req, out)
 
     def children(self) -> list[Step]:
@@ -261,7 +358,7 @@ class SliceStep(Step):
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         inner, take = self._map(req)
-        return self.source.eval(ctx, inner)[take]
+        return self.source.host(ctx, inner)[take]
 
     def children(self) -> list[Step]:
         return [self.source]
@@ -293,7 +390,7 @@ class TakeStep(Step):
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         spans = self._spans(req)
-        parts = [self.source.eval(ctx, RowRange(a, b))[take] for a, b, take in spans]
+        parts = [self.source.host(ctx, RowRange(a, b))[take] for a, b, take in spans]
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts)
@@ -332,9 +429,9 @@ class FilterStep(Step):
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         inner = self._inner(req)
-        block = self.source.eval(ctx, inner)
+        block = self.source.host(ctx, inner)
         if self.mask is not None:
-            return selection.mask_rows(block, self.mask.eval(ctx, inner))
+            return selection.mask_rows(block, self.mask.host(ctx, inner))
         fn = self.node.fn
         try:
             assert fn is not None
@@ -371,7 +468,7 @@ class ConcatStep(Step):
         return [(self.inputs[k], _block_request(child, j))]
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
-        parts = [step.eval(ctx, inner) for step, inner in self._parts(req)]
+        parts = [step.host(ctx, inner) for step, inner in self._parts(req)]
         dtype = self.node.dtype
         if len(parts) == 1:
             return parts[0] if parts[0].dtype == dtype else parts[0].astype(dtype)
@@ -420,7 +517,7 @@ class CachedStep(Step):
         if found is not None:
             ctx.reads.append((_MappedBlock(found), 0, 0))
             return found
-        block = self.inner.eval(ctx, req)
+        block = self.inner.host(ctx, req)
         self.entry.put_block(req, block)
         return block
 
@@ -537,7 +634,12 @@ class ReduceRoot:
     computes a block's partial from ``inputs`` (``op`` itself when None, or a
     :class:`~tierflow.operators.fused.FusedReduction` over an elementwise tree); ``user``
     marks a user's reduction (its errors name the block); ``cache`` is the node's cache
-    :class:`~tierflow.engine.cache.Entry` (partials per block) or None."""
+    :class:`~tierflow.engine.cache.Entry` (partials per block) or None.
+
+    ``device_reduce`` (a :class:`~tierflow.operators.torch_ops.TorchReduction`), when
+    set, computes the partial on the task's device, after ``device_kernel`` (a
+    :class:`~tierflow.operators.torch_ops.TorchKernel`, the fused elementwise tree) when
+    there is one: in a task with a lane only the partial comes back to the host."""
 
     node: graph.Reduce
     op: Any
@@ -546,6 +648,8 @@ class ReduceRoot:
     user: bool = False
     chunker: Any = None
     cache: Any = None
+    device_kernel: Any = None
+    device_reduce: Any = None
     label: str = field(init=False)
     site: halving.Site = field(init=False)
 
@@ -572,7 +676,12 @@ class ReduceRoot:
             cached = cache.get_partial(req)
             if cached is not MISS:
                 return cached
-        blocks = [s.eval(ctx, req) for s in self.inputs]
+        if ctx.lane is not None and self.device_reduce is not None:
+            partial = self._run_on_device(ctx, req)
+            if cache is not None:
+                cache.put_partial(req, partial)
+            return partial
+        blocks = [s.host(ctx, req) for s in self.inputs]
         offset = req.start if isinstance(req, RowRange) else 0
         try:
             partial = halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
@@ -586,6 +695,19 @@ class ReduceRoot:
             cache.put_partial(req, partial)
         return partial
 
+    def _run_on_device(self, ctx: Context, req: Request) -> Any:
+        """This block's partial computed on the task's device, on the host (halved on
+        out-of-memory as on the host)."""
+        lane = ctx.lane
+        assert lane is not None
+        blocks = [s.on_device(ctx, req) for s in self.inputs]
+        ctx.start()
+        if blocks[0].shape[0] == 0:
+            return None
+        chunker = _DeviceChunker(self.op, self.device_kernel, self.device_reduce, lane)
+        offset = req.start if isinstance(req, RowRange) else 0
+        return halving.call_chunk(self.site, ctx.describe, chunker, blocks, offset)
+
     def cached(self, req: Request) -> bool:
         """Whether this block's partial is in the cache (then it reads no input)."""
         return self.cache is not None and bool(self.cache.has_partial(req))
@@ -595,6 +717,24 @@ class ReduceRoot:
 
     def steps(self) -> list[Step]:
         return self.inputs
+
+
+@dataclass(frozen=True)
+class _DeviceChunker:
+    """A reduction's ``chunk`` on device tensors (the fused kernel, then the torch
+    partial, brought to the host) and its ``combine``, for halving."""
+
+    op: Any
+    kernel: Any
+    reduce: Any
+    lane: transfer.Lane
+
+    def chunk(self, *blocks: Any, row_offset: int = 0) -> Any:
+        value = self.kernel.apply_tensors(*blocks) if self.kernel is not None else blocks[0]
+        return self.lane.to_host(self.reduce.chunk(value))
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return self.op.combine(a, b)
 
 
 SHARED_MIN = 64 << 10  # a held block at least this big goes by a shared file
@@ -663,7 +803,7 @@ class SinkRoot:
         return self._held(ctx, req)
 
     def _held(self, ctx: Context, req: Request) -> np.ndarray:
-        block = self.step.eval(ctx, req)
+        block = self.step.host(ctx, req)
         return (
             np.array(block, order="C")
             if not block.flags.c_contiguous or not block.flags.owndata
@@ -710,6 +850,8 @@ class Program:
         self.name = name  # what the pass computes, for error messages
         self.count = count  # blocks in the pass
         self.session: Any = None  # the compute's cache session (lower_pass sets it)
+        self.device: str | None = None  # the device the pass asks for (lower_pass sets it)
+        self.work = offload.Work(0.0, 0, 0)  # what a row costs, for device="auto"
         self._memory: dict[int, TaskMemory] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -723,20 +865,31 @@ class Program:
         """Compute block ``index`` (request ``req``) for every root, in this process;
         the held blocks of unknown-size sinks come back as a tuple (None when there
         are none)."""
-        ctx = Context(index, req, self)
+        lane = self._lane(req)
+        ctx = Context(index, req, self, lane)
         held: list[Any] | None = None
         try:
-            if self.sinks:
-                held = [s.run(ctx, req) for s in self.sinks]
-            for r in self.reductions:
-                partial = r.run(ctx, req)
-                if partial is not SKIPPED:
-                    r.acc.add(index, partial)
+            with lane.computing() if lane is not None else contextlib.nullcontext():
+                if self.sinks:
+                    held = [s.run(ctx, req) for s in self.sinks]
+                for r in self.reductions:
+                    partial = r.run(ctx, req)
+                    if partial is not SKIPPED:
+                        r.acc.add(index, partial)
         finally:
             self._release(ctx)
         if held is None or all(h is None for h in held):
             return None
         return tuple(held)
+
+    def _lane(self, req: Request) -> transfer.Lane | None:
+        """The lane of the device this block runs on, or None for the CPU (see
+        :func:`tierflow.engine.offload.block_device`)."""
+        if self.device is None:
+            return None
+        rows = req.stop - req.start if isinstance(req, RowRange) else 1 << 20
+        device = offload.block_device(self.device, self.work, rows)
+        return None if device is None else transfer.lane(device)
 
     @staticmethod
     def _release(ctx: Context) -> None:
@@ -864,6 +1017,41 @@ class Program:
             for step in r.inputs:
                 walk(step, 1)
         return "\n".join(lines)
+
+    def device_bytes(self, rows: int) -> int:
+        """Projected bytes one task on a block of ``rows`` rows holds on its GPU (0 for a
+        program without device steps), a pure function of the program:
+
+        * every block copied in (a host step that a device step reads), twice for a
+          source's rows (the next block's staged copy waits beside it);
+        * every device kernel's output block, once more for its halving output, and its
+          intermediates (a fused kernel's block-sized tensors; a ``map_blocks`` counts
+          one output block, as on the host);
+        * a device reduction's kernel intermediates and its partial."""
+        device_steps = [
+            s for s in self.steps() if isinstance(s, KernelStep) and s.device_op is not None
+        ]
+        roots = [r for r in self.reductions if r.device_reduce is not None]
+        if not device_steps and not roots:
+            return 0
+        total = 0
+        copied: dict[int, Step] = {}
+        for step in device_steps:
+            op = step.op
+            out = block_bytes(rows, op.out_row_shape, op.out_dtype)
+            total += 2 * out + int(step.device_op.temp_bytes(rows))
+            copied.update((id(s), s) for s in step.children() if s not in device_steps)
+        for root in roots:
+            if root.device_kernel is not None:
+                total += root.device_kernel.temp_bytes(rows)
+            total += root.device_reduce.partial_bytes()
+            copied.update((id(s), s) for s in root.inputs if s not in device_steps)
+        for host in copied.values():
+            node = host.node
+            assert isinstance(node, Chunked)
+            nbytes = block_bytes(rows, node.row_shape, node.dtype)  # type: ignore[arg-type]
+            total += 2 * nbytes if isinstance(host, SourceStep) else nbytes
+        return total
 
     def memory(self, rows: int) -> TaskMemory:
         """Projected bytes of one task on a block of ``rows`` rows (a pure function of
