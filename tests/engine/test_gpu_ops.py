@@ -34,8 +34,11 @@ def a() -> np.ndarray:
 
 @pytest.fixture
 def gpus() -> Iterator[None]:
-    """Two simulated GPUs, cuda:1 with the more free memory; copy counts from zero."""
-    with use_provider(FakeGpus([(4 * GB, 16 * GB), (8 * GB, 16 * GB)])):
+    """Two simulated GPUs, cuda:1 with the more free memory; copy counts from zero.
+    Slots enough that every task of a compute fits on cuda:1 (the GPU with the most
+    room takes each task, while it has a free slot: tests of the spreading are in
+    test_gpu_tier.py)."""
+    with use_provider(FakeGpus([(4 * GB, 16 * GB), (8 * GB, 16 * GB)])), config.set(gpu_slots=64):
         transfer.reset_stats()
         transfer.record_order(True)
         yield

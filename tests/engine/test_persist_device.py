@@ -70,9 +70,9 @@ def test_auto_without_a_gpu_persists_on_the_host_and_cuda_says_what_to_do() -> N
         y = tw.from_array(data, rows=10).persist(device="auto")
         assert not isinstance(y._node.reader, DeviceReader)
         np.testing.assert_array_equal(y.compute(), data)
-        with pytest.raises(ValueError, match="there is no GPU here; use device='auto'"):
+        with pytest.raises(ValueError, match=r"no GPU here .*; use device='auto'"):
             tw.from_array(data, rows=10).persist(device="cuda")
-    with pytest.raises(ValueError, match=r"use 'cuda', 'cuda:N' or 'auto' \(GPUs here"):
+    with pytest.raises(ValueError, match=r"'cuda:7': no such GPU \(GPUs here: cuda:0, cuda:1\)"):
         tw.from_array(data, rows=10).persist(device="cuda:7")
 
 

@@ -133,13 +133,32 @@ def check(device: object) -> str:
     raise ValueError(f"device={device!r}: use 'cpu', 'auto', 'cuda' or 'cuda:N'")
 
 
+def require(asked: str) -> None:
+    """ValueError when ``asked`` (``"cuda"``, ``"cuda:N"``) names a GPU that is not
+    there, with the same words as :func:`block_device` (checked before a run starts)."""
+    found = devices.gpus()
+    if asked == "cuda" and not found:
+        raise ValueError(
+            "device='cuda': no GPU here (torch and cupy see none); use device='auto' "
+            "to run on the CPU when there is no GPU"
+        )
+    if asked.startswith("cuda:") and not any(d.id == asked for d in found):
+        have = ", ".join(d.id for d in found) or "none"
+        raise ValueError(
+            f"device={asked!r}: no such GPU (GPUs here: {have}); use device='auto' to "
+            "run on the CPU when there is no GPU"
+        )
+
+
 def block_device(asked: str, work: Work, rows: int) -> str | None:
     """The GPU (``"cuda:N"``) a block task of a pass that asks for ``asked`` runs on, or
     None for the CPU (see the module docstring). Raises ValueError when ``asked`` names
     a GPU that is not there."""
     admitted = gpu_tier.current_device()
     if admitted is not None:
-        return admitted
+        # Seated on a GPU by the scheduler; "auto" still keeps a block whose copy would
+        # cost more than its work on the CPU.
+        return None if asked == "auto" and not gpu_pays(work, rows) else admitted
     if asked.startswith("cuda:"):
         index = int(asked[5:])
         found = devices.gpus()

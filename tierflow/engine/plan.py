@@ -57,7 +57,7 @@ from ..errors import OutOfMemoryError
 from ..operators.types import block_bytes
 from ..storage import oom
 from ..system import device_budget, devices
-from . import graph
+from . import graph, offload
 from .graph import Chunked, Node
 from .lower import lower_pass
 from .ops import MapBlocks
@@ -502,10 +502,17 @@ class _PassTasks:
         prefetch = functools.partial(program.prefetch, req) if self._files else None
         prepared = self.prepare is not None
         device, device_need = self._device, 0
+        if (
+            device is not None
+            and self._pass_device == "auto"
+            and not self._device_steps
+            and not offload.gpu_pays(program.work, rows)
+        ):
+            device = None  # "auto": this block's copy would cost more than its work
         if device is not None:
             device_need = self._device_needs.get(rows, -1)
             if device_need < 0:
-                device_need = self._device_needs[rows] = device_bytes(self._device_steps, rows)
+                device_need = self._device_needs[rows] = self._device_bytes(rows)
             if device_need > self._auto_limit:
                 device, device_need = None, 0  # "auto" that fits no GPU: the CPU
         return Task(
@@ -527,15 +534,38 @@ class _PassTasks:
         return device_steps(self.program)
 
     @functools.cached_property
+    def _pass_device(self) -> str | None:
+        """The device the pass's fused operators run on (``compute(device=)``, the
+        setting, or a GPU ``map_blocks`` they follow: :mod:`tierflow.engine.offload`),
+        None on the CPU."""
+        device = self.program.device
+        return None if device in (None, "cpu") else str(device)
+
+    @functools.cached_property
     def _device(self) -> str | None:
-        return task_device(self._device_steps)
+        found = task_device(self._device_steps)
+        device = self._pass_device
+        if device is None:
+            return found
+        offload.require(device)
+        if device.startswith("cuda:"):
+            return device
+        if found is None:  # "cuda" or "auto": any GPU, when there is one
+            return "cuda" if devices.gpus() else None
+        return found
+
+    def _device_bytes(self, rows: int) -> int:
+        if self._pass_device is not None:
+            return int(self.program.device_bytes(rows))
+        return device_bytes(self._device_steps, rows)
 
     @functools.cached_property
     def _auto_limit(self) -> int | float:
         """The most GPU bytes a task may project and stay a device task: no limit when
-        a step names a GPU ("cuda", "cuda:N"), else ("auto" only) the largest GPU
-        budget; above it "auto" runs on the CPU."""
-        if any(step.op.device != "auto" for step in self._device_steps):
+        the pass or a step names a GPU ("cuda", "cuda:N"), else ("auto" only) the
+        largest GPU budget; above it "auto" runs on the CPU."""
+        named = self._pass_device not in (None, "auto")
+        if named or any(step.op.device != "auto" for step in self._device_steps):
             return math.inf
         return max(device_budget.budgets().values(), default=0)
 

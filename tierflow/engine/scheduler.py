@@ -663,6 +663,9 @@ class _Run:
         task, device = self.tasks[i], self.devices[i]
         assert device is not None
         budgets = self.gpu_budgets
+        caller = gpu_tier.current_device()  # a compute inside a device task: its GPU
+        if device == "cuda" and caller in budgets:
+            device = caller
         candidates = list(budgets) if device == "cuda" else [device]
         ledger = device_budget.ledger
         if self.one_always and self.in_flight == 0:
@@ -677,6 +680,12 @@ class _Run:
         # make way for device tasks: spilled to the host, largest first, when a task
         # would not fit beside them.
         kept = {d: device_store.held_on(d) for d in candidates}
+        for d, held in kept.items():
+            if held and levels.get(d, Level.OK).rank >= Level.HIGH.rank:
+                # The GPU is under pressure (another process, or memory outside
+                # tierflow's count): its persisted blocks go to the host.
+                device_store.make_room(d, held)
+                kept[d] = device_store.held_on(d)
         room = {d: max(0, budgets[d] - kept[d]) for d in candidates if d in budgets}
         seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
         if seat is None and any(kept.values()):
