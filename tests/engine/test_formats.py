@@ -353,3 +353,46 @@ def test_a_zarr_task_is_admitted_with_its_decoded_rows_and_the_codec_scratch(
     memory = SourceStep(x._node).memory(200, into_sink=False)
     assert memory.outputs == 200 * 4 * 4  # the decoded block
     assert memory.temps == 2 * 100 * 4 * 4  # one object encoded and decoded
+
+
+# -- which executor reads a compressed HDF5 dataset --------------------------------------
+
+
+class _Started:
+    """A callback that keeps the executor each compute started on."""
+
+    def __init__(self) -> None:
+        self.executors: list[str] = []
+
+    def start(self, event: object) -> None:
+        self.executors.append(str(getattr(event, "executor", "")))
+
+
+@pytest.mark.executors("threads")
+def test_a_compressed_hdf5_dataset_is_read_by_worker_processes_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from tierflow.engine import compute as compute_module
+
+    monkeypatch.setattr(compute_module, "PROCESSES_PAY", 1)  # any size pays here
+    data = np.random.default_rng(7).random((4000, 4)).astype(np.float32)
+    gz = _h5(tmp_path / "gz.h5", data, chunks=(500, 4), compression="gzip")
+    plain = _h5(tmp_path / "plain.h5", data, chunks=(500, 4))
+    seen = _Started()
+    x = tw.from_hdf5(gz, "group/x")
+    lock = threading.Lock()  # a function that does not pickle stays in this process
+
+    def locked(block: np.ndarray) -> np.ndarray:
+        with lock:
+            return block
+
+    with tw.use_executor(None):  # no executor chosen: tierflow's choice
+        np.testing.assert_array_equal((x * 2).compute(callbacks=[seen], progress=False), data * 2)
+        (tw.from_hdf5(plain, "group/x") * 2).compute(callbacks=[seen], progress=False)
+        with tw.use_executor("threads"):  # chosen by the user: kept
+            (x * 2).compute(callbacks=[seen], progress=False)
+        (x + tw.from_array(data, rows=500)).compute(callbacks=[seen], progress=False)
+        x.map_blocks(locked).compute(callbacks=[seen], progress=False)
+    assert seen.executors == ["processes", "threads", "threads", "threads", "threads"]

@@ -327,6 +327,13 @@ class Hdf5Reader(Reader):
                 ) from None
         return out
 
+    def processes_pay(self) -> int:
+        """The bytes this dataset decompresses under h5py's one lock (0 when it is not
+        compressed): what worker processes, each with its own h5py, read in parallel."""
+        if not self.compression:
+            return 0
+        return int(self.n_rows or 0) * self.row_nbytes
+
     def check(self) -> None:
         check_identity(self.path, self.stat, "tw.from_hdf5")
 

@@ -51,6 +51,7 @@ __all__ = [
     "ThreadExecutor",
     "WorkerDied",
     "WorkerLost",
+    "default_is_set",
     "default_workers",
     "in_task",
     "make_executor",
@@ -87,9 +88,16 @@ def _cluster(name: str, workers: int | None) -> Executor:
     return found
 
 
-_default: contextvars.ContextVar[str | Executor] = contextvars.ContextVar(
-    "tierflow_executor", default="threads"
+# None: not set (threads, unless a compute's sources prefer worker processes: see
+# tierflow.engine.compute).
+_default: contextvars.ContextVar[str | Executor | None] = contextvars.ContextVar(
+    "tierflow_executor", default=None
 )
+
+
+def default_is_set() -> bool:
+    """Whether :func:`use_executor` chose the default executor in this context."""
+    return _default.get() is not None
 
 
 def make_executor(
@@ -101,7 +109,7 @@ def make_executor(
     name (``"threads"``, ``"processes"``, ``"serial"``, ``"raise"``) or an object
     following the protocol.
     """
-    chosen = _default.get() if executor is None else executor
+    chosen = (_default.get() or "threads") if executor is None else executor
     if isinstance(chosen, str):
         make = _NAMES.get(chosen)
         if make is None:
@@ -121,7 +129,7 @@ def make_executor(
 class _Setting:
     """What :func:`use_executor` returns: the setting, undone on leaving a ``with``."""
 
-    def __init__(self, token: contextvars.Token[str | Executor]) -> None:
+    def __init__(self, token: contextvars.Token[str | Executor | None]) -> None:
         self._token = token
 
     def __enter__(self) -> None:
@@ -131,12 +139,15 @@ class _Setting:
         _default.reset(self._token)
 
 
-def use_executor(executor: str | Executor) -> _Setting:
-    """Make ``executor`` the default of computes in this context (a thread or task).
+def use_executor(executor: str | Executor | None) -> _Setting:
+    """Make ``executor`` the default of computes in this context (a thread or task);
+    None goes back to tierflow's own choice (threads, or worker processes for sources
+    that decode faster there, such as a compressed HDF5 dataset).
 
     >>> from tierflow.engine.executors import use_executor
     >>> with use_executor("serial"):
     ...     pass
     """
-    make_executor(executor)  # validate now, not at the first compute
+    if executor is not None:
+        make_executor(executor)  # validate now, not at the first compute
     return _Setting(_default.set(executor))
