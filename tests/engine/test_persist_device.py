@@ -81,3 +81,9 @@ def test_a_gpu_persisted_array_goes_to_worker_processes_by_value() -> None:
     y = tw.from_array(data, rows=50).persist(device="cuda")
     np.testing.assert_array_equal((y * 3).compute(executor="processes"), data * 3)
     assert placement.ram_held() >= 0
+
+
+def test_an_empty_result_persists_on_the_gpu_with_its_dtype_and_row_shape() -> None:
+    y = tw.from_array(np.zeros((0, 3), np.int16), rows=10).persist(device="cuda")
+    assert y.shape == (0, 3) and y.dtype == np.int16
+    assert y.compute().shape == (0, 3)

@@ -31,12 +31,13 @@ class DeviceReader(Reader):
 
     computes = True
 
-    def __init__(self, store: DeviceStore, bounds: tuple[int, ...], token: str) -> None:
-        first = store.host(0) if len(store) else np.empty((0,))
+    def __init__(
+        self, store: DeviceStore, bounds: tuple[int, ...], like: np.ndarray, token: str
+    ) -> None:
         self.store = store
         self.bounds = tuple(bounds)
-        self.dtype = first.dtype
-        self.row_shape = tuple(first.shape[1:])
+        self.dtype = like.dtype
+        self.row_shape = tuple(like.shape[1:])
         self.n_rows = int(self.bounds[-1])
         self.label = f"persist({store.device})"
         self._token = token
@@ -82,7 +83,7 @@ def place(result: np.ndarray, bounds: tuple[int, ...], device: str, token: str) 
     store = DeviceStore(chosen)
     for k in range(len(bounds) - 1):
         store.put(k, result[bounds[k] : bounds[k + 1]])
-    return DeviceReader(store, bounds, token)
+    return DeviceReader(store, bounds, result[:0], token)
 
 
 def _choose(device: str) -> str | None:
