@@ -31,43 +31,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checks import check, figure, results
+
 GB = 1 << 30
 MB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
-
-_results: list[tuple[str, bool]] = []
-
-
-def check(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            start = time.perf_counter()
-            try:
-                fn()
-            except Exception:
-                print(f"FAIL {name}")
-                traceback.print_exc()
-                _results.append((name, False))
-            else:
-                print(f"PASS {name} ({time.perf_counter() - start:.1f} s)")
-                _results.append((name, True))
-            sys.stdout.flush()
-
-        return run
-
-    return wrap
-
-
-def figure(text: str) -> None:
-    print(f"FIGURE {text}")
-    sys.stdout.flush()
 
 
 def _timed(fn: Callable[[], Any], repeat: int = 3) -> float:
@@ -269,7 +244,7 @@ def _persist_check(torch: Any) -> Callable[[], None]:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(0)
         kept = (tw.from_array(a, rows=1 << 20) * 2).persist(device="cuda:0", progress=False)
-        reader = kept._node.reader
+        reader: Any = getattr(kept._node, "reader")  # noqa: B009 - the node is a Source
         torch.cuda.synchronize()
         on_gpu = torch.cuda.memory_allocated(0) - before
         assert reader.where() == ["gpu"] * 4, reader.where()
@@ -314,9 +289,9 @@ def main() -> int:
     ]
     for run in checks:
         run()
-    failed = [name for name, ok in _results if not ok]
+    failed = [name for name, ok in results if not ok]
     print(
-        f"{len(_results) - len(failed)} passed, {len(failed)} failed "
+        f"{len(results) - len(failed)} passed, {len(failed)} failed "
         f"in {time.perf_counter() - start:.0f} s"
     )
     return 1 if failed else 0

@@ -17,32 +17,14 @@ import gc
 import os
 import sys
 import tempfile
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checks import check, results
+
 GB = 1 << 30
 MB = 1 << 20
-
-_results: list[tuple[str, bool]] = []
-
-
-def check(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except Exception:
-                print(f"FAIL {name}")
-                traceback.print_exc()
-                _results.append((name, False))
-            else:
-                print(f"PASS {name}")
-                _results.append((name, True))
-
-        return run
-
-    return wrap
 
 
 def _allocation_checks(torch: Any, found: list[Any]) -> list[Callable[[], None]]:
@@ -184,8 +166,8 @@ def main() -> int:
     found = devices.gpus()
     for run in [*_allocation_checks(torch, found), *_fallback_checks(torch, found)]:
         run()
-    failed = [name for name, ok in _results if not ok]
-    print(f"{len(_results) - len(failed)} passed, {len(failed)} failed")
+    failed = [name for name, ok in results if not ok]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 
 
