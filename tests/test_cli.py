@@ -87,6 +87,7 @@ def test_status_json_has_every_part_in_bytes(capsys: pytest.CaptureFixture[str])
         "margin": int(0.10 * 8 * GB),
         "budget": 6 * GB - int(0.10 * 8 * GB),
         "admitted": 0,
+        "kept": 0,
         "level": "ok",
         "text": None,
     }

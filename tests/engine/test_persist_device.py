@@ -87,3 +87,14 @@ def test_an_empty_result_persists_on_the_gpu_with_its_dtype_and_row_shape() -> N
     y = tw.from_array(np.zeros((0, 3), np.int16), rows=10).persist(device="cuda")
     assert y.shape == (0, 3) and y.dtype == np.int16
     assert y.compute().shape == (0, 3)
+
+
+def test_status_counts_the_blocks_kept_on_a_gpu() -> None:
+    from tierflow import memory
+
+    data = np.ones((4000, 8), np.float32)  # 128 KB
+    y = tw.from_array(data, rows=1000).persist(device="cuda:0")
+    (gpu0,) = [g for g in memory.status().as_dict()["gpu_budgets"] if g["id"] == "cuda:0"]
+    assert gpu0["kept"] == data.nbytes
+    assert "tierflow holds 125.0 KB (125.0 KB of kept blocks)" in gpu0["text"]
+    del y

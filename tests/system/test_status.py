@@ -141,6 +141,7 @@ def test_gpu_budgets_show_what_tierflow_holds_and_the_level(machine: SimpleNames
         "margin": GB,
         "budget": 5 * GB,
         "admitted": 512 << 20,
+        "kept": 0,
         "level": "ok",
         "text": None,
     }

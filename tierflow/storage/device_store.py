@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..config import format_bytes
-from ..system import devices, pressure
+from ..system import device_budget, devices, pressure
 from ..system.types import Level
 from . import gpu, placement, spill
 from .types import GpuBackend
@@ -64,6 +64,9 @@ def _live(device: str) -> list[DeviceStore]:
 def held_on(device: str) -> int:
     """Bytes every live store holds on GPU ``device``."""
     return sum(s.held() for s in _live(device))
+
+
+device_budget.add_holder(held_on)  # shown as kept by status
 
 
 def make_room(device: str, nbytes: int) -> int:

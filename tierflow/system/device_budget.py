@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,7 +256,9 @@ ledger = DeviceLedger()  # the process's; every scheduler run seats device tasks
 class DeviceBudget:
     """One GPU as a tier, sizes in bytes: ``free`` and ``total`` now, the ``margin``
     left free, the ``budget`` tierflow admits against, what tierflow has ``admitted``
-    there (running device tasks), and the ``level`` from the free fraction."""
+    there (running device tasks), what it ``kept`` there (blocks persisted on the GPU,
+    counted by the holders of :func:`add_holder`), and the ``level`` from the free
+    fraction."""
 
     id: str
     name: str
@@ -266,12 +268,14 @@ class DeviceBudget:
     budget: int
     admitted: int
     level: Level
+    kept: int = 0
 
     def __str__(self) -> str:
+        kept = f" ({format_bytes(self.kept)} of kept blocks)" if self.kept else ""
         return (
             f"{self.id} budget {format_bytes(self.budget)} ({format_bytes(self.free)} free of "
             f"{format_bytes(self.total)}, margin {format_bytes(self.margin)}), tierflow holds "
-            f"{format_bytes(self.admitted)}, pressure {self.level.value}"
+            f"{format_bytes(self.admitted + self.kept)}{kept}, pressure {self.level.value}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -284,6 +288,7 @@ class DeviceBudget:
             "margin": self.margin,
             "budget": self.budget,
             "admitted": self.admitted,
+            "kept": self.kept,
             "level": self.level.value,
             "text": str(self),
         }
@@ -305,6 +310,17 @@ def device_budgets(found: Sequence[devices.Device] | None = None) -> list[Device
             fixed.get(d.id, 0),
             ledger.admitted(d.id),
             level_of(d.free, d.total),
+            sum(holder(d.id) for holder in list(_holders)),
         )
         for d in found
     ]
+
+
+_holders: list[Callable[[str], int]] = []  # bytes other layers keep on a GPU, by id
+
+
+def add_holder(holder: Callable[[str], int]) -> None:
+    """Count ``holder(device_id)`` bytes as kept on each GPU by tierflow (the storage
+    layer's GPU block stores register here: this layer cannot import them)."""
+    if holder not in _holders:
+        _holders.append(holder)

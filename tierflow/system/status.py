@@ -77,7 +77,7 @@ class Status:
             return text
         return (
             f"{text} (budget {_budget_text(tier.budget)}, tierflow "
-            f"{_budget_text(tier.admitted)}, {tier.level.value})"
+            f"{_budget_text(tier.admitted + tier.kept)}, {tier.level.value})"
         )
 
     def _parts(self) -> list[str]:
@@ -134,7 +134,7 @@ class Status:
             (
                 f"{b.id} budget",
                 _budget_text(b.budget),
-                f"tierflow holds {_budget_text(b.admitted)}, pressure {b.level.value}",
+                f"tierflow holds {_budget_text(b.admitted + b.kept)}, pressure {b.level.value}",
             )
             for b in self.gpu_budgets
         ]
