@@ -30,6 +30,7 @@ class DeviceReader(Reader):
     blocks' first rows and the end (see the module docstring)."""
 
     computes = True
+    makes_blocks = True  # a block on the GPU is copied out when a CPU consumer reads it
 
     def __init__(
         self, store: DeviceStore, bounds: tuple[int, ...], like: np.ndarray, token: str

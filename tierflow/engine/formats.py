@@ -198,10 +198,13 @@ class ZarrReader(Reader):
     def read(self, a: int, b: int) -> np.ndarray:
         with _ahead_lock:
             fetching = self.__dict__.get("_ahead", {}).pop((a, b), None)
+            if fetching is not None and fetching.cancelled():
+                fetching = None
+            if fetching is not None:
+                self.ahead_hits += 1
         array = self._array()
         try:
-            if fetching is not None and not fetching.cancelled():
-                self.ahead_hits += 1
+            if fetching is not None:
                 return np.asarray(fetching.result())
             return np.asarray(array[a:b])
         except Exception as exc:
