@@ -7,7 +7,8 @@ into a temporary folder under ``--dir`` and removed at the end.
 1. **Column sum** (issue 14: at least 1.5x ``dask.array.from_zarr(...).sum(axis=0)``):
    ``tw.from_zarr(path).sum(axis=0)`` against dask.array's on its default threaded
    scheduler, alternating per round; the ratio dask / tierflow of each round, median
-   (min-max). The chunks' pages are warm (read once first): decoding is measured.
+   (min-max). The chunks' pages are warm (read once first): decoding is measured. Also
+   how decoding scales with the cores: the same sum on one worker thread, per round.
 2. **In a 1 GB memory cgroup**: the same sums, each in a child process of its own inside
    a real cgroup of ``--cgroup-mb`` (default 1024) MB; whether it completed, its wall
    time, the cgroup's peak and OOM kills. Skipped, with the reason, where no cgroup can
@@ -95,9 +96,11 @@ def part_sum(path: Path, rounds: int) -> None:
 
     import tierflow as tw
 
-    ratios, ours, theirs = [], [], []
+    ratios, ours, theirs, alone = [], [], [], []
     diff = 0.0
     for _ in range(rounds):
+        _, one = _timed(lambda: tw.from_zarr(path).sum(axis=0).compute(workers=1, progress=False))
+        alone.append(one)
         got, t = _timed(lambda: tw.from_zarr(path).sum(axis=0).compute(progress=False))
         want, d = _timed(lambda: da.from_zarr(str(path)).sum(axis=0).compute())
         # dask.array sums float32 in float32 (tierflow in float64): compared loosely.
@@ -111,6 +114,11 @@ def part_sum(path: Path, rounds: int) -> None:
         f"1. column sum: tierflow {statistics.median(ours):.2f} s, dask.array "
         f"{statistics.median(theirs):.2f} s; dask / tierflow {_span(ratios)} (target >= 1.5x); "
         f"largest difference of the sums {diff:.3g}"
+    )
+    scaling = [a / t for a, t in zip(alone, ours, strict=True)]
+    print(
+        f"   decoding on {os.cpu_count()} cores: 1 worker {statistics.median(alone):.2f} s, "
+        f"all {statistics.median(ours):.2f} s; 1 worker / all {_span(scaling)}"
     )
 
 
