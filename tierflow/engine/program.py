@@ -285,8 +285,13 @@ class KernelStep(Step):
 
     def _run(self, ctx: Context, req: Request, out: np.ndarray | None) -> np.ndarray:
         blocks = [s.host(ctx, req) for s in self.inputs]
+        return self._halved(ctx, req, self.op.apply, blocks, out)
+
+    def _halved(self, ctx: Context, req: Request, fn: Any, blocks: list[Any], out: Any) -> Any:
+        """``fn`` on ``blocks`` with out-of-memory halving (:func:`halving.call`); a user
+        function's error names the operator and the block."""
         try:
-            return halving.call(self.site, ctx.describe, self.op.apply, blocks, out)
+            return halving.call(self.site, ctx.describe, fn, blocks, out)
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:
@@ -312,14 +317,7 @@ class KernelStep(Step):
             out.copy_(device_fn(*parts))
             return out
 
-        try:
-            return halving.call(self.site, ctx.describe, fn, blocks, out)
-        except (BlockError, OutOfMemoryError):
-            raise
-        except Exception as exc:
-            if self.user:
-                raise _user_error(self._label, ctx, req, exc) from exc
-            raise
+        return self._halved(ctx, req, fn, blocks, out)
 
     def _eval(self, ctx: Context, req: Request) -> np.ndarray:
         if ctx.lane is not None and self.device_op is not None:
