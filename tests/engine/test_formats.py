@@ -4,14 +4,17 @@ blocks on chunks and row groups, clear errors, staleness, every executor."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
+import numcodecs
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zarr
+from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
 
 import tierflow as tw
 from tierflow.errors import SourceError
@@ -61,6 +64,59 @@ def test_hdf5_errors_name_the_file_and_the_dataset(tmp_path: Path) -> None:
     (tmp_path / "b.h5").write_bytes(b"not hdf5")
     with pytest.raises(SourceError, match=r"b.h5 is not a readable HDF5 file"):
         tw.from_hdf5(tmp_path / "b.h5", "x")
+
+
+def test_hdf5_blocks_are_read_into_pooled_buffers_that_come_back(tmp_path: Path) -> None:
+    from tierflow.engine import program
+
+    data = np.random.default_rng(1).random((8000, 4))
+    x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
+    (x.sum(axis=0) + 0).compute(executor="serial")
+    pool = program._block_pool
+    assert pool is not None
+    reused = pool.reused
+    np.testing.assert_allclose(x.sum(axis=0).compute(executor="serial"), data.sum(0))
+    assert pool.reused - reused == 8  # every block's buffer was one given back before
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        lambda x: x.map_blocks(lambda b: b),  # the block itself is the result
+        lambda x: x[x[:, 0] > 0.5],  # rows kept after a mask
+        lambda x: x.filter(lambda b: b[:, 1] > 0.3),
+        lambda x: x[:, 1:3],  # a view of each block
+    ],
+)
+def test_a_pooled_block_still_in_use_is_not_read_into_again(
+    tmp_path: Path, pipeline: Callable[[tw.Array], tw.Array]
+) -> None:
+    data = np.random.default_rng(2).random((8000, 4))
+    x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
+    parts = [pipeline(x).compute(executor="serial"), pipeline(x).persist(executor="serial")]
+    expected = pipeline(tw.from_array(data, rows=1000)).compute(executor="serial")
+    for got in parts:
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_a_partial_that_is_a_view_of_a_pooled_block_keeps_its_rows(tmp_path: Path) -> None:
+    data = np.random.default_rng(4).random((8000, 4))
+    x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
+    firsts = x.reduction(
+        lambda b: b[:2], lambda p, q: np.concatenate([p, q]), commutative=False, shape=None
+    )
+    np.testing.assert_array_equal(
+        firsts.compute(executor="serial"),
+        np.concatenate([data[i : i + 2] for i in range(0, 8000, 1000)]),
+    )
+
+
+def test_an_hdf5_array_is_read_straight_into_the_result(tmp_path: Path) -> None:
+    data = np.random.default_rng(3).random((5000, 3)).astype(np.float32)
+    x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
+    np.testing.assert_array_equal(x.compute(executor="serial"), data)
+    x.to_npy(tmp_path / "b.npy", executor="serial")
+    np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), data)
 
 
 def test_an_hdf5_file_changed_after_the_build_is_refused(tmp_path: Path) -> None:
@@ -182,6 +238,34 @@ def test_zarr_format_2_and_sharded_arrays(tmp_path: Path) -> None:
     x = tw.from_zarr(tmp_path / "s.zarr", rows=700)
     assert x._node.bounds == (0, 500, 1000, 1500, 2000)  # whole shards
     np.testing.assert_array_equal(x.compute(), data)
+
+
+@pytest.mark.parametrize(
+    ("options", "direct"),
+    [
+        ({"compressors": [BloscCodec(cname="lz4", shuffle="shuffle")]}, True),
+        ({"compressors": [ZstdCodec(level=3)]}, True),
+        ({"compressors": [GzipCodec()]}, True),
+        ({"compressors": None}, True),
+        ({"zarr_format": 2}, True),
+        ({"zarr_format": 2, "compressors": None}, True),
+        ({"filters": [numcodecs.Shuffle(elementsize=8)], "zarr_format": 2}, False),
+        ({"serializer": BytesCodec(endian="big")}, False),
+        ({"chunks": (100, 2)}, False),  # the trailing axis in two chunks
+        ({"shards": (300, 3)}, False),
+    ],
+)
+def test_zarr_chunks_decoded_straight_into_blocks_match_zarrs_own_reads(
+    tmp_path: Path, options: dict[str, object], direct: bool
+) -> None:
+    data = np.round(np.random.default_rng(5).standard_normal((1050, 3)), 2)
+    z = _zarr(tmp_path / "a.zarr", data, **{"chunks": (100, 3), **options})
+    z[200:300] = 0.0  # the fill value: zarr removes the chunk, which then reads as it
+    data[200:300] = 0.0
+    x = tw.from_zarr(tmp_path / "a.zarr", rows=300)
+    assert (x._node.reader.decoder is not None) == direct
+    np.testing.assert_array_equal(x.compute(executor="serial"), data)
+    np.testing.assert_array_equal(x[1000:].compute(executor="serial"), data[1000:])  # last chunk
 
 
 def test_a_chunk_never_written_reads_as_the_fill_value(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ refused at the next compute (:meth:`check`), as ``.npy`` files are.
   written reads as the fill value; a chunk that cannot be decoded raises ``SourceError``
   naming its key. Its identity is the store URL, the array's metadata, and every stored
   object's size and modification time (or ETag, in object storage).
-* :class:`Hdf5Reader`: rows ``a:b`` of one dataset, read with ``read_direct`` into a new
-  block (h5py decompresses chunked, compressed datasets itself). Default blocks are whole
+* :class:`Hdf5Reader`: rows ``a:b`` of one dataset, read with ``read_direct`` into the
+  block the engine lends (a pooled one, or the sink's own; h5py decompresses chunked,
+  compressed datasets itself). Default blocks are whole
   chunks along axis 0. The file stays open per process (h5py's handles are not shared
   between processes), reopened after a fork.
 * :class:`ParquetReader`: numeric columns of one or more files as a 2-D array of one
@@ -32,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -127,6 +129,8 @@ class ZarrReader(Reader):
         self.ahead_hits = 0  # reads served by a fetch started ahead (in this process)
         self.metadata = json.dumps(array.metadata.to_dict(), sort_keys=True, default=str)
         self.objects = self._objects()
+        self.decoder = _direct_decoder(array) if not self.reads_ahead else None
+        self.fill = array.fill_value
         self.label = f"from_zarr({os.path.basename(self.url.rstrip('/'))!r})"
         self._local = threading.local()
 
@@ -196,6 +200,8 @@ class ZarrReader(Reader):
         return found[1]
 
     def read(self, a: int, b: int) -> np.ndarray:
+        if self.decoder is not None:
+            return self._read_direct(a, b)
         with _ahead_lock:
             fetching = self.__dict__.get("_ahead", {}).pop((a, b), None)
             if fetching is not None and fetching.cancelled():
@@ -209,6 +215,43 @@ class ZarrReader(Reader):
             return np.asarray(array[a:b])
         except Exception as exc:
             raise self._corrupt(array, a, b, exc) from None
+
+    def _read_direct(self, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` decoded chunk by chunk straight into the block (see
+        :func:`_direct_decoder`): each chunk file read whole, a chunk never written
+        filled with the fill value."""
+        import numcodecs
+
+        assert self.decoder is not None
+        config = self.decoder["config"]
+        codec = None if config is None else numcodecs.get_codec(dict(config))
+        out = np.empty((b - a, *self.row_shape), self.dtype)
+        rows, n = self.chunk_rows, int(self.n_rows or 0)
+        encode = self._array().metadata.encode_chunk_key
+        zeros = (0,) * len(self.row_shape)
+        for i in range(a // rows, -(-b // rows)):
+            first, last = i * rows, min(n, (i + 1) * rows)
+            lo, hi = max(a, first), min(b, last)
+            key = encode((i, *zeros))
+            try:
+                with open(os.path.join(self.url, key), "rb") as f:
+                    raw = f.read()
+            except FileNotFoundError:
+                out[lo - a : hi - a] = self.fill
+                continue
+            try:
+                if hi - lo == rows:  # the whole chunk: decoded in place
+                    chunk = _decode_into(codec, raw, out[lo - a : hi - a])
+                else:  # the array's last chunk, stored whole: its first rows
+                    chunk = np.empty((rows, *self.row_shape), self.dtype)
+                    _decode_into(codec, raw, chunk)
+                    out[lo - a : hi - a] = chunk[lo - first : hi - first]
+            except Exception as exc:
+                raise SourceError(
+                    f"{self.url}: chunk {key!r} (rows {first}:{last}) cannot be read: {exc}. "
+                    "The object is damaged or was written with a codec this installation lacks"
+                ) from None
+        return out
 
     def _corrupt(self, array: Any, a: int, b: int, exc: Exception) -> SourceError:
         """The error naming the stored object of rows ``a:b`` that cannot be read."""
@@ -251,6 +294,78 @@ class ZarrReader(Reader):
             if os.path.exists(path):
                 return [path]
         return []
+
+
+def _direct_decoder(array: Any) -> dict[str, Any] | None:
+    """How to decode the chunks of ``array`` without zarr's read path, or None where it
+    does not apply. It applies to the common layout: an unsharded array in a local folder
+    whose chunks span the whole of every axis but the first, C order, native byte
+    order, and one compressor from numcodecs (blosc, zstd, gzip) or none, no filters.
+    Then a block is decoded chunk by chunk straight into it: half the copies and none of
+    zarr's per-read machinery (1.1-1.5x zarr's own read of the same rows)."""
+    from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
+
+    meta = array.metadata
+    if getattr(array, "shards", None) or tuple(array.chunks[1:]) != tuple(array.shape[1:]):
+        return None
+    if not isinstance(array.store, _zarr_local_store()):
+        return None
+    dtype = np.dtype(array.dtype)
+    if not dtype.isnative or dtype.hasobject:
+        return None
+    if array.metadata.zarr_format == 2:
+        if meta.filters or meta.order != "C":
+            return None
+        compressor = meta.compressor
+        config = compressor.get_config() if compressor is not None else None
+    else:
+        codecs = list(meta.codecs)
+        if not codecs or not isinstance(codecs[0], BytesCodec):
+            return None
+        endian = codecs[0].endian
+        if dtype.itemsize > 1 and (endian is None or endian.value != sys.byteorder):
+            return None
+        rest = codecs[1:]
+        if len(rest) > 1:
+            return None
+        known = {BloscCodec: "blosc", ZstdCodec: "zstd", GzipCodec: "gzip"}
+        config = None
+        if rest:
+            kind = known.get(type(rest[0]))
+            if kind is None:
+                return None
+            config = {"id": kind}
+    if config is not None and config.get("id") not in ("blosc", "zstd", "gzip", "zlib", "lz4"):
+        return None
+    return {"config": config}
+
+
+def _zarr_local_store() -> type:
+    from zarr.storage import LocalStore
+
+    return LocalStore
+
+
+def _decode_into(codec: Any, raw: bytes, dest: np.ndarray) -> np.ndarray:
+    """``raw`` decoded into ``dest`` (C-contiguous); raises ValueError when it does not
+    decode to exactly ``dest``'s bytes."""
+    if codec is None:
+        decoded: Any = raw
+    elif codec.codec_id == "blosc":  # blosc's header says the size: decoded in place
+        if len(raw) < 16:
+            raise ValueError(f"{len(raw)} bytes are too few for a blosc frame")
+        size = int.from_bytes(raw[4:8], "little")  # the header's decoded size
+        if size != dest.nbytes:
+            raise ValueError(f"it decodes to {size} bytes, not the chunk's {dest.nbytes}")
+        codec.decode(raw, out=dest)
+        return dest
+    else:
+        decoded = codec.decode(raw)
+    view = memoryview(decoded).cast("B")
+    if view.nbytes != dest.nbytes:
+        raise ValueError(f"it decodes to {view.nbytes} bytes, not the chunk's {dest.nbytes}")
+    dest.reshape(-1).view(np.uint8)[:] = np.frombuffer(view, np.uint8)
+    return dest
 
 
 # -- HDF5 ------------------------------------------------------------------------------
@@ -318,8 +433,12 @@ class Hdf5Reader(Reader):
             found = self._local.open = (os.getpid(), handle, handle[self.dataset])
         return found[2]
 
+    reads_into = True
+
     def read(self, a: int, b: int) -> np.ndarray:
-        out = np.empty((b - a, *self.row_shape), self.dtype)
+        return self.read_into(a, b, np.empty((b - a, *self.row_shape), self.dtype))
+
+    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
         if b > a:
             try:
                 self._dataset().read_direct(out, np.s_[a:b])
@@ -464,8 +583,12 @@ class ParquetReader(Reader):
             opened[i] = _pyarrow().parquet.ParquetFile(self.paths[i])
         return opened[i]
 
+    reads_into = True
+
     def read(self, a: int, b: int) -> np.ndarray:
-        out = np.empty((max(0, b - a), len(self.columns)), self.dtype)
+        return self.read_into(a, b, np.empty((max(0, b - a), len(self.columns)), self.dtype))
+
+    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
         if b <= a:
             return out
         first = bisect.bisect_right(self.group_starts, a) - 1

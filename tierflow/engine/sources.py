@@ -68,6 +68,7 @@ class Reader(abc.ABC):
     makes_blocks = False
     computes = False
     reads_ahead = False  # readahead fetches rows into this process (object storage)
+    reads_into = False  # read_into fills a block it is given: the engine lends pooled ones
 
     @property
     def row_nbytes(self) -> int:
@@ -77,6 +78,11 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def read(self, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` (a view where the data allows)."""
+
+    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
+        """Rows ``a:b`` written into ``out`` (``(b - a, *row_shape)`` of this dtype, its
+        bytes undefined until then); returns ``out``. Readers with ``reads_into`` only."""
+        raise TypeError(f"{type(self).__name__} makes its own blocks; call read(a, b)")
 
     def read_block(self, j: int) -> np.ndarray:
         """Block ``j``: only readers whose row count is unknown serve blocks."""
