@@ -130,6 +130,7 @@ class ZarrReader(Reader):
         self.metadata = json.dumps(array.metadata.to_dict(), sort_keys=True, default=str)
         self.objects = self._objects()
         self.decoder = _direct_decoder(array) if not self.reads_ahead else None
+        self.reads_into = self.decoder is not None
         self.fill = array.fill_value
         self.label = f"from_zarr({os.path.basename(self.url.rstrip('/'))!r})"
         self._local = threading.local()
@@ -201,7 +202,7 @@ class ZarrReader(Reader):
 
     def read(self, a: int, b: int) -> np.ndarray:
         if self.decoder is not None:
-            return self._read_direct(a, b)
+            return self.read_into(a, b, np.empty((b - a, *self.row_shape), self.dtype))
         with _ahead_lock:
             fetching = self.__dict__.get("_ahead", {}).pop((a, b), None)
             if fetching is not None and fetching.cancelled():
@@ -216,8 +217,8 @@ class ZarrReader(Reader):
         except Exception as exc:
             raise self._corrupt(array, a, b, exc) from None
 
-    def _read_direct(self, a: int, b: int) -> np.ndarray:
-        """Rows ``a:b`` decoded chunk by chunk straight into the block (see
+    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
+        """Rows ``a:b`` decoded chunk by chunk straight into ``out`` (arrays with a
         :func:`_direct_decoder`): each chunk file read whole, a chunk never written
         filled with the fill value."""
         import numcodecs
@@ -225,7 +226,6 @@ class ZarrReader(Reader):
         assert self.decoder is not None
         config = self.decoder["config"]
         codec = None if config is None else numcodecs.get_codec(dict(config))
-        out = np.empty((b - a, *self.row_shape), self.dtype)
         rows, n = self.chunk_rows, int(self.n_rows or 0)
         encode = self._array().metadata.encode_chunk_key
         zeros = (0,) * len(self.row_shape)
