@@ -112,6 +112,17 @@ CASES: dict[str, Case] = {
             r"^total: (RAM|SSD) 3\.0\d\d MB in 1 array$",
         ),
     ),
+    "zarr_pipeline.py": Case(
+        args=("--size", "32MB", "--budget", "8MB"),
+        expect=(
+            r"^wrote 32\.0 MB decoded \(1,048,576 rows x 8 float32\) as [\d.]+ MB of blosc-lz4",
+            r"^  sources  from_zarr\('features\.zarr'\)$",
+            r"^pass 1, mean and std of every column: [\d.]+ s, [\d.]+ GB/s decoded$",
+            r"^  kept\.zarr: \(10[0-9,]+, 8\) float32 in .*; marked complete: True$",
+            r"^  the first [\d,]+ rows read back match NumPy: True$",
+        ),
+        needs=("zarr",),
+    ),
 }
 
 

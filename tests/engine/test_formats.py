@@ -4,6 +4,8 @@ blocks on chunks and row groups, clear errors, staleness, every executor."""
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -268,6 +270,19 @@ def test_zarr_chunks_decoded_straight_into_blocks_match_zarrs_own_reads(
     np.testing.assert_array_equal(x[1000:].compute(executor="serial"), data[1000:])  # last chunk
 
 
+def test_a_chunk_bigger_than_the_budget_asks_for_smaller_chunks(tmp_path: Path) -> None:
+    from tierflow import config
+    from tierflow.errors import OutOfMemoryError
+
+    _zarr(tmp_path / "a.zarr", np.ones((300_000, 4)), chunks=(100_000, 4))  # 3.2 MB chunks
+    x = tw.from_zarr(tmp_path / "a.zarr")
+    with (
+        config.set(ram_budget="4MB"),
+        pytest.raises(OutOfMemoryError, match=r"scratch 6\.\d+ MB.*in smaller chunks"),
+    ):
+        x.sum().compute()
+
+
 def test_a_chunk_never_written_reads_as_the_fill_value(tmp_path: Path) -> None:
     z = zarr.create_array(
         store=str(tmp_path / "f.zarr"), shape=(1000, 2), chunks=(100, 2), dtype="float64",
@@ -299,6 +314,19 @@ def test_zarr_errors_say_what_is_wrong(tmp_path: Path) -> None:
     zarr.create_array(store=str(tmp_path / "s.zarr"), shape=(3,), dtype=str)
     with pytest.raises(SourceError, match="not numbers"):
         tw.from_zarr(tmp_path / "s.zarr")
+
+
+def test_an_unreachable_url_is_a_clear_error_in_seconds() -> None:
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(SourceError, match=r"s3://bucket/x.zarr could not be reached.*endpoint"):
+        tw.from_zarr(
+            "s3://bucket/x.zarr",
+            storage_options={"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"},
+        )
+    assert time.monotonic() - start < 60
 
 
 def test_zarr_over_s3_gives_the_same_bytes_as_on_disk(

@@ -94,6 +94,26 @@ def _ahead_pool() -> Any:
 _lock_pool = threading.Lock()
 
 
+# botocore's defaults wait 60 s for a connection and try 5 times: minutes before a
+# compute learns that an endpoint is down. Used unless storage_options has config_kwargs.
+S3_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server could not be reached (refused, timed out)."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & {"ConnectionError", "ConnectTimeoutError", "EndpointConnectionError"})
+
+
+def _unreachable_error(url: str, exc: BaseException) -> SourceError:
+    return SourceError(
+        f"{url} could not be reached ({exc}); check the URL and the storage_options "
+        "(endpoint_url, credentials), and that the server is up"
+    )
+
+
 def _is_url(text: str) -> bool:
     return "://" in text and not text.startswith("file://")
 
@@ -112,6 +132,10 @@ class ZarrReader(Reader):
             text = text[len("file://") :]
         self.url = text if _is_url(text) else os.path.abspath(text)
         self.storage_options = dict(storage_options or {})
+        if self.url.startswith("s3://") and "config_kwargs" not in self.storage_options:
+            self.storage_options["config_kwargs"] = dict(S3_TIMEOUTS)
+        # Listed first: an unreachable store fails here, before zarr's asynchronous reads.
+        self.objects = self._objects()
         array = self._open()
         self.dtype = np.dtype(array.dtype)
         if self.dtype.hasobject or self.dtype.kind in "OSUV":
@@ -128,7 +152,6 @@ class ZarrReader(Reader):
         self.reads_ahead = _is_url(self.url)  # object storage: fetched ahead of use
         self.ahead_hits = 0  # reads served by a fetch started ahead (in this process)
         self.metadata = json.dumps(array.metadata.to_dict(), sort_keys=True, default=str)
-        self.objects = self._objects()
         self.decoder = _direct_decoder(array) if not self.reads_ahead else None
         self.reads_into = self.decoder is not None
         self.fill = array.fill_value
@@ -144,6 +167,8 @@ class ZarrReader(Reader):
         except FileNotFoundError:
             raise FileNotFoundError(f"no Zarr array at {self.url}") from None
         except Exception as exc:
+            if _unreachable(exc):
+                raise _unreachable_error(self.url, exc) from None
             raise SourceError(f"{self.url} is not a readable Zarr array: {exc}") from None
 
     def _objects(self) -> str:
@@ -154,6 +179,8 @@ class ZarrReader(Reader):
             fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
             found = fs.find(root, detail=True)
         except Exception as exc:
+            if _unreachable(exc):
+                raise _unreachable_error(self.url, exc) from None
             raise SourceError(f"{self.url}: listing the array's objects failed: {exc}") from None
         digest = hashlib.sha256()
         for name in sorted(found):
@@ -215,6 +242,11 @@ class ZarrReader(Reader):
                 return np.asarray(fetching.result())
             return np.asarray(array[a:b])
         except Exception as exc:
+            if _unreachable(exc):
+                raise SourceError(
+                    f"{self.url}: reading rows {a}:{b} failed, the store could not be "
+                    f"reached ({exc})"
+                ) from None
             raise self._corrupt(array, a, b, exc) from None
 
     def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:

@@ -232,12 +232,18 @@ def _check_fits(p: _Pass, program: Program, budget: int) -> None:
         return
     one = program.memory(1)
     if one.total > budget:
+        fix = "make rows smaller"
+        if one.temps > one.inputs + one.outputs:
+            fix = (
+                "store the data in smaller chunks: most of it is scratch that even one "
+                "row needs, such as a compressed chunk decoded whole"
+            )
         raise OutOfMemoryError(
             f"{p.label()} needs {format_bytes(one.total, 3)} for a single row (inputs "
             f"{format_bytes(one.inputs, 3)}, outputs {format_bytes(one.outputs, 3)}, "
             f"scratch {format_bytes(one.temps, 3)}), more than the whole RAM budget of "
             f"{format_bytes(budget, 3)}; raise the budget (memory.budget() or "
-            "TIERFLOW_RAM_BUDGET, setting ram_budget) or make rows smaller"
+            f"TIERFLOW_RAM_BUDGET, setting ram_budget) or {fix}"
         )
 
 
