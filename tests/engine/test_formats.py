@@ -113,12 +113,24 @@ def test_a_partial_that_is_a_view_of_a_pooled_block_keeps_its_rows(tmp_path: Pat
     )
 
 
-def test_an_hdf5_array_is_read_straight_into_the_result(tmp_path: Path) -> None:
+def test_an_hdf5_array_is_read_straight_into_the_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierflow.engine import program
+
+    lent: list[tuple[int, ...]] = []
+    lend = program._lend
+    monkeypatch.setattr(
+        program, "_lend", lambda shape, dtype: lent.append(shape) or lend(shape, dtype)
+    )
     data = np.random.default_rng(3).random((5000, 3)).astype(np.float32)
     x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
     np.testing.assert_array_equal(x.compute(executor="serial"), data)
     x.to_npy(tmp_path / "b.npy", executor="serial")
     np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), data)
+    assert lent == []  # no block of its own: read into the result's and the file's rows
+    np.testing.assert_array_equal((x + 1).compute(executor="serial"), data + 1)
+    assert lent == [(1000, 3)] * 5
 
 
 def test_an_hdf5_file_changed_after_the_build_is_refused(tmp_path: Path) -> None:
