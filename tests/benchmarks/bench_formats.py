@@ -7,7 +7,8 @@
    ``processes``. Per round every executor on every storage in turn; ratios are
    ``serial / executor`` of one round, the median (min-max) over the rounds. The file's
    pages are warm (read once before the rounds), so decompression and h5py's lock are
-   what is measured, not the disk.
+   what is measured, not the disk. Also serial with the pool of source blocks off
+   (``program.BLOCK_POOL_MAX = 0``: a fresh block for every read), as ``fresh / pooled``.
 2. **Parquet against pyarrow's own column sums**: 8 float32 columns in 1,000,000-row row
    groups, ``tw.from_parquet(path).sum(axis=0)`` (default executor) against
    ``pyarrow.parquet.read_table(path)`` followed by ``pyarrow.compute.sum`` of each
@@ -50,6 +51,7 @@ STORAGES = {
     "gzip": {"compression": "gzip", "compression_opts": 4},
 }
 EXECUTORS = ("serial", "threads", "processes")
+FRESH = "serial, no pool"
 
 
 def _data(rows: int, a: int, b: int) -> np.ndarray:
@@ -125,7 +127,11 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
         with open(path, "rb") as f:
             while f.read(1 << 24):
                 pass
-    times: dict[str, dict[str, list[float]]] = {n: {e: [] for e in EXECUTORS} for n in paths}
+    from tierflow.engine import program
+
+    times: dict[str, dict[str, list[float]]] = {
+        n: {e: [] for e in (*EXECUTORS, FRESH)} for n in paths
+    }
     versus: list[tuple[float, float]] = []
     for r in range(rounds):
         if quiet is not None:
@@ -139,6 +145,16 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
                 )
                 _check(got, want, f"hdf5 {name} on {executor}")
                 times[name][executor].append(seconds)
+            pooled, program.BLOCK_POOL_MAX = program.BLOCK_POOL_MAX, 0
+            try:
+                x = tw.from_hdf5(path, "x")
+                got, seconds = _timed(
+                    lambda x=x: x.sum(axis=0).compute(executor="serial", progress=False)
+                )
+            finally:
+                program.BLOCK_POOL_MAX = pooled
+            _check(got, want, f"hdf5 {name} without the pool")
+            times[name][FRESH].append(seconds)
         if "parquet" not in parts:
             continue
         t = tw.from_parquet(parquet)
@@ -161,6 +177,8 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
                 s / t for s, t in zip(times[name]["serial"], times[name][executor], strict=True)
             ]
             line.append(f"{executor} {_span(ratios)}")
+        fresh = [f / s for f, s in zip(times[name][FRESH], times[name]["serial"], strict=True)]
+        line.append(f"serial without the pool / with it {_span(fresh)}")
         print(", ".join(line))
     if not versus:
         return

@@ -123,7 +123,7 @@ def part_sum(path: Path, rounds: int) -> None:
 
 
 CHILD = """
-import sys, time, resource
+import sys, time
 import numpy as np
 which, path = sys.argv[1], sys.argv[2]
 start = time.perf_counter()
@@ -133,7 +133,9 @@ if which == "tierflow":
 else:
     import dask.array as da
     out = da.from_zarr(path).sum(axis=0).compute()
-print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+# VmHWM, not ru_maxrss: a child's ru_maxrss keeps the forking parent's peak across exec.
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(time.perf_counter() - start, hwm, flush=True)
 """
 
 
