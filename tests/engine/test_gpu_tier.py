@@ -309,7 +309,8 @@ def test_blocks_persisted_on_the_gpu_take_room_and_make_way_for_device_tasks() -
         # The tasks ran within the budget, and the largest persisted block was spilled
         # to the host to make way for them.
         assert watch.most["cuda:0"] >= 1
-        assert store.spilled >= 1 and store.where("big") == "ram"
+        # Off the GPU: to RAM, or on to the SSD when the machine's RAM is under pressure.
+        assert store.spilled >= 1 and store.where("big") in ("ram", "ssd")
         assert device_budget.ledger.peak("cuda:0") <= int(2.5 * TASK)
         np.testing.assert_array_equal(kept.compute(), np.ones((4 * ROWS, COLS // 2)))
 
