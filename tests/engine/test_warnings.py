@@ -96,6 +96,16 @@ def test_a_built_in_reduction_names_the_line_that_built_it(
     assert message.startswith("overflow encountered in sum")
 
 
+def test_a_numpy_function_of_a_reductions_value_names_the_line_that_applied_it(
+    caught: list[warnings.WarningMessage],
+) -> None:
+    smallest = _with_a_zero().min(axis=0)
+    built = _line() + 1
+    logs = np.log(smallest)
+    assert logs.compute()[0] == -np.inf
+    assert _float_warnings(caught) == [(HERE, built, "divide by zero encountered in log")]
+
+
 def _log_of(block: np.ndarray) -> np.ndarray:
     return np.log(block)
 

@@ -35,6 +35,9 @@ reduction, a selection) runs on a block:
 * **User functions are left alone.** A ``map_blocks`` function or a user's reduction
   runs under the caller's errstate unchanged: NumPy's warning already names the line
   of the user's function.
+* **Whole values.** A NumPy function of a reduction's value and a reduction's aggregate
+  run in tasks of their own, outside any program; :func:`naming` does the same there,
+  with the line that built them.
 * **Worker processes.** There the handler keeps each message with the task's result
   (:attr:`tierflow.engine.tasks.BlockResult.warnings`), and the driver issues it when
   it receives the result (:meth:`tierflow.engine.program.Program.receive`): its filters
@@ -60,7 +63,7 @@ from ..operators import elementwise as ew
 from ..operators import fused
 from .callsites import CallSite, Origins
 
-__all__ = ["WarningLog", "annotate", "applied", "enter", "leave", "modes"]
+__all__ = ["WarningLog", "annotate", "applied", "enter", "leave", "modes", "naming"]
 
 # NumPy >= 2 keeps the errstate in a context variable: set it without np.errstate's cost.
 # NumPy 1.x has none: np.errstate then, slower, same effect.
@@ -244,6 +247,35 @@ def _module_of(filename: str) -> str:
     known: the file name without ``.py``, as :func:`warnings.warn_explicit` makes it
     (passing it None there drops the warning)."""
     return filename[:-3] if filename.lower().endswith(".py") else filename or "<unknown>"
+
+
+class _Alone:
+    """What :func:`enter` needs of a task, for an operation outside any program (a
+    NumPy function on whole values, a reduction's aggregate): its own log, nothing
+    fused. Such an operation runs once per compute, so its log is the compute's."""
+
+    caught = None
+
+    def __init__(self) -> None:
+        self.program = self
+        self.origins = Origins()
+        self.warnings = WarningLog()
+
+
+@contextlib.contextmanager
+def naming(site: CallSite | None, label: str) -> Iterator[None]:
+    """In the block, floating-point warnings and errors name ``site`` (the line that
+    built the operation ``label``), as :func:`enter` and :func:`annotate` do for an
+    operator of a program. For the tasks that run whole in-memory values."""
+    entered = enter(_Alone(), None, site, label)
+    try:
+        yield
+    except Exception as exc:
+        if site is not None:
+            _note(exc, site)
+        raise
+    finally:
+        leave(entered)
 
 
 _modes_of: dict[int, tuple[Any, tuple[str, ...]]] = {}  # id(errstate) -> (errstate, modes)
