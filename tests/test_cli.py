@@ -1,10 +1,11 @@
-"""The ``tierflow`` command: status (text and JSON), demo, --version, exit codes."""
+"""The ``tierflow`` command: status (text, JSON, --watch), demo, --version, exit codes."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -166,6 +167,56 @@ def test_python_dash_m_tierflow_status() -> None:
     assert STATUS_LINE.match(done.stdout.splitlines()[0])
     assert "devices:" in done.stdout
     assert run_cli("nonsense").returncode == 2
+
+
+def _watch(*extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierflow", "status", "--watch", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _stop(child: subprocess.Popen[str]) -> tuple[int, str, str]:
+    """SIGINT, as Ctrl-C sends; the exit code and the rest of the output."""
+    child.send_signal(signal.SIGINT)
+    try:
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    return child.returncode, out, err
+
+
+def test_status_watch_prints_a_line_per_interval_and_ctrl_c_exits_0() -> None:
+    child = _watch("--interval", "0.2")
+    assert child.stdout is not None
+    first, second = child.stdout.readline(), child.stdout.readline()  # waits for them
+    code, rest, err = _stop(child)
+    assert STATUS_LINE.match(first), first
+    assert STATUS_LINE.match(second), second
+    assert all(STATUS_LINE.match(line) for line in rest.splitlines())
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert "KeyboardInterrupt" not in err
+
+
+def test_status_watch_json_prints_one_object_per_line() -> None:
+    child = _watch("--json", "--interval", "0.2")
+    assert child.stdout is not None
+    lines = [child.stdout.readline(), child.stdout.readline()]
+    code, _, err = _stop(child)
+    assert code == 0, err
+    for line in lines:
+        assert json.loads(line)["text"].startswith("RAM ")
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "soon"])
+def test_status_watch_refuses_an_interval_that_is_not_positive(
+    interval: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["status", "--watch", "--interval", interval]) == 2
+    assert "give a number of seconds above 0" in capsys.readouterr().err
 
 
 @pytest.mark.cgroup

@@ -4,6 +4,7 @@
 
     tierflow status          # status line, limits, pressure, devices and GPU budgets
     tierflow status --json   # the same as one JSON object, sizes in bytes
+    tierflow status --watch  # the status line every second until Ctrl-C (--interval S)
     tierflow demo            # a file 4x the RAM budget, standardised in two streamed passes
     tierflow --version
 
@@ -19,6 +20,7 @@ import enum
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +28,7 @@ from . import __version__
 from .config import parse_size
 from .errors import ConfigError, TierflowError
 
-__all__ = ["demo", "main", "status"]
+__all__ = ["demo", "main", "status", "watch"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +49,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     status_parser.add_argument(
         "--json", action="store_true", help="print one JSON object, sizes in bytes"
+    )
+    status_parser.add_argument(
+        "--watch",
+        action="store_true",
+        help="print the status line again every --interval seconds until Ctrl-C "
+        "(with --json: one JSON object of the status per line)",
+    )
+    status_parser.add_argument(
+        "--interval",
+        type=_seconds,
+        default=1.0,
+        help="seconds between lines with --watch (default 1)",
     )
     status_parser.set_defaults(run=status)
     demo_parser = commands.add_parser(
@@ -108,8 +122,37 @@ def _report() -> dict[str, Any]:
     }
 
 
+def _seconds(text: str) -> float:
+    """``--interval``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"give a number of seconds above 0, not {text!r}")
+    return value
+
+
+def watch(interval: float, as_json: bool = False) -> int:
+    """Print the status line (or its JSON object) every ``interval`` seconds until
+    Ctrl-C, which ends it with exit code 0."""
+    from .system import status as status_module
+
+    try:
+        while True:
+            line = status_module.status()
+            text = json.dumps(_jsonable(line)) if as_json else str(line)
+            print(text, flush=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 def status(args: argparse.Namespace) -> int:
-    """``tierflow status [--json]``: print the machine as tierflow sees it."""
+    """``tierflow status [--json] [--watch [--interval S]]``: print the machine as
+    tierflow sees it."""
+    if args.watch:
+        return watch(args.interval, args.json)
     report = _report()
     if args.json:
         print(json.dumps({name: _jsonable(value) for name, value in report.items()}, indent=2))

@@ -34,7 +34,7 @@ import numpy as np
 from ..operators import elementwise as ew
 from ..operators import selection
 from ..storage import identity
-from . import blocksize, portable
+from . import blocksize, callsites, portable
 
 __all__ = [
     "Apply",
@@ -61,8 +61,11 @@ class Node:
     count), and a lazily computed ``key``."""
 
     kind: ClassVar[str] = "node"
+    built_at: callsites.CallSite | None = None
 
     def __init__(self, inputs: Iterable[Node], dtype: Any, shape: tuple[int | None, ...]) -> None:
+        # The line of user code that built this node: what its warnings and errors name.
+        self.built_at = callsites.here()
         self.inputs: tuple[Node, ...] = tuple(inputs)
         self.dtype = np.dtype(dtype) if dtype is not None else None
         self.shape = tuple(shape)

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..operators import elementwise as ew
 from ..operators import fused, reductions, torch_ops
-from . import graph, offload
+from . import callsites, graph, offload
 from .graph import Chunked, Node
 from .ops import MapBlocks
 from .program import (
@@ -84,6 +84,7 @@ def lower_pass(
 
     roots = [SinkRoot(n, lowering.step(n), sink) for n, sink in sinks]
     program = Program(roots, [lowering.reduce_root(r, acc_for) for r in reduces])
+    program.origins = lowering.origins
     program.session = cache
     program.device = offload.pass_device(device, _gpu_map(program))
     if program.device is not None:
@@ -173,6 +174,8 @@ class Lowering:
     from their sink block instead of being fused again). ``cache`` is the compute's
     :class:`~tierflow.engine.cache.Session` (None without one): its chunked nodes get a
     :class:`CachedStep` and are not fused, its reductions cache their partials.
+    ``origins`` records the call site of each expression node made from a graph node
+    (:mod:`tierflow.engine.callsites`).
     """
 
     def __init__(
@@ -181,6 +184,7 @@ class Lowering:
         self.values = values
         self.results = results or set()
         self.cache = cache
+        self.origins = callsites.Origins()
         self._steps: dict[str, Step] = {}
 
     def _entry(self, node: Node) -> Any:
@@ -274,6 +278,7 @@ class Lowering:
                     else:
                         args.append(o)
                 expr = node.op.expr(args)
+                self.origins.add(expr, node.built_at)
             else:
                 if node.ident not in leaves:
                     leaves[node.ident] = len(leaf_nodes)

@@ -57,7 +57,7 @@ from ..errors import OutOfMemoryError
 from ..operators.types import block_bytes
 from ..storage import oom
 from ..system import device_budget, devices
-from . import graph, offload
+from . import float_errors, graph, offload
 from .graph import Chunked, Node
 from .lower import lower_pass
 from .ops import MapBlocks
@@ -432,7 +432,8 @@ def _apply_task(
         bound = dict(const)
         bound.update(zip(keys, results, strict=False))
         try:
-            value = node.evaluate(lambda n: bound[n.ident])
+            with float_errors.naming(node.built_at, node.label()):
+                value = node.evaluate(lambda n: bound[n.ident])
             if entry is not None:
                 entry.put_value(value)
             return value
@@ -713,7 +714,8 @@ def _finish_task(
         accs = results[0][1] if prepare is not None else planned
         acc = accs[node.ident]
         try:
-            value = acc.op.aggregate(acc.result())
+            with float_errors.naming(node.built_at, node.label()):
+                value = acc.op.aggregate(acc.result())
             if entry is not None:
                 entry.put_value(value)
             return value

@@ -50,7 +50,7 @@ from ..storage.pool import Pool
 from ..system import budget, pressure
 from ..system.types import Level
 from . import cache as cache_module
-from . import graph, halving, offload, transfer
+from . import callsites, float_errors, graph, halving, offload, transfer
 from .cache import MISS
 from .graph import Chunked, Node
 from .types import BlockIndex, Request, RowRange, TaskMemory
@@ -87,10 +87,12 @@ SKIPPED: Any = _Skipped()
 
 
 class Context:
-    """One task's state: the memo of evaluated steps, the source rows it read, and the
-    device lane its device steps run on (None: everything on the CPU)."""
+    """One task's state: the memo of evaluated steps, the source rows it read, the
+    device lane its device steps run on (None: everything on the CPU), and in a worker
+    process the floating-point warnings of its operators, ``caught`` for the driver
+    (None: issued at once; see :mod:`tierflow.engine.float_errors`)."""
 
-    __slots__ = ("index", "lane", "memo", "program", "reads", "req", "started")
+    __slots__ = ("caught", "index", "lane", "memo", "program", "reads", "req", "started")
 
     def __init__(
         self, index: int, req: Request, program: Program, lane: transfer.Lane | None = None
@@ -102,6 +104,7 @@ class Context:
         self.started = False
         self.memo: dict[tuple[Any, ...], Any] = {}
         self.reads: list[tuple[Any, int, int]] = []
+        self.caught: list[tuple[str, callsites.CallSite | None]] | None = None
 
     def start(self) -> None:
         """The block's compute on the device starts (its inputs are there)."""
@@ -308,15 +311,27 @@ class KernelStep(Step):
 
     def _halved(self, ctx: Context, req: Request, fn: Any, blocks: list[Any], out: Any) -> Any:
         """``fn`` on ``blocks`` with out-of-memory halving (:func:`halving.call`); a user
-        function's error names the operator and the block."""
+        function's error names the operator and the block. Floating-point warnings and
+        errors of tierflow's own operators name the user's line
+        (:mod:`tierflow.engine.float_errors`)."""
+        if self.user:
+            try:
+                return halving.call(self.site, ctx.describe, fn, blocks, out)
+            except (BlockError, OutOfMemoryError):
+                raise
+            except Exception as exc:
+                raise _user_error(self._label, ctx, req, exc) from exc
+        built_at = self.node.built_at
+        entered = float_errors.enter(ctx, self.op, built_at, self._label)
         try:
             return halving.call(self.site, ctx.describe, fn, blocks, out)
         except (BlockError, OutOfMemoryError):
             raise
         except Exception as exc:
-            if self.user:
-                raise _user_error(self._label, ctx, req, exc) from exc
+            float_errors.annotate(exc, self.op, ctx.program.origins, built_at)
             raise
+        finally:
+            float_errors.leave(entered)
 
     def _run_on_device(self, ctx: Context, req: Request) -> Any:
         """The rows on the device. With out-of-memory halving as on the host: the
@@ -739,17 +754,33 @@ class ReduceRoot:
             return partial
         blocks = [s.host(ctx, req) for s in self.inputs]
         offset = req.start if isinstance(req, RowRange) else 0
-        try:
-            partial = halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
-        except (BlockError, OutOfMemoryError):
-            raise
-        except Exception as exc:
-            if self.user:
+        if self.user:
+            try:
+                partial = halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
+            except (BlockError, OutOfMemoryError):
+                raise
+            except Exception as exc:
                 raise _user_error(self.label, ctx, req, exc) from exc
-            raise
+        else:
+            partial = self._chunk(ctx, blocks, offset)
         if cache is not None:
             cache.put_partial(req, partial)
         return partial
+
+    def _chunk(self, ctx: Context, blocks: list[np.ndarray], offset: int) -> Any:
+        """A built-in reduction's partial of ``blocks``, its floating-point warnings and
+        errors naming the user's line (:mod:`tierflow.engine.float_errors`)."""
+        built_at = self.node.built_at
+        entered = float_errors.enter(ctx, self.chunker, built_at, self.label)
+        try:
+            return halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
+        except (BlockError, OutOfMemoryError):
+            raise
+        except Exception as exc:
+            float_errors.annotate(exc, self.chunker, ctx.program.origins, built_at)
+            raise
+        finally:
+            float_errors.leave(entered)
 
     def _run_on_device(self, ctx: Context, req: Request) -> Any:
         """This block's partial computed on the task's device, on the host (halved on
@@ -908,6 +939,10 @@ class Program:
         self.session: Any = None  # the compute's cache session (lower_pass sets it)
         self.device: str | None = None  # the device the pass asks for (lower_pass sets it)
         self.work = offload.Work(0.0, 0, 0)  # what a row costs, for device="auto"
+        # Where the user built each fused expression node (lower_pass sets it), and the
+        # floating-point warnings issued for this pass (see float_errors).
+        self.origins = callsites.Origins()
+        self.warnings = float_errors.WarningLog()
         self._memory: dict[int, TaskMemory] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -955,30 +990,42 @@ class Program:
             for reader, a, b in ctx.reads:
                 reader.release(a, b, drop_cache=drop)
 
-    def run_remote(self, index: int, req: Request, shared: str | None = None) -> Any:
+    def run_remote(
+        self,
+        index: int,
+        req: Request,
+        shared: str | None = None,
+        errstate: tuple[str, ...] | None = None,
+    ) -> Any:
         """Compute block ``index`` in a worker process (see :mod:`tierflow.engine.tasks`):
         partials come back by value, known rows of a file go to its place, other blocks
         come back by value or, when ``shared`` is a path stem in the shared folder, by
-        a file there (sink ``k``'s at ``{shared}-{k}.npy``)."""
+        a file there (sink ``k``'s at ``{shared}-{k}.npy``). ``errstate``: the
+        compute's floating-point modes (:func:`tierflow.engine.float_errors.modes`);
+        the warnings they give come back with the result."""
         from .tasks import BlockResult
 
         ctx = Context(index, req, self)
+        ctx.caught = []
         try:
-            blocks = tuple(
-                s.run_remote(ctx, req, None if shared is None else f"{shared}-{k}")
-                for k, s in enumerate(self.sinks)
-            )
-            partials = tuple(r.run(ctx, req) for r in self.reductions)
+            with float_errors.applied(errstate):
+                blocks = tuple(
+                    s.run_remote(ctx, req, None if shared is None else f"{shared}-{k}")
+                    for k, s in enumerate(self.sinks)
+                )
+                partials = tuple(r.run(ctx, req) for r in self.reductions)
         finally:
             self._release(ctx)
         reports = tuple(cache_module.take_reports()) if self.uses_cache else ()
-        return BlockResult(partials, blocks, reports)
+        return BlockResult(partials, blocks, reports, tuple(ctx.caught))
 
     def receive(self, index: int, req: Request, result: Any) -> Any:
         """In the driver, what a worker computed for block ``index``: its partials
         added, its blocks placed; returns what :meth:`run` would have."""
         if result.cache:
             cache_module.add_reports(list(result.cache), self.session)
+        for message, site in result.warnings:
+            self.warnings.warn(message, site)
         for r, partial in zip(self.reductions, result.partials, strict=True):
             if partial is not SKIPPED:
                 r.acc.add(index, partial)

@@ -178,7 +178,7 @@ from ..system import budget as budget_module
 from ..system import device_budget, pressure
 from ..system.device_budget import Seat
 from ..system.types import Level
-from . import gpu_tier, halving
+from . import float_errors, gpu_tier, halving
 from . import tasks as tasks_module
 from .executors import SerialExecutor, in_task
 from .tasks import BlockTask
@@ -513,7 +513,7 @@ class _Run:
         Scheduler thread only."""
         program = task.program if task.program is not None else args[-1][0]
         index, req = task.args
-        desc = BlockTask(tasks_module.ship(program), index, req)
+        desc = BlockTask(tasks_module.ship(program), index, req, float_errors.modes())
         executor: Any = self.executor
         put = self.inbox.put
 

@@ -39,6 +39,7 @@ from typing import Any
 import cloudpickle
 
 from ..errors import PortabilityError
+from .callsites import CallSite
 from .types import Request
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "BlockTask",
     "Runtime",
     "program_bytes",
+    "reissue",
     "run_task",
     "ship",
     "shipped_program",
@@ -54,30 +56,35 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class BlockTask:
-    """Block ``index`` of the program hashed ``program``, on rows ``request``."""
+    """Block ``index`` of the program hashed ``program``, on rows ``request``, under
+    the compute's floating-point ``errstate`` (divide, over, under, invalid; None:
+    NumPy's defaults; see :mod:`tierflow.engine.float_errors`)."""
 
     program: str
     index: int
     request: Request
+    errstate: tuple[str, ...] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:  # one per task: a slotted dataclass is slow
-        return (BlockTask, (self.program, self.index, self.request))
+        return (BlockTask, (self.program, self.index, self.request, self.errstate))
 
 
 @dataclass(frozen=True, slots=True)
 class BlockResult:
     """What a block task sends back: ``partials[k]`` of the program's ``k``-th
     reduction (``SKIPPED`` where it was not needed), ``blocks[k]`` of its ``k``-th sink
-    (None where the rows were written in place), and ``cache``: what the worker counted
+    (None where the rows were written in place), ``cache``: what the worker counted
     in the compute's cache and what failed there
-    (:func:`tierflow.engine.cache.take_reports`)."""
+    (:func:`tierflow.engine.cache.take_reports`), and ``warnings``: the floating-point
+    warnings of its operators, ``(message, call site)``, for the driver to issue."""
 
     partials: tuple[Any, ...]
     blocks: tuple[Any, ...]
     cache: tuple[Any, ...] = ()
+    warnings: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (BlockResult, (self.partials, self.blocks, self.cache))
+        return (BlockResult, (self.partials, self.blocks, self.cache, self.warnings))
 
 
 _lock = threading.Lock()
@@ -156,6 +163,21 @@ class Runtime:
         return found
 
 
+def reissue(desc: BlockTask, caught: Any) -> None:
+    """In the driver, the warnings a worker process caught while it ran ``desc``, each
+    ``(category, message, filename, lineno)``, issued at the same file and line, once
+    per line per program (:class:`~tierflow.engine.float_errors.WarningLog`). A filter
+    that makes one an error raises it."""
+    try:
+        log = shipped_program(desc.program).warnings
+    except KeyError:  # its plan is gone: nobody waits for these any more
+        return
+    for category, message, filename, lineno in caught:
+        log.warn(message, CallSite(filename, lineno, ""), category)
+
+
 def run_task(desc: BlockTask, runtime: Runtime) -> BlockResult:
     """Run ``desc`` with the program ``runtime`` holds for it."""
-    return runtime.program(desc.program).run_remote(desc.index, desc.request)
+    return runtime.program(desc.program).run_remote(
+        desc.index, desc.request, errstate=desc.errstate
+    )

@@ -149,12 +149,14 @@ def _worker_runtime() -> tasks_module.Runtime:
             _runtime = tasks_module.Runtime(64)
             original = warnings.showwarning
 
-            def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            def show(
+                message: Any, category: Any, filename: str, lineno: int, *args: Any, **kwargs: Any
+            ) -> None:
                 caught = getattr(_capture, "caught", None)
                 if caught is None:
-                    original(message, category, *args, **kwargs)
+                    original(message, category, filename, lineno, *args, **kwargs)
                 else:
-                    caught.append((category, str(message)))
+                    caught.append((category, str(message), str(filename), int(lineno)))
 
             warnings.showwarning = show
         return _runtime
@@ -175,7 +177,7 @@ def run_block(
     settings: tuple[tuple[str, Any], ...],
     cap: int | None,
     shared: str | None,
-) -> tuple[Any, float, tuple[tuple[Any, str], ...], str | None]:
+) -> tuple[Any, float, tuple[tuple[Any, ...], ...], str | None]:
     """Run block task ``desc`` in a cluster worker: ``(BlockResult, seconds, warnings,
     where)``, ``where`` naming the worker (its engine's name for it: a Dask worker's
     host, a Ray node's id), so that later tasks on the same rows can prefer it.
@@ -193,12 +195,12 @@ def run_block(
     program = runtime.program(desc.program)
     if cap is not None:
         program.cap_rows(cap)
-    caught: list[tuple[Any, str]] = []
+    caught: list[tuple[Any, ...]] = []
     _capture.caught = caught
     start = perf_counter()
     try:
         with running_task():  # a compute started inside the task runs serially, here
-            result = program.run_remote(desc.index, desc.request, shared)
+            result = program.run_remote(desc.index, desc.request, shared, desc.errstate)
     finally:
         _capture.caught = None
     return result, perf_counter() - start, tuple(caught), here
@@ -716,8 +718,11 @@ class ClusterExecutor(abc.ABC):
             kind.seconds.append(seconds)
             if where is not None and kind.files:
                 self._read_by[(kind.files, pending.desc.request)] = where
-        for category, text in caught:
-            warnings.warn(text, category, stacklevel=1)
+        try:  # the task's warnings, at the lines that raised them
+            tasks_module.reissue(pending.desc, caught)
+        except Exception as exc:  # a filter made one an error: the task's error
+            pending.done(None, exc)
+            return
         pending.done((result, seconds), None)
 
     def _died(self, pending: _Pending, death: Death) -> None:

@@ -9,6 +9,8 @@ processes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -71,7 +73,9 @@ class ThreadExecutor:
     """``workers`` threads (default: the usable cores) pulling tasks from one queue.
 
     Threads start with the first task. ``shutdown(cancel=True)`` drops queued tasks
-    without running them and joins the threads once their current task returns.
+    without running them and joins the threads once their current task returns. A task
+    runs in a copy of the context of the thread that submitted it: context variables
+    set there, NumPy's errstate among them, hold in the task.
     """
 
     name = "threads"
@@ -97,7 +101,7 @@ class ThreadExecutor:
             if not self._threads:
                 self._cancelled = False
                 self._start()
-        self._queue.put((fn, done))
+        self._queue.put((functools.partial(contextvars.copy_context().run, fn), done))
 
     def _work(self) -> None:
         _task.running = True

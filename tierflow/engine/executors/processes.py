@@ -144,8 +144,8 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
             conn.send(("error", tid, *_wire_error(exc)))
 
 
-def _wire_warnings(caught: list[warnings.WarningMessage]) -> tuple[tuple[Any, str], ...]:
-    """The warnings a task raised, as (category, message) that pickle."""
+def _wire_warnings(caught: list[warnings.WarningMessage]) -> tuple[tuple[Any, ...], ...]:
+    """The warnings a task raised, as (category, message, filename, lineno) that pickle."""
     found = []
     for w in caught:
         category = w.category
@@ -153,7 +153,7 @@ def _wire_warnings(caught: list[warnings.WarningMessage]) -> tuple[tuple[Any, st
             pickle.dumps(category)
         except Exception:
             category = UserWarning
-        found.append((category, str(w.message)))
+        found.append((category, str(w.message), str(w.filename), int(w.lineno)))
     return tuple(found)
 
 
@@ -339,8 +339,11 @@ class _Pool:
         if pending is None:
             return  # cancelled meanwhile
         if message[0] == "ok":
-            for category, text in message[4]:  # the task's warnings, as if raised here
-                warnings.warn(text, category, stacklevel=1)
+            try:  # the task's warnings, at the lines that raised them
+                tasks_module.reissue(pending.desc, message[4])
+            except Exception as exc:  # a filter made one an error: the task's error
+                pending.done(None, exc)
+                return
             pending.done((message[2], message[3]), None)
         else:
             pending.done(None, _unwire_error(message[2], message[3]))
