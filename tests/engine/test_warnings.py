@@ -49,6 +49,7 @@ def _with_a_zero() -> tw.Array:
     return _blocks(np.arange(40, dtype=np.float64).reshape(10, 4))  # only [0, 0] is 0
 
 
+@pytest.mark.executors("threads", "serial", "processes", "dask", "ray")
 @pytest.mark.parametrize("result", ["blocks", "reduction"])
 def test_a_warning_in_a_fused_kernel_names_the_line_that_built_the_operation(
     result: str, caught: list[warnings.WarningMessage]
