@@ -12,10 +12,11 @@ reductions over the same rows, each in its own stage (``describe()`` shows them)
                                 values left, collected
     then      quantile          NumPy's own interpolation on the values found
 
-The number of narrowing passes is fixed in advance by the dtype (a histogram of
-``2**b`` bins cuts ``b`` bits off the width of a range of keys, and a range of one key
-is settled): 2 for float32 and int32 with the default limits, 4 for 64-bit values, 1
-up to 16 bits. A pass with nothing left open reads no block. Memory per pass is bounded
+The number of narrowing passes is fixed in advance by the dtype and the number of
+columns (a histogram of ``2**b`` bins cuts ``b`` bits off the width of a range of
+keys, and a range of one key is settled): for 8 columns with the default limits, 3
+for 32-bit values, 5 for 64-bit ones, 1 or 2 up to 16 bits. Usually the second already
+collects the values left and settles every rank. A pass with nothing left open reads no block. Memory per pass is bounded
 by :func:`limits_for` (a share of the budget): histogram counts and collected values,
 never the column.
 
@@ -61,10 +62,12 @@ __all__ = ["FUNCTIONS", "Rule", "finish", "limits_for", "quantile_passes", "rule
 
 def limits_for(budget: int) -> Limits:
     """What a narrowing pass may hold under a RAM budget of ``budget`` bytes: a
-    sixteenth of it, half for histogram counts (at most 2**20, 8 MiB) and half for
-    collected values (at most 2**23, 64 MiB)."""
+    sixteenth of it, half for histogram counts and half for collected values. At most
+    2**18 counts (2 MiB: a histogram's random increments stay in L2) and 2**23 values
+    (64 MiB)."""
     share = max(1 << 16, budget // 16) // 16  # counts and keys are 8 bytes each
-    return Limits(bins=max(1 << 10, min(1 << 20, share)), collect=max(1 << 10, min(1 << 23, share)))
+    bins = max(1 << 10, min(1 << 18, share))
+    return Limits(bins=bins, collect=max(1 << 10, min(1 << 23, share)))
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ class NarrowSpec(specs._ReduceSpec):
             search = before
         else:  # a placeholder while the graph is built
             search = None
-        return order_stats.Narrowing(dtypes[0], self.rule.flat, search, self.limits)
+        return order_stats.Narrowing(dtypes[0], row_shapes[0], self.rule.flat, search, self.limits)
 
     def label(self) -> str:
         return f"narrow {self.level}"

@@ -47,7 +47,7 @@ __all__ = [
     "to_keys",
 ]
 
-_SUB_ELEMENTS = 1 << 18  # values per sub-block: keys and indices stay in L2-sized pieces
+_SUB_ELEMENTS = 1 << 20  # values per sub-block: 4 MiB of 32-bit keys, as L2 holds
 _MAX_BITS = 16  # bins of one histogram at most 2**16 (512 KiB of counts)
 
 
@@ -63,32 +63,59 @@ def supported(dtype: Any) -> bool:
     return dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize <= 8)
 
 
-def to_keys(values: np.ndarray) -> np.ndarray:
-    """Unsigned 64-bit keys in the order of ``values`` (bool, ints, floats).
+def key_dtype(dtype: Any) -> np.dtype:
+    """The unsigned integers keys of ``dtype`` values are: 32 bits up to 4-byte values
+    (half the memory traffic of 64), else 64."""
+    return np.dtype(np.uint32 if np.dtype(dtype).itemsize <= 4 else np.uint64)
 
-    Equal values have equal keys (``-0.0`` and ``0.0`` too); a NaN's key lies outside
-    the keys of every other value, so a range of keys between two numbers never holds one.
+
+def to_keys(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Unsigned integer keys (:func:`key_dtype`) in the order of ``values`` (bool,
+    ints, floats).
+
+    ``-0.0`` has the key right below ``0.0``'s (NumPy counts them equal; a rank among
+    them may give either zero). A NaN's key lies outside the keys of every other value,
+    so a range of keys between two numbers never holds one. ``out``: a buffer of the
+    keys' dtype and the values' shape to write them into (reused: no page faults).
 
     >>> to_keys(np.array([-1.5, -0.0, 0.0, 2.0])).argsort().tolist()
     [0, 1, 2, 3]
     """
-    kind = values.dtype.kind
+    dtype = values.dtype
+    kind, size = dtype.kind, dtype.itemsize
+    key = key_dtype(dtype)
+    if out is None or out.shape != values.shape:
+        out = np.empty(values.shape, key)
     if kind == "f":
-        size = values.dtype.itemsize
         unsigned = np.dtype(f"u{size}")
+        bits = values.view(unsigned)
         sign = unsigned.type(1 << (8 * size - 1))
-        bits = (values + values.dtype.type(0)).view(unsigned)  # -0.0 + 0.0 is 0.0
-        flipped = np.where(bits >= sign, ~bits, bits | sign)
-        return flipped.astype(np.uint64)
+        if unsigned != key:  # float16: widen first, then flip in 32 bits
+            wide = bits.astype(key)
+            flip = (wide >> key.type(15)) * key.type(0xFFFF) | key.type(0x8000)
+            np.bitwise_xor(flip, wide, out=out)
+            return out
+        # key = bits ^ (sign set ? all ones : the sign bit), in four passes in place
+        np.right_shift(bits, unsigned.type(8 * size - 1), out=out)
+        np.negative(out, out=out)
+        out |= sign
+        out ^= bits
+        return out
+    top = key.type(1 << (8 * key.itemsize - 1))
     if kind == "i":
-        return values.astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63)
-    return values.astype(np.uint64)
+        np.copyto(
+            out, values.view(f"u{size}") if size == key.itemsize else values, casting="unsafe"
+        )
+        out ^= top
+        return out
+    np.copyto(out, values, casting="unsafe")
+    return out
 
 
 def from_keys(keys: np.ndarray, dtype: Any) -> np.ndarray:
     """The values of ``dtype`` whose keys are ``keys`` (inverse of :func:`to_keys`)."""
     dtype = np.dtype(dtype)
-    keys = np.asarray(keys, dtype=np.uint64)
+    keys = np.asarray(keys).astype(key_dtype(dtype))
     if dtype.kind == "f":
         unsigned = np.dtype(f"u{dtype.itemsize}")
         sign = unsigned.type(1 << (8 * dtype.itemsize - 1))
@@ -96,7 +123,8 @@ def from_keys(keys: np.ndarray, dtype: Any) -> np.ndarray:
         bits = np.where(small >= sign, small ^ sign, ~small)
         return bits.astype(unsigned).view(dtype)
     if dtype.kind == "i":
-        return (keys ^ np.uint64(1 << 63)).view(np.int64).astype(dtype)
+        top = keys.dtype.type(1 << (8 * keys.dtype.itemsize - 1))
+        return (keys ^ top).view(f"i{keys.dtype.itemsize}").astype(dtype)
     return keys.astype(dtype)
 
 
@@ -105,7 +133,7 @@ class Limits:
     """What one narrowing pass may hold: ``bins`` histogram counts (int64) and
     ``collect`` collected keys (uint64), over all columns and ranks."""
 
-    bins: int = 1 << 20
+    bins: int = 1 << 18
     collect: int = 1 << 20
 
     def hist_bits(self, targets: int) -> int:
@@ -173,6 +201,9 @@ class ColumnStats:
             nans = np.zeros(values.shape[1], np.int64)
             for c in with_nan:
                 nans[c] = np.count_nonzero(np.isnan(values[:, c]))
+            # fmin and fmax may give either zero where both are: the range takes both in.
+            smallest = np.where(smallest == 0, -0.0, smallest).astype(values.dtype)
+            largest = np.where(largest == 0, 0.0, largest).astype(values.dtype)
         else:
             smallest = reduce_rows(np.minimum, values)
             largest = reduce_rows(np.maximum, values)
@@ -180,7 +211,7 @@ class ColumnStats:
         valid = values.shape[0] - nans
         lo, hi = to_keys(smallest), to_keys(largest)
         empty = valid == 0
-        lo[empty], hi[empty] = np.iinfo(np.uint64).max, 0
+        lo[empty], hi[empty] = np.iinfo(lo.dtype).max, 0
         return Stats(valid, nans, lo, hi)
 
     def combine(self, a: Partial, b: Partial) -> Partial:
@@ -195,9 +226,9 @@ class ColumnStats:
     def aggregate(self, partial: Partial) -> Stats:
         if partial is None:
             zero = np.zeros(self.columns, np.int64)
-            return Stats(
-                zero, zero.copy(), np.full(self.columns, ~np.uint64(0)), zero.astype(np.uint64)
-            )
+            keys = key_dtype(self.in_dtype)
+            top = np.full(self.columns, np.iinfo(keys).max, keys)
+            return Stats(zero, zero.copy(), top, zero.astype(keys))
         return partial
 
     def temp_bytes(self, rows: int) -> int:
@@ -330,6 +361,43 @@ class NarrowPlan:
         return cls(hist, collect, first, size)
 
 
+def _is_whole(t: Target, stats: Stats) -> bool:
+    """Whether ``t`` is a whole column (the first histogram of that column)."""
+    return t.below == 0 and t.lo == int(stats.lo[t.col]) and t.hi == int(stats.hi[t.col])
+
+
+class _WholeColumns:
+    """The histograms of whole columns, over all of them at once: a key's bin is
+    ``(key - lo) >> shift`` plus its column's first bin. A NaN (in a column that has
+    some) goes to the bin past the end, which no range holds."""
+
+    def __init__(
+        self, hists: list[tuple[Target, int, int, int]], search: Any, in_dtype: Any
+    ) -> None:
+        keys = key_dtype(in_dtype)
+        cols = [t.col for t, _, _, _ in hists]
+        self.cols = np.array(cols, np.intp)
+        self.every = cols == list(range(len(search.stats.lo)))
+        self.lo = np.array([t.lo for t, _, _, _ in hists], keys)
+        self.span = np.array([t.hi - t.lo for t, _, _, _ in hists], keys)
+        self.shift = np.array([shift for _, shift, _, _ in hists], keys)
+        self.first = np.array([first for _, _, first, _ in hists], keys)
+        self.nan = bool(search.stats.nans[self.cols].any())
+
+    def add(self, keys: np.ndarray, counts: np.ndarray, index: np.ndarray) -> None:
+        """Count the keys of a sub-block (``[values, columns]``) into ``counts``;
+        ``keys`` is overwritten, ``index`` (intp, the same shape) is scratch."""
+        mine = keys if self.every else keys[:, self.cols]
+        index = index if self.every else np.empty(mine.shape, np.intp)
+        np.subtract(mine, self.lo, out=mine)  # below lo wraps round, above the span
+        bad = mine > self.span if self.nan else None
+        np.right_shift(mine, self.shift, out=mine)
+        np.add(mine, self.first, out=index, casting="unsafe")
+        if bad is not None:
+            index[bad] = len(counts) - 1
+        counts += np.bincount(index.reshape(-1), minlength=len(counts))
+
+
 class Narrowing:
     """A narrowing pass, a ReductionOp: histograms and collected keys of the open
     ranges of a :class:`Search` (see the module docstring). ``idle`` when nothing is
@@ -341,8 +409,16 @@ class Narrowing:
     out_dtype = np.dtype(object)
     out_shape = ()
 
-    def __init__(self, in_dtype: Any, flat: bool, search: Search | None, limits: Limits) -> None:
+    def __init__(
+        self,
+        in_dtype: Any,
+        row_shape: tuple[int, ...],
+        flat: bool,
+        search: Search | None,
+        limits: Limits,
+    ) -> None:
         self.in_dtype = np.dtype(in_dtype)
+        self.row_elements = math.prod(row_shape)
         self.flat = flat
         self.search = search
         self.limits = limits
@@ -351,8 +427,13 @@ class Narrowing:
         )
         self.idle = search is None or not search.open
         by_col: dict[int, list[tuple[str, int]]] = {}
+        whole = []
         for k, (t, _, _, _) in enumerate(self.plan.hist):
-            by_col.setdefault(t.col, []).append(("hist", k))
+            if search is not None and _is_whole(t, search.stats):
+                whole.append(self.plan.hist[k])
+            else:
+                by_col.setdefault(t.col, []).append(("hist", k))
+        self._whole = _WholeColumns(whole, search, in_dtype) if whole else None
         for k, t in enumerate(self.plan.collect):
             by_col.setdefault(t.col, []).append(("collect", k))
         self._by_col = by_col
@@ -362,27 +443,35 @@ class Narrowing:
         if self.idle or values.shape[0] == 0:
             return None
         plan = self.plan
-        counts = np.zeros(plan.total_bins, np.int64)
+        counts = np.zeros(plan.total_bins + 1, np.int64)  # the last: what no bin holds
         parts: list[list[np.ndarray]] = [[] for _ in plan.collect]
+        step = max(1, _SUB_ELEMENTS // max(1, values.shape[1]))
+        buffer = np.empty((min(step, values.shape[0]), values.shape[1]), key_dtype(self.in_dtype))
+        index = np.empty(buffer.shape, np.intp) if self._whole is not None else buffer
         for piece in _pieces(values):
+            rows = piece.shape[0]
+            keys = to_keys(piece, buffer[:rows])
             for col, jobs in self._by_col.items():
-                keys = to_keys(piece[:, col])
+                column = keys[:, col]
                 for kind, k in jobs:
                     if kind == "hist":
                         t, shift, first, n = plan.hist[k]
-                        self._histogram(keys, t, shift, counts[first : first + n])
+                        self._histogram(column, t, shift, counts[first : first + n])
                     else:
                         t = plan.collect[k]
-                        inside = keys[(keys >= t.lo) & (keys <= t.hi)]
+                        offset = column - column.dtype.type(t.lo)  # below lo wraps round
+                        inside = column[offset <= t.hi - t.lo]
                         if len(inside):
                             parts[k].append(inside)
-        return counts, parts
+            if self._whole is not None:  # last: it overwrites the keys
+                self._whole.add(keys, counts, index[:rows])
+        return counts[:-1], parts
 
     @staticmethod
     def _histogram(keys: np.ndarray, t: Target, shift: int, out: np.ndarray) -> None:
-        inside = keys[(keys >= t.lo) & (keys <= t.hi)]
-        index = ((inside - np.uint64(t.lo)) >> np.uint64(shift)).astype(np.intp)
-        out += np.bincount(index, minlength=len(out))
+        offset = keys - keys.dtype.type(t.lo)  # keys below lo wrap round, above the span
+        index = offset[offset <= t.hi - t.lo] >> keys.dtype.type(shift)
+        out += np.bincount(index.astype(np.intp, copy=False), minlength=len(out))
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         if a is None:
@@ -395,8 +484,8 @@ class Narrowing:
         return self.search.after(self.plan, partial) if self.search is not None else None
 
     def temp_bytes(self, rows: int) -> int:
-        """Keys, masks and bin indices of one sub-block."""
-        return 32 * _SUB_ELEMENTS
+        """Keys, bin indices and masks of one sub-block, and one histogram's counts."""
+        return 24 * min(_SUB_ELEMENTS, rows * self.row_elements) + 8 * self.limits.bins
 
     def partial_bytes(self) -> int:
         """The most a pass may hold (the same before and after the search is known)."""
