@@ -127,6 +127,19 @@ class Rule:
         gamma = float(gamma) if self.weak_q else gamma.reshape(virtual.shape)
         return _fb._lerp(low, high, gamma)
 
+    def masked_median(self, n: int, take: Callable[[np.ndarray], np.ndarray]) -> Any:
+        """NumPy's ``nanmedian`` of one column of ``n`` values out of fewer than 600
+        rows of a 2-D or wider array: NumPy runs ``np.ma.median`` there, which sums the
+        two middle values (the middle one twice for odd ``n``) in the data's dtype for
+        floats and halves the sum, and takes their mean otherwise."""
+        half, odd = divmod(n, 2)
+        pair = take(np.array([half, half] if odd else [half - 1, half], np.intp))
+        if self.dtype.kind != "f":
+            return np.mean(pair)
+        total = np.add.reduce(pair.reshape(2, 1), axis=0)
+        np.true_divide(total, 2.0, casting="unsafe", out=total)
+        return total[0]
+
     def ranks(self, n: int) -> list[int]:
         """The ranks (0-based, sorted) :meth:`column_result` reads for ``n`` values."""
         seen: set[int] = set()
@@ -271,6 +284,9 @@ def _column(rule: Rule, search: Search, col: int, n: int) -> Any:
         keys = np.array([search.key(col, int(r)) for r in flat], np.uint64)
         return order_stats.from_keys(keys, rule.dtype).reshape(np.shape(indices))
 
+    rows = int(stats.valid[col] + stats.nans[col])
+    if rule.function == "nanmedian" and not rule.flat and rule.row_shape and rows < 600:
+        return rule.masked_median(n, take)
     return rule.column_result(n, take)
 
 

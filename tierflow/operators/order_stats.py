@@ -434,6 +434,12 @@ class Narrowing:
             else:
                 by_col.setdefault(t.col, []).append(("hist", k))
         self._whole = _WholeColumns(whole, search, in_dtype) if whole else None
+        targets = {("hist", k): h[0] for k, h in enumerate(self.plan.hist)}
+        targets.update({("collect", k): t for k, t in enumerate(self.plan.collect)})
+        self._bounds = {  # the values at either end of each range (by kind and position)
+            job: tuple(from_keys(np.array([t.lo, t.hi], np.uint64), self.in_dtype))
+            for job, t in targets.items()
+        }
         for k, t in enumerate(self.plan.collect):
             by_col.setdefault(t.col, []).append(("collect", k))
         self._by_col = by_col
@@ -445,33 +451,41 @@ class Narrowing:
         plan = self.plan
         counts = np.zeros(plan.total_bins + 1, np.int64)  # the last: what no bin holds
         parts: list[list[np.ndarray]] = [[] for _ in plan.collect]
-        step = max(1, _SUB_ELEMENTS // max(1, values.shape[1]))
-        buffer = np.empty((min(step, values.shape[0]), values.shape[1]), key_dtype(self.in_dtype))
-        index = np.empty(buffer.shape, np.intp) if self._whole is not None else buffer
+        whole = self._whole
+        if whole is not None:
+            step = max(1, _SUB_ELEMENTS // max(1, values.shape[1]))
+            shape = (min(step, values.shape[0]), values.shape[1])
+            buffer = np.empty(shape, key_dtype(self.in_dtype))
+            index = np.empty(shape, np.intp)
         for piece in _pieces(values):
-            rows = piece.shape[0]
-            keys = to_keys(piece, buffer[:rows])
             for col, jobs in self._by_col.items():
-                column = keys[:, col]
+                column = piece[:, col]
                 for kind, k in jobs:
+                    target = plan.hist[k][0] if kind == "hist" else plan.collect[k]
+                    keys = self._inside(column, target, self._bounds[kind, k])
+                    if not len(keys):
+                        continue
                     if kind == "hist":
-                        t, shift, first, n = plan.hist[k]
-                        self._histogram(column, t, shift, counts[first : first + n])
+                        _, shift, first, n = plan.hist[k]
+                        index = (keys - keys.dtype.type(target.lo)) >> keys.dtype.type(shift)
+                        counts[first : first + n] += np.bincount(
+                            index.astype(np.intp, copy=False), minlength=n
+                        )
                     else:
-                        t = plan.collect[k]
-                        offset = column - column.dtype.type(t.lo)  # below lo wraps round
-                        inside = column[offset <= t.hi - t.lo]
-                        if len(inside):
-                            parts[k].append(inside)
-            if self._whole is not None:  # last: it overwrites the keys
-                self._whole.add(keys, counts, index[:rows])
+                        parts[k].append(keys)
+            if whole is not None:
+                rows = piece.shape[0]
+                whole.add(to_keys(piece, buffer[:rows]), counts, index[:rows])
         return counts[:-1], parts
 
     @staticmethod
-    def _histogram(keys: np.ndarray, t: Target, shift: int, out: np.ndarray) -> None:
-        offset = keys - keys.dtype.type(t.lo)  # keys below lo wrap round, above the span
-        index = offset[offset <= t.hi - t.lo] >> keys.dtype.type(shift)
-        out += np.bincount(index.astype(np.intp, copy=False), minlength=len(out))
+    def _inside(column: np.ndarray, t: Target, bounds: tuple[Any, Any]) -> np.ndarray:
+        """The keys of the values of ``column`` inside ``t``'s range: picked by value
+        (between ``bounds``) first, a superset (``-0.0`` and ``0.0`` compare equal),
+        then by key."""
+        low, high = bounds
+        keys = to_keys(column[(column >= low) & (column <= high)])
+        return keys[(keys - keys.dtype.type(t.lo)) <= t.hi - t.lo]
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         if a is None:
