@@ -16,9 +16,9 @@ The number of narrowing passes is fixed in advance by the dtype and the number o
 columns (a histogram of ``2**b`` bins cuts ``b`` bits off the width of a range of
 keys, and a range of one key is settled): for 8 columns with the default limits, 3
 for 32-bit values, 5 for 64-bit ones, 1 or 2 up to 16 bits. Usually the second already
-collects the values left and settles every rank. A pass with nothing left open reads no block. Memory per pass is bounded
-by :func:`limits_for` (a share of the budget): histogram counts and collected values,
-never the column.
+collects the values left and settles every rank; a pass with nothing left open reads
+no block. Memory per pass is bounded by :func:`limits_for` (a share of the budget):
+histogram counts and collected values, never the column.
 
 The result is NumPy's, bit for bit: the ranks NumPy reads are found by running
 NumPy's own index arithmetic (its method table) and the final interpolation is
@@ -45,6 +45,8 @@ from . import graph, specs
 from .array import Array, _value_apply, _wrap, from_array
 from .graph import Chunked, Value
 
+__all__ = ["FUNCTIONS", "Rule", "finish", "limits_for", "quantile_passes", "rule_of"]
+
 
 def _numpy_quantile_module() -> Any:
     """NumPy's module of quantile arithmetic (``_QuantileMethods``, ``_get_indexes``,
@@ -56,8 +58,6 @@ def _numpy_quantile_module() -> Any:
 
 
 _fb = _numpy_quantile_module()
-
-__all__ = ["FUNCTIONS", "Rule", "finish", "limits_for", "quantile_passes", "rule_of"]
 
 
 def limits_for(budget: int) -> Limits:
