@@ -309,3 +309,25 @@ def test_keys_keep_the_order_of_values() -> None:
     keys = order_stats.to_keys(ints)
     assert np.all(keys[1:] > keys[:-1])
     np.testing.assert_array_equal(order_stats.from_keys(order_stats.to_keys(ints), np.int8), ints)
+
+
+def test_a_tiny_budget_bounds_what_the_passes_hold(tmp_path: Any) -> None:
+    tw.memory.budget("2MB")
+    limits = quantiles.limits_for(2 << 20)
+    assert limits.collect * 8 + limits.bins * 8 <= (2 << 20) // 16 + 16 * 1024
+    a = np.random.default_rng(6).standard_normal((300_000, 3))  # 7.2 MB: 3.6 budgets
+    a[::97, 1] = np.nan
+    np.save(tmp_path / "a.npy", a)
+    x = tw.from_npy(tmp_path / "a.npy")
+    rule = quantiles.rule_of(
+        "nanpercentile", x, [10, 50, 90], axis=0, method="linear", keepdims=False
+    )
+    passes = quantiles.quantile_passes(x, rule)
+    (search,) = tw.compute(passes[-1], progress=False)
+    assert search.peak_collected <= limits.collect
+    assert search.peak_bins > 0  # 300,000 values per column do not fit: histograms first
+    np.testing.assert_array_equal(
+        quantiles.finish(search, rule), np.nanpercentile(a, [10, 50, 90], axis=0)
+    )
+    (value,) = tw.compute(np.nanpercentile(x, [10, 50, 90], axis=0), progress=False)
+    np.testing.assert_array_equal(value, np.nanpercentile(a, [10, 50, 90], axis=0))
