@@ -331,3 +331,15 @@ def test_a_tiny_budget_bounds_what_the_passes_hold(tmp_path: Any) -> None:
     )
     (value,) = tw.compute(np.nanpercentile(x, [10, 50, 90], axis=0), progress=False)
     np.testing.assert_array_equal(value, np.nanpercentile(a, [10, 50, 90], axis=0))
+
+
+def test_rows_that_change_between_passes_are_an_error() -> None:
+    calls = []
+
+    def drifting(block: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        return block + len(calls) * 1e-3  # a different answer on every read
+
+    x = tw.from_array(np.random.default_rng(8).standard_normal((400, 1)), rows=100)
+    with pytest.raises(RuntimeError, match="rows changed between the passes"):
+        tw.compute(np.median(x.map_blocks(drifting), axis=0), executor="serial")

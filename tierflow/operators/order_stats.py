@@ -307,7 +307,9 @@ class Search:
             if len(keys) != t.count:
                 raise RuntimeError(
                     f"column {t.col}: {len(keys)} values collected in a range that counted "
-                    f"{t.count}; the data changed between passes"
+                    f"{t.count} in the pass before; the rows changed between the passes of "
+                    "this quantile (a source rewritten, or a map_blocks function that is not "
+                    "deterministic): make every read give the same rows, or persist() first"
                 )
             keys = np.sort(keys)
             nxt.found.update(((t.col, r), int(keys[r - t.below])) for r in t.ranks)
