@@ -358,3 +358,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 }
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype
+
+from . import quantiles  # noqa: E402 -- it imports this module's neighbours first
+
+FUNCTIONS.update(quantiles.FUNCTIONS)

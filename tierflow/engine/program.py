@@ -742,6 +742,8 @@ class ReduceRoot:
         acc = self.acc
         if acc is not None and acc.complete_through is not None and acc.skip(ctx.index):
             return SKIPPED
+        if getattr(self.op, "idle", False):
+            return None  # nothing to do in this pass (a finished search): nothing is read
         cache = self.cache
         if cache is not None:
             cached = cache.get_partial(req)
@@ -1079,7 +1081,10 @@ class Program:
         only, the task runs in another process)."""
         seen = set()
         roots = [s.step for s in self.sinks] + [
-            i for r in self.reductions if not r.cached(req) for i in r.inputs
+            i
+            for r in self.reductions
+            if not r.cached(req) and not getattr(r.op, "idle", False)
+            for i in r.inputs
         ]
         for root in roots:
             for reader, a, b in root.sources(req):
