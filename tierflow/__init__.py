@@ -20,6 +20,7 @@ from .engine.array import (
 )
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
+from .engine.counting import value_counts
 from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.functions import concatenate, stack, where
@@ -55,5 +56,6 @@ __all__ = [
     "stack",
     "to_npy",
     "use_executor",
+    "value_counts",
     "where",
 ]
