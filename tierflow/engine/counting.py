@@ -68,7 +68,8 @@ def _key_dtype(dtype: np.dtype, row_shape: tuple[int, ...], rows: bool) -> np.dt
 def _keys(block: np.ndarray, key_dtype: np.dtype, rows: bool) -> np.ndarray:
     if not rows:
         return block.reshape(-1)
-    return np.ascontiguousarray(block.reshape(block.shape[0], -1)).view(key_dtype).reshape(-1)
+    columns = len(key_dtype.names or ())
+    return np.ascontiguousarray(block.reshape(block.shape[0], columns)).view(key_dtype).reshape(-1)
 
 
 def _table_dtype(dtype: np.dtype, row_shape: tuple[int, ...], fields: Sequence[str]) -> np.dtype:
@@ -315,8 +316,8 @@ class Bincount:
 
     def aggregate(self, partial: Any) -> np.ndarray:
         """The counts, at least ``minlength`` long."""
-        if partial is None:
-            return np.zeros(self.minlength, self.out_dtype)
+        if partial is None:  # NumPy's empty input gives intp zeros, weights or not
+            return np.zeros(self.minlength, np.intp)
         if len(partial) < self.minlength:
             out = np.zeros(self.minlength, self.out_dtype)
             out[: len(partial)] = partial
