@@ -5,7 +5,7 @@ gives lazy results, identical to NumPy's (dtypes included, ``equal_nan=True``):
 
 * the values (and counts, first indices) are one reduction (:class:`UniqueTable`):
   each block's ``np.unique``, merged as a tree and spilled to the SSD by value range
-  when the distinct values outgrow an eighth of the RAM budget
+  when the distinct values outgrow a sixteenth of the RAM budget
   (:mod:`tierflow.engine.distinct`). Its result is a *table*, a structured array with
   the fields ``value``, ``count`` and ``index`` that were asked for; each output is a
   field of it, so asking for several costs one pass.
@@ -54,7 +54,7 @@ __all__ = [
     "value_counts",
 ]
 
-LIMIT_SHARE = 8  # the distinct values held in RAM may take 1/8 of the budget
+LIMIT_SHARE = 16  # distinct values held in RAM: 1/16 of the budget (merging takes ~5x that)
 _MIN_LIMIT = 64 << 10  # however small the budget, a partial may hold this much
 
 
@@ -83,7 +83,7 @@ class UniqueTable:
     their counts and first indices as asked (see the module docstring).
 
     ``rows``: keys are rows (``axis=0``), else single values of the flattened array.
-    ``limit``: bytes of distinct values held before spilling (default: 1/8 of the RAM
+    ``limit``: bytes of distinct values held before spilling (default: 1/16 of the RAM
     budget). ``combine`` consumes a spilled partial (its files move into the result).
     """
 

