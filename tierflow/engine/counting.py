@@ -374,6 +374,14 @@ def _field(table: np.ndarray, name: str, dtype: Any = None) -> np.ndarray:
     return out
 
 
+def _field_of(table: graph.Node, name: str, label: str) -> Array:
+    """A lazy field of a table whose length is known once computed (shape ``(None,
+    ...)``, as a ``head`` of a masked array has)."""
+    node = graph.Apply(_field, (table,), {"name": name}, name=label)
+    node.shape = (None, *node.shape[1:])
+    return _wrap(node)
+
+
 def _by_count(table: np.ndarray) -> np.ndarray:
     """The table most frequent first; ties keep the value order."""
     return table[np.argsort(-table["count"], kind="stable")]
@@ -444,16 +452,16 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
             "array first"
         )
     table = graph.Reduce(spec, (node,))
-    values = _wrap(graph.Apply(_field, (table,), {"name": "value"}, name="unique values"))
+    values = _field_of(table, "value", "unique values")
     out: list[Array] = [values]
     if return_index:
-        out.append(_wrap(graph.Apply(_field, (table,), {"name": "index"}, name="unique index")))
+        out.append(_field_of(table, "index", "unique index"))
     if return_inverse:
         uniques = values._node
         assert isinstance(uniques, Value)
         out.append(_wrap(graph.BlockMap(InverseSpec(rows), (node,), (uniques,))))
     if return_counts:
-        out.append(_wrap(graph.Apply(_field, (table,), {"name": "count"}, name="unique counts")))
+        out.append(_field_of(table, "count", "unique counts"))
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -484,8 +492,8 @@ def value_counts(x: Any, axis: int | None = None) -> tuple[Array, Array]:
         ranked = _wrap(graph.Apply(_by_count, (table,), name="value_counts"))
     table_node = ranked._node
     return (
-        _wrap(graph.Apply(_field, (table_node,), {"name": "value"}, name="value_counts values")),
-        _wrap(graph.Apply(_field, (table_node,), {"name": "count"}, name="value_counts counts")),
+        _field_of(table_node, "value", "value_counts values"),
+        _field_of(table_node, "count", "value_counts counts"),
     )
 
 
