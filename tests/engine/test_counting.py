@@ -374,3 +374,19 @@ def test_merged_rows_with_nan_keep_the_order_of_first_occurrence() -> None:
     merged = distinct.merge_runs([late, early], want)
     same(merged.first, np.array([1, 0, 7]))
     same(merged.counts, np.array([1, 1, 1]))
+
+
+@pytest.mark.executors("threads")
+def test_an_interrupt_while_the_spilled_result_is_assembled_leaves_no_file(
+    spills: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        assert any(name.startswith("unique-result-") for name in os.listdir(spill.process_dir()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(counting.placement, "array", interrupted)
+    x = tw.from_array(np.arange(5000) % 3000, rows=500)
+    with pytest.raises(KeyboardInterrupt):
+        np.unique(x, return_counts=True)[1].compute(progress=False)
+    assert spills
+    assert not left_in_spill()

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import math
 import operator
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..operators.types import block_bytes
-from ..storage import placement
+from ..storage import placement, spill
 from ..system import budget
 from . import distinct, graph
 from .array import Array, _describe_shape, _value_apply, _wrap, from_array
@@ -134,26 +136,41 @@ class UniqueTable:
         return distinct.combine(a, b, self.want, self.limit)
 
     def aggregate(self, partial: distinct.Partial) -> np.ndarray:
-        """The table: one record per distinct value, in NumPy's order. A spilled result
-        is assembled from the partitions into an array placed by the budget (RAM or a
-        spill file)."""
-        runs = list(distinct.runs_of(partial, self.want))
-        total = sum(len(r) for r in runs)
-        table = (
-            placement.array((total,), self.out_dtype)
-            if isinstance(partial, distinct.Spilled)
-            else np.empty(total, self.out_dtype)
-        )
-        at = 0
-        for run in runs:
-            n = len(run)
-            values = run.keys.view(self.in_dtype).reshape(n, *self.value_shape)
-            table["value"][at : at + n] = values
-            if run.counts is not None:
-                table["count"][at : at + n] = run.counts
-            if run.first is not None:
-                table["index"][at : at + n] = run.first
-            at += n
+        """The table: one record per distinct value, in NumPy's order.
+
+        A spilled result is reduced one partition at a time into a file of records
+        under the spill folder (its length is known only at the end), then read into an
+        array placed by the budget (RAM, or a spill file when it does not fit); the
+        file is removed on the way out, error or not."""
+        if not isinstance(partial, distinct.Spilled):
+            runs = list(distinct.runs_of(partial, self.want))
+            return self._records(runs[0]) if runs else np.empty(0, self.out_dtype)
+        fd, path = tempfile.mkstemp(prefix="unique-result-", dir=spill.process_dir())
+        try:
+            total = 0
+            with os.fdopen(fd, "wb") as f:
+                for run in partial.results():
+                    self._records(run).tofile(f)
+                    total += len(run)
+            table = placement.array((total,), self.out_dtype)
+            step = max(1, self.limit // self.out_dtype.itemsize)
+            with open(path, "rb") as f:
+                for at in range(0, total, step):
+                    piece = np.fromfile(f, self.out_dtype, count=step)
+                    table[at : at + len(piece)] = piece
+            return table
+        finally:
+            os.unlink(path)
+
+    def _records(self, run: distinct.Run) -> np.ndarray:
+        """A run as records of the table."""
+        n = len(run)
+        table = np.empty(n, self.out_dtype)
+        table["value"] = run.keys.view(self.in_dtype).reshape(n, *self.value_shape)
+        if run.counts is not None:
+            table["count"] = run.counts
+        if run.first is not None:
+            table["index"] = run.first
         return table
 
     def discard(self, partial: distinct.Partial) -> None:
