@@ -20,9 +20,9 @@ from .engine.array import (
 )
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
-from .engine.counting import value_counts
 from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
+from .engine.frequencies import value_counts
 from .engine.functions import concatenate, stack, where
 from .engine.types import Callback
 from .errors import TierflowError

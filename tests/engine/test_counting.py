@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
-from tierflow.engine import counting, distinct
+from tierflow.engine import distinct, frequencies
 from tierflow.engine.plan import Target, build_plan, describe
 from tierflow.engine.sinks import ArraySink
 from tierflow.storage import spill
@@ -93,8 +93,8 @@ def check_unique(a: np.ndarray, rows: int, asked: dict[str, bool], axis: int | N
 def spills(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """A limit of 256 bytes for the distinct values held in RAM (a tiny budget: every
     merge spills); yields the folders of the spilled partials made."""
-    monkeypatch.setattr(counting, "_MIN_LIMIT", 256)
-    monkeypatch.setattr(counting, "LIMIT_SHARE", tw.memory.budget() // 256)
+    monkeypatch.setattr(frequencies, "_MIN_LIMIT", 256)
+    monkeypatch.setattr(frequencies, "LIMIT_SHARE", tw.memory.budget() // 256)
     made: list[str] = []
     init = distinct.Spilled.__init__
 
@@ -384,7 +384,7 @@ def test_an_interrupt_while_the_spilled_result_is_assembled_leaves_no_file(
         assert any(name.startswith("unique-result-") for name in os.listdir(spill.process_dir()))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(counting.placement, "array", interrupted)
+    monkeypatch.setattr(frequencies.placement, "array", interrupted)
     x = tw.from_array(np.arange(5000) % 3000, rows=500)
     with pytest.raises(KeyboardInterrupt):
         np.unique(x, return_counts=True)[1].compute(progress=False)

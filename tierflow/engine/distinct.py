@@ -1,6 +1,6 @@
 """Distinct values of row blocks: sorted runs merged as a tree, spilled by value range.
 
-What ``np.unique`` and ``tw.value_counts`` reduce with (:mod:`tierflow.engine.counting`).
+What ``np.unique`` and ``tw.value_counts`` reduce with (:mod:`tierflow.engine.frequencies`).
 
 Keys
 ----

@@ -359,6 +359,6 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype
 
-from . import counting  # noqa: E402 -- it imports this module's neighbours, not this module
+from . import frequencies  # noqa: E402 -- it imports this module's neighbours, not this module
 
-FUNCTIONS.update(counting.FUNCTIONS)
+FUNCTIONS.update(frequencies.FUNCTIONS)

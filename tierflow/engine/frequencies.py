@@ -1,4 +1,4 @@
-"""Counting over all rows: ``np.unique``, ``np.bincount`` and ``tw.value_counts``.
+"""How often values occur, over all rows: ``np.unique``, ``np.bincount`` and ``tw.value_counts``.
 
 ``np.unique(x, return_index=, return_inverse=, return_counts=, axis=)`` on a lazy array
 gives lazy results, identical to NumPy's (dtypes included, ``equal_nan=True``):
