@@ -160,15 +160,15 @@ def part(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--gb", type=float, default=4.0)
+    parser.add_argument("--gb", type=float, default=4.0, help="file size in 10^9 bytes")
     parser.add_argument("--only", default="rounded")
     parser.add_argument("--cgroup-mb", type=int, default=1024)
     parser.add_argument("--dir", default=None)
     options = parser.parse_args()
     parts = set(options.only.split(","))
-    rows = int(options.gb * 2**30 / (4 * WIDTH))
+    rows = int(options.gb * 1e9) // (4 * WIDTH)  # 10^9 bytes: --gb 4 is [125M, 8]
     folder = Path(tempfile.mkdtemp(prefix="tierflow-bench-counting-", dir=options.dir))
-    print(f"{os.cpu_count()} cores; {rows:,} x {WIDTH} float32 ({rows * WIDTH * 4 / 2**30:.2f} GB)")
+    print(f"{os.cpu_count()} cores; {rows:,} x {WIDTH} float32 ({rows * WIDTH * 4 / 1e9:.2f} GB)")
     report: dict[str, Any] = {}
     try:
         path = folder / "x.npy"

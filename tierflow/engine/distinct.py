@@ -30,7 +30,7 @@ is a merge). The partial holds the distinct keys a few times over at most.
 Spilling
 --------
 When a stack outgrows its ``limit`` (a share of the RAM budget), it spills: ``P``
-*partition files* are made in a fresh folder (``tempfile.mkdtemp``) under the process's
+*partition files* (enough for the rows to come, :class:`Room`) are made in a fresh folder (``tempfile.mkdtemp``) under the process's
 spill folder (:func:`tierflow.storage.spill.process_dir`), with ``P - 1`` *splitters*:
 keys taken at even quantiles of the distinct keys held then. Partition ``p`` holds the
 keys ``k`` with ``splitters[p - 1] <= k < splitters[p]``, so partitions are ranges of
@@ -67,12 +67,15 @@ from ..storage import spill
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_PARTITIONS",
     "PARTITIONS",
+    "Room",
     "Run",
     "Spilled",
     "Stack",
     "Want",
     "combine",
+    "discard",
     "first_change",
     "merge_runs",
     "merge_two",
@@ -81,7 +84,8 @@ __all__ = [
     "runs_of",
 ]
 
-PARTITIONS = 32  # partition files a spilled partial cuts its keys into
+PARTITIONS = 32  # partition files a spilled partial cuts its keys into, by default
+MAX_PARTITIONS = 256  # at most (each run combined appends to each of them)
 MAX_DEPTH = 3  # times a partition too big for the limit is cut again
 _SAMPLE = 1 << 16  # keys sampled from a partition file to cut it again
 
@@ -392,7 +396,25 @@ def _splitters(keys: np.ndarray, parts: int) -> np.ndarray:
 Partial = Stack | Spilled | None
 
 
-def combine(a: Partial, b: Partial, want: Want, limit: int) -> Partial:
+@dataclass(frozen=True, slots=True)
+class Room:
+    """How much a partial may hold: ``limit`` bytes of runs in RAM (past it, it spills),
+    and ``expected``, the bytes of records every block together could write (their
+    keys, each with its count and first index), when the row count is known: a spill
+    makes enough partitions for each to hold about half the limit, so that none needs
+    cutting again (:data:`PARTITIONS` without it, at most :data:`MAX_PARTITIONS`)."""
+
+    limit: int
+    expected: int | None = None
+
+    def partitions(self) -> int:
+        """Partition files a spill makes."""
+        if self.expected is None:
+            return PARTITIONS
+        return min(MAX_PARTITIONS, max(2, math.ceil(2 * self.expected / self.limit)))
+
+
+def combine(a: Partial, b: Partial, want: Want, room: Room) -> Partial:
     """Merge two partials (see the module docstring); a :class:`Spilled` argument is
     consumed (its files move into the result)."""
     if a is None:
@@ -412,16 +434,17 @@ def combine(a: Partial, b: Partial, want: Want, limit: int) -> Partial:
         return a
     assert isinstance(b, Stack)
     stack = Stack(_carry([*a.runs, *b.runs], want))
-    if stack.nbytes <= limit:
+    if stack.nbytes <= room.limit:
         return stack
-    return _spill(stack, want, limit)
+    return _spill(stack, want, room)
 
 
-def _spill(stack: Stack, want: Want, limit: int) -> Spilled:
+def _spill(stack: Stack, want: Want, room: Room) -> Spilled:
     runs = [r for _, r in stack.runs]
     biggest = max(runs, key=len)
     dtype = record_dtype(biggest.keys.dtype, want)
-    spilled = Spilled(_splitters(biggest.keys, PARTITIONS), dtype, want, limit)
+    splitters = _splitters(biggest.keys, room.partitions())
+    spilled = Spilled(splitters, dtype, want, room.limit)
     try:
         for run in runs:
             spilled.add_run(run)

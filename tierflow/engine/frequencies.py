@@ -85,8 +85,9 @@ class UniqueTable:
     their counts and first indices as asked (see the module docstring).
 
     ``rows``: keys are rows (``axis=0``), else single values of the flattened array.
-    ``limit``: bytes of distinct values held before spilling (default: 1/16 of the RAM
-    budget). ``combine`` consumes a spilled partial (its files move into the result).
+    ``n_rows``: the array's rows, when known (a spill then makes as many partitions as
+    the rows could fill, :class:`~tierflow.engine.distinct.Room`). ``limit``: bytes of
+    distinct values held before spilling (default: 1/16 of the RAM budget). ``combine`` consumes a spilled partial (its files move into the result).
     """
 
     row_independent = False
@@ -101,6 +102,7 @@ class UniqueTable:
         rows: bool,
         counts: bool,
         index: bool,
+        n_rows: int | None = None,
         limit: int | None = None,
     ) -> None:
         self.in_dtype = np.dtype(dtype)
@@ -118,6 +120,11 @@ class UniqueTable:
         if limit is None:
             limit = max(_MIN_LIMIT, budget.budget_bytes() // LIMIT_SHARE)
         self.limit = int(limit)
+        expected = None
+        if n_rows is not None:
+            keys = n_rows if rows else n_rows * self.row_size
+            expected = keys * distinct.record_dtype(self.key_dtype, self.want).itemsize
+        self.room = distinct.Room(self.limit, expected)
 
     def __repr__(self) -> str:
         return f"UniqueTable({'rows' if self.rows else 'values'}, {self.want})"
@@ -133,7 +140,7 @@ class UniqueTable:
 
     def combine(self, a: distinct.Partial, b: distinct.Partial) -> distinct.Partial:
         """Merge two partials; spills past the limit."""
-        return distinct.combine(a, b, self.want, self.limit)
+        return distinct.combine(a, b, self.want, self.room)
 
     def aggregate(self, partial: distinct.Partial) -> np.ndarray:
         """The table: one record per distinct value, in NumPy's order.
@@ -207,8 +214,9 @@ class UniqueSpec(_ReduceSpec):
         values: Sequence[Any],
     ) -> Any:
         return UniqueTable(
-            dtypes[0], row_shapes[0], rows=self.rows, counts=self.counts, index=self.index
-        )
+            dtypes[0], row_shapes[0], rows=self.rows, counts=self.counts, index=self.index,
+            n_rows=n_rows,
+        )  # fmt: skip
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:
         return op.out_dtype, (None,)
