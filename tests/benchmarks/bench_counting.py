@@ -158,42 +158,59 @@ def part(
     return runs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--gb", type=float, default=4.0, help="file size in 10^9 bytes")
-    parser.add_argument("--only", default="rounded")
-    parser.add_argument("--cgroup-mb", type=int, default=1024)
-    parser.add_argument("--dir", default=None)
-    options = parser.parse_args()
-    parts = set(options.only.split(","))
-    rows = int(options.gb * 1e9) // (4 * WIDTH)  # 10^9 bytes: --gb 4 is [125M, 8]
-    folder = Path(tempfile.mkdtemp(prefix="tierflow-bench-counting-", dir=options.dir))
+def bench(
+    gb: float, parts: set[str], cgroup_mb: int | None, where: str | None = None
+) -> dict[str, Any]:
+    """Write the file, run the parts (``cgroup_mb`` None: no cgroup runs), remove the
+    file; the figures of every run, by part and contender."""
+    rows = int(gb * 1e9) // (4 * WIDTH)  # 10^9 bytes: --gb 4 is [125M, 8]
+    folder = Path(tempfile.mkdtemp(prefix="tierflow-bench-counting-", dir=where))
     print(f"{os.cpu_count()} cores; {rows:,} x {WIDTH} float32 ({rows * WIDTH * 4 / 1e9:.2f} GB)")
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"rows": rows}
     try:
         path = folder / "x.npy"
         start = time.perf_counter()
         make_npy(path, rows, WIDTH)
         print(f"   written in {time.perf_counter() - start:.1f} s; cached {ensure_warm(path):.0%}")
-        in_cgroup = f"tierflow in a {options.cgroup_mb} MB cgroup"
+        in_cgroup = f"tierflow in a {cgroup_mb} MB cgroup"
+        caged = [] if cgroup_mb is None else [(in_cgroup, "tierflow", cgroup_mb)]
         if "rounded" in parts:
+            numpy_caged = (
+                []
+                if cgroup_mb is None
+                else [(f"numpy in a {cgroup_mb} MB cgroup", "numpy", cgroup_mb)]
+            )
             report["rounded"] = part(
                 path, "rounded", "tierflow",
-                [
-                    (in_cgroup, "tierflow", options.cgroup_mb),
-                    ("tierflow", "tierflow", None),
-                    ("numpy", "numpy", None),
-                    ("dask.array", "dask", None),
-                    (f"numpy in a {options.cgroup_mb} MB cgroup", "numpy", options.cgroup_mb),
-                ],
+                [*caged, ("tierflow", "tierflow", None), ("numpy", "numpy", None),
+                 ("dask.array", "dask", None), *numpy_caged],
             )  # fmt: skip
         if "distinct" in parts:
             report["distinct"] = part(
-                path, "distinct", in_cgroup,
-                [(in_cgroup, "tierflow", options.cgroup_mb), ("numpy", "numpy", None)],
+                path, "distinct", in_cgroup if caged else "tierflow",
+                [*(caged or [("tierflow", "tierflow", None)]), ("numpy", "numpy", None)],
             )  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return report
+
+
+def test_unique_of_a_column(benchmark: Any) -> None:
+    benchmark.group = "engine: np.unique of a column"
+    report = benchmark.pedantic(bench, args=(0.02, set(PARTS), None), rounds=1, iterations=1)
+    for name in PARTS:
+        for contender, figures in report[name].items():
+            assert "error" not in figures, (name, contender, figures["error"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=4.0, help="file size in 10^9 bytes")
+    parser.add_argument("--only", default="rounded")
+    parser.add_argument("--cgroup-mb", type=int, default=1024, help="0: no cgroup runs")
+    parser.add_argument("--dir", default=None)
+    options = parser.parse_args()
+    bench(options.gb, set(options.only.split(",")), options.cgroup_mb or None, options.dir)
     print(json.dumps({"load_end": os.getloadavg()}))
 
 
