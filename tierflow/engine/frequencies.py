@@ -389,12 +389,12 @@ class BincountSpec(_ReduceSpec):
 # -- the functions ------------------------------------------------------------------------
 
 
-def _field(table: np.ndarray, name: str, dtype: Any = None) -> np.ndarray:
+def _field(table: np.ndarray, name: str) -> np.ndarray:
     """One output of the table, as its own array (placed by the budget when big)."""
     column = table[name]
     if column.nbytes < (1 << 20):
-        return np.array(column, dtype=dtype)
-    out = placement.array(column.shape, dtype if dtype is not None else column.dtype)
+        return np.array(column)
+    out = placement.array(column.shape, column.dtype)
     np.copyto(out, column)
     return out
 
@@ -446,8 +446,11 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
             "np.unique(..., equal_nan=False) is not supported on lazy arrays (every NaN is "
             "one value, as with the default equal_nan=True)"
         )
-    flags = {"return_index": return_index, "return_inverse": return_inverse}
-    flags["return_counts"] = return_counts
+    flags = {
+        "return_index": return_index,
+        "return_inverse": return_inverse,
+        "return_counts": return_counts,
+    }
     x = from_array(ar)
     node = x._node
     if isinstance(node, Value):
@@ -467,7 +470,8 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
         )
     if rows and math.prod(node.row_shape) == 0:
         raise ValueError(
-            f"np.unique(axis=0) of rows without elements, {_describe_shape(node.shape)}"
+            f"np.unique(axis=0) of rows without elements, shape {_describe_shape(node.shape)}, "
+            "is not supported on lazy arrays; compute() first"
         )
     spec = UniqueSpec(rows, bool(return_counts), bool(return_index))
     if spec.needs_offset and node.n_rows is None:
