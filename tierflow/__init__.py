@@ -22,6 +22,7 @@ from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
 from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
+from .engine.frequencies import value_counts
 from .engine.functions import concatenate, stack, where
 from .engine.types import Callback
 from .errors import TierflowError
@@ -55,5 +56,6 @@ __all__ = [
     "stack",
     "to_npy",
     "use_executor",
+    "value_counts",
     "where",
 ]

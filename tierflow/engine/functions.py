@@ -362,3 +362,7 @@ if hasattr(np, "astype"):
 from . import quantiles  # noqa: E402 -- it imports this module's neighbours first
 
 FUNCTIONS.update(quantiles.FUNCTIONS)
+
+from . import frequencies  # noqa: E402 -- it imports this module's neighbours, not this module
+
+FUNCTIONS.update(frequencies.FUNCTIONS)

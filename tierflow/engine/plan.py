@@ -120,6 +120,8 @@ class Plan:
     stages: int = 0
     passes: int = 0
     programs: list[Program] = field(default_factory=list)  # one per pass, as planned
+    # Every reduction's accumulator, planned or made by a prepare task (for abort).
+    accumulators: list[Accumulator] = field(default_factory=list)
 
     def add(self, task: Task) -> int:
         self.tasks.append(task)
@@ -139,9 +141,12 @@ class Plan:
             raise
 
     def abort(self) -> None:
-        """Free outputs and remove temporary files (sinks not opened do nothing)."""
+        """Free outputs and remove temporary files (sinks not opened do nothing, and
+        reductions drop their partials)."""
         for sink in self.sinks:
             sink.abort()
+        for acc in self.accumulators:
+            acc.discard()
 
     def results(self, by_task: dict[int, Any]) -> list[Any]:
         """The targets' results, given the kept tasks' results."""
@@ -476,6 +481,7 @@ class _PassTasks:
 
     def add(self) -> None:
         self.plan.programs.append(self.program)
+        self.plan.accumulators.extend(self.accs.values())
         if self.bound:
             self._add_prepare()
         npy_held = [
@@ -490,12 +496,14 @@ class _PassTasks:
         keys = [v.ident for v in self.bound]
         p, const, cache, device = self.p, self.const, self.planner.cache, self.planner.device
         label, count = self.program.name, self.program.count
+        made = self.plan.accumulators
 
         def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
             real = dict(const)
             real.update(zip(keys, results, strict=False))
             program, accs = lower_pass(p.sinks, p.reduces, real, cache, device)
             program.name, program.count = label, count
+            made.extend(accs.values())
             return program, accs
 
         deps = tuple(self.planner.value_task[k] for k in keys)

@@ -679,6 +679,20 @@ class Accumulator:
         through = self.complete_through
         return through is not None and index >= through
 
+    def discard(self) -> None:
+        """Drop the partials held, letting a reduction whose partials own files
+        (``op.discard(partial)``) remove them: the compute failed or was stopped."""
+        with self._lock:
+            held = [self._value] if self._has_value else []
+            held += [p for _, p in self._by_start.values()]
+            self._value, self._has_value = None, False
+            self._by_start.clear()
+            self._by_end.clear()
+        discard = getattr(self.op, "discard", None)
+        if discard is not None:
+            for partial in held:
+                discard(partial)
+
     def result(self) -> Any:
         """The partial of all blocks added (None if none had rows)."""
         with self._lock:
