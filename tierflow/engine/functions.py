@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import graph, specs
+from . import graph, products, specs
 from .array import (
     Array,
     _align,
@@ -358,3 +358,4 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 }
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype
+FUNCTIONS.update(products.FUNCTIONS)
