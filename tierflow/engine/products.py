@@ -337,15 +337,6 @@ def _small_transpose(array: Array) -> Array:
     return _value_apply(np.transpose, node, name="transpose")
 
 
-def _comoments(m: Any, y: Any, rowvar: bool, name: str) -> tuple[list[Any], bool]:
-    """The arrays whose columns are the variables, and whether all are in memory."""
-    parts = [_variables(m, rowvar, name)]
-    if y is not None:
-        parts.append(_variables(y, rowvar, name))
-    chunked = [isinstance(p._node, Chunked) for p in parts]
-    return parts, not any(chunked)
-
-
 def cov(  # noqa: PLR0913 -- np.cov's own signature
     m: Any,
     y: Any = None,
@@ -367,13 +358,16 @@ def cov(  # noqa: PLR0913 -- np.cov's own signature
     if ddof is not None and ddof != int(ddof):
         raise ValueError("ddof must be integer")
     ddof = (0 if bias else 1) if ddof is None else int(ddof)
-    parts, in_memory = _comoments(m, y, rowvar, "np.cov")
-    if in_memory:
+    originals = [from_array(a) for a in (m, y) if a is not None]
+    in_memory = all(isinstance(a._node, Value) for a in originals)
+    # NumPy reads a one-row 2-D array as one variable even with rowvar=False.
+    if in_memory or any(a.ndim == 2 and a.shape[0] == 1 for a in originals):
         return _value_apply(
-            lambda *v: np.cov(*v, rowvar=False, ddof=ddof, dtype=dtype),  # type: ignore[call-overload]
-            *(p._node for p in parts),
+            lambda *v: np.cov(*v, rowvar=rowvar, ddof=ddof, dtype=dtype),  # type: ignore[call-overload]
+            *(a._node for a in originals),
             name="cov",
         )
+    parts = [_variables(a, rowvar, "np.cov") for a in originals]
     nodes = [_chunked(p) for p in parts]
     if len(nodes) == 2:
         _same_rows(nodes[0], nodes[1], "np.cov(x, y)")

@@ -166,8 +166,8 @@ class CoMoments:
         self.out_dtype = np.dtype(dtype) if dtype is not None else natural
         self.acc = accumulator_dtype(natural)
         self.columns = sum(_columns(s) for s in self.in_row_shapes)
-        scalar = self.columns == 1 and all(not s for s in self.in_row_shapes)
-        self.out_shape: tuple[int, ...] = () if scalar else (self.columns, self.columns)
+        # NumPy squeezes the matrix: one variable gives a 0-d result.
+        self.out_shape: tuple[int, ...] = () if self.columns == 1 else (self.columns, self.columns)
 
     def __repr__(self) -> str:
         return f"CoMoments({self.columns} variables, ddof={self.ddof})"
