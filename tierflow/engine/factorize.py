@@ -200,7 +200,8 @@ class PCA:
     ``components`` ``(n, k)`` (rows of unit length, largest-magnitude entry positive),
     ``explained_variance`` ``(n,)`` (``S**2 / (N - 1)``, as scikit-learn's),
     ``explained_variance_ratio`` (over the variance of all ``k`` components),
-    ``singular_values``, the column ``mean`` and ``n_samples``; ``projection`` is the lazy
+    ``singular_values``, the column ``mean`` (float64, whatever the data: a float32 mean
+    of data near 1e6 would be off by up to 0.03) and ``n_samples``; ``projection`` is the lazy
     ``(N, n)`` array ``(x - mean) @ components.T``.
     """
 
@@ -240,7 +241,8 @@ def pca(x: Any, n_components: int | None = None) -> PCA:
             f"shape {_describe_shape(array.shape)}"
         )
     mean = r[0, 1:] / r[0, 0]
-    centred_r = r[1:, 1:]
+    centred_r = np.zeros((k, k))
+    centred_r[: len(r) - 1] = r[1:, 1:]  # fewer than k + 1 rows: zero rows, zero values
     _, s, vh = np.linalg.svd(centred_r)
     _, vh = _flip(np.empty((0, len(vh))), vh)
     s = s[:limit]
@@ -255,7 +257,7 @@ def pca(x: Any, n_components: int | None = None) -> PCA:
         explained_variance=variance[:n].astype(dtype),
         explained_variance_ratio=ratio[:n].astype(dtype),
         singular_values=s[:n].astype(dtype),
-        mean=mean.astype(dtype),
+        mean=mean,
         n_samples=count,
         projection=projection,
     )
