@@ -4,8 +4,9 @@
   once per block as a symmetric product) for ``x`` of shape ``(N, k)`` and ``y`` of shape
   ``(N,)`` or ``(N, m)``: a ReductionOp whose partials are ``[k, m]`` and add.
 * :class:`CoMoments` — the count, mean and centred cross-products of the columns of one
-  or two row-aligned arrays (``np.cov(x, y, rowvar=False)``): per sub-block a corrected
-  two-pass centring, merged with Chan's pairwise update for co-moments.
+  or two row-aligned arrays (``np.cov(x, y, rowvar=False)``): each block centred on a
+  shift (its first rows' mean), blocks merged with Chan's pairwise update for
+  co-moments.
 
 Float and complex products accumulate in float64 (complex128), one cache-sized sub-block
 at a time through a reused buffer; the result is cast to NumPy's dtype at the end
@@ -172,38 +173,51 @@ class CoMoments:
     def __repr__(self) -> str:
         return f"CoMoments({self.columns} variables, ddof={self.ddof})"
 
-    def _gather(
-        self, blocks: tuple[np.ndarray, ...], start: int, stop: int, out: np.ndarray
+    def _centre(
+        self, blocks: tuple[np.ndarray, ...], start: int, stop: int, shift: Any, out: np.ndarray
     ) -> None:
+        """Rows ``[start, stop)`` of the blocks side by side, minus ``shift``, into ``out``
+        (one pass: the cast to the accumulator dtype and the subtraction together)."""
         at = 0
         for block in blocks:
             piece = block[start:stop]
             width = _columns(block.shape[1:])
-            np.copyto(out[:, at : at + width], piece.reshape(len(piece), width), casting="unsafe")
+            np.subtract(
+                piece.reshape(len(piece), width),
+                shift[at : at + width],
+                out=out[:, at : at + width],
+                casting="unsafe",
+            )
             at += width
 
     def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
-        """This block's (count, shift, offset, comoments), by sub-blocks (None without rows)."""
+        """This block's (count, shift, offset, comoments) (None without rows).
+
+        The shift is the mean of the block's first sub-block; every sub-block is
+        centred on it while it is cast, and its sums (``ones @ dev``) and cross-products
+        (``dev.T @ dev``, BLAS) are added up; the co-moments about the block's mean are
+        then ``C - n d d^H`` with ``d`` the mean deviation, which is small against the
+        data's spread (the shift is a mean of the same data), so nothing cancels."""
         rows = check_blocks(blocks, self.in_dtypes, self.in_row_shapes, "np.cov")
         if rows == 0:
             return None
         step = _sub_rows(self.columns)
         buf = np.empty((min(step, rows), self.columns), self.acc)
-        partial: Partial = None
+        zero = np.zeros(self.columns, self.acc)
+        self._centre(blocks, 0, len(buf), zero, buf)
+        shift = buf.sum(axis=0) / len(buf)
+        ones = np.ones(len(buf), self.acc)
+        sums = np.zeros(self.columns, self.acc)
+        products = np.zeros((self.columns, self.columns), self.acc)
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             dev = buf[: stop - start]
-            self._gather(blocks, start, stop, dev)
-            count = stop - start
-            # Corrected two-pass (Chan, Golub, LeVeque): the deviations' own mean
-            # corrects the rounding of the first estimate.
-            guess = dev.sum(axis=0) / count
-            dev -= guess
-            correction = dev.sum(axis=0) / count
-            comoments = np.dot(dev.T, dev.conj()) - count * np.outer(correction, correction.conj())
-            one = (count, guess, correction, comoments)
-            partial = one if partial is None else self.combine(partial, one)
-        return partial
+            self._centre(blocks, start, stop, shift, dev)
+            sums += ones[: len(dev)] @ dev
+            products += dev.T @ (dev.conj() if dev.dtype.kind == "c" else dev)
+        offset = sums / rows
+        comoments = products - rows * np.outer(offset, offset.conj())
+        return (rows, shift, offset, comoments)
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """Chan's merge of two partials (neither is modified)."""

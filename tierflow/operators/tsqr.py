@@ -23,6 +23,8 @@ from .types import Partial
 
 __all__ = ["TallQR", "positive_diagonal"]
 
+_SUB_BYTES = 1 << 15  # float64 rows per LAPACK call: 32 KB (L1) for narrow arrays
+
 
 def positive_diagonal(r: np.ndarray) -> np.ndarray:
     """``r`` with each row whose diagonal entry is negative negated (in place)."""
@@ -75,15 +77,30 @@ class TallQR:
         return positive_diagonal(np.asarray(np.linalg.qr(stacked, mode="r")))
 
     def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
-        """This block's ``R`` (None without rows)."""
+        """This block's ``R`` (None without rows), a sub-block at a time: the ``R`` so far
+        stacked on the next rows and factored again, so LAPACK works in the cache."""
         rows = check_blocks(blocks, [self.in_dtype], [self.in_row_shape], "tall-skinny QR")
         if rows == 0:
             return None
-        stacked = np.empty((rows, self.columns), np.float64)
+        step = max(2 * self.columns, _SUB_BYTES // (8 * self.columns))
+        top = self.columns
+        buf = np.empty((top + min(step, rows), self.columns), np.float64)
         if self.with_ones:
-            stacked[:, 0] = 1.0
-        np.copyto(stacked[:, self.columns - self.in_row_shape[0] :], blocks[0], casting="unsafe")
-        return self._r(stacked)
+            buf[:, 0] = 1.0
+        first = self.columns - self.in_row_shape[0]
+        r: np.ndarray | None = None
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            body = buf[top : top + stop - start]
+            np.copyto(body[:, first:], blocks[0][start:stop], casting="unsafe")
+            if r is None:
+                r = np.asarray(np.linalg.qr(body, mode="r"))
+            else:
+                head = top - len(r)
+                buf[head:top] = r
+                r = np.asarray(np.linalg.qr(buf[head : top + stop - start], mode="r"))
+        assert r is not None
+        return positive_diagonal(r)
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """The ``R`` of two partials stacked."""
@@ -100,8 +117,9 @@ class TallQR:
         return np.asarray(partial)
 
     def temp_bytes(self, rows: int) -> int:
-        """The float64 copy of the block and LAPACK's copy of it."""
-        return 2 * rows * self.columns * 8 + 3 * self.partial_bytes()
+        """The sub-block buffer, LAPACK's copy of it, and a few ``R``."""
+        step = max(2 * self.columns, _SUB_BYTES // (8 * self.columns))
+        return 2 * (min(rows, step) + self.columns) * self.columns * 8 + 3 * self.partial_bytes()
 
     def partial_bytes(self) -> int:
         """Bytes of one ``R``."""
