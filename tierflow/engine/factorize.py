@@ -21,6 +21,9 @@ follow), and each row of ``Vh`` has its largest-magnitude entry positive, with U
 columns flipped to match (scikit-learn's ``svd_flip(u_based_decision=False)``, which its
 PCA uses). NumPy's own factors may differ from these by signs only.
 
+Each function runs its passes now, with ``options`` as :func:`tierflow.compute` takes
+them (``progress=False``, ``executor=``...).
+
 Dtypes: float32 (and float16) data give float32 results, as NumPy gives for float32;
 everything else gives float64. Complex data is refused.
 """
@@ -76,12 +79,18 @@ def _result_dtype(dtype: np.dtype) -> np.dtype:
     )
 
 
-def _r_factor(array: Array, with_ones: bool = False) -> np.ndarray:
+def _r_factor(array: Array, options: dict[str, Any], with_ones: bool = False) -> np.ndarray:
     node = array._node
     if not isinstance(node, Chunked):
-        node = from_array(array.compute())._node
+        node = from_array(array.compute(**options))._node
     assert isinstance(node, Chunked)
-    return np.asarray(_wrap(graph.Reduce(TallQRSpec(with_ones), (node,))).compute())
+    return np.asarray(_wrap(graph.Reduce(TallQRSpec(with_ones), (node,))).compute(**options))
+
+
+def _times(array: Array, w: np.ndarray) -> Array:
+    """``array @ w`` in float64: the cast first, so the product is one BLAS call per
+    sub-block (NumPy's matmul of float32 by float64 casts in small buffers, without BLAS)."""
+    return _cast(array, np.dtype(np.float64)) @ w
 
 
 def _cast(array: Array, dtype: np.dtype) -> Array:
@@ -106,7 +115,7 @@ class _Basis:
     r: np.ndarray
 
 
-def _basis(array: Array, r: np.ndarray, what: str) -> _Basis:
+def _basis(array: Array, r: np.ndarray, what: str, options: dict[str, Any]) -> _Basis:
     """The lazy orthonormal factor of ``array = Q r`` (see the module docstring)."""
     condition = float(np.linalg.cond(r)) if r.size else 1.0
     if not np.isfinite(condition) or condition > SINGULAR_CONDITION:
@@ -114,8 +123,8 @@ def _basis(array: Array, r: np.ndarray, what: str) -> _Basis:
     inverse = np.linalg.inv(r)
     if condition <= SAFE_CONDITION:
         return _Basis(array, inverse, r)
-    first = (array @ inverse).persist()
-    r1 = _r_factor(first)
+    first = _times(array, inverse).persist(**options)
+    r1 = _r_factor(first, options)
     return _Basis(first, np.linalg.inv(r1), r1 @ r)
 
 
@@ -124,7 +133,7 @@ def _small(array: Array) -> bool:
     return rows is not None and columns is not None and rows < columns
 
 
-def qr(x: Any, mode: str = "reduced") -> Any:
+def qr(x: Any, mode: str = "reduced", **options: Any) -> Any:
     """``np.linalg.qr(x, mode)`` of a tall ``(N, k)`` array: ``(Q, R)`` with ``Q`` a lazy
     ``(N, k)`` array and ``R`` a computed ``(k, k)`` NumPy array (R's diagonal
     non-negative); ``mode="r"`` gives R alone. Runs one pass now (R) and Q lazily (see
@@ -137,15 +146,15 @@ def qr(x: Any, mode: str = "reduced") -> Any:
     array = _tall(x, "tw.linalg.qr")
     dtype = _result_dtype(array.dtype)
     if _small(array):
-        q_small, r_small = np.linalg.qr(np.asarray(array.compute(), np.float64))
+        q_small, r_small = np.linalg.qr(np.asarray(array.compute(**options), np.float64))
         signs = np.where(np.diagonal(r_small) < 0, -1.0, 1.0)
         r_small = (r_small * signs[:, None]).astype(dtype)
         return r_small if mode == "r" else (from_array((q_small * signs).astype(dtype)), r_small)
-    r = _r_factor(array)
+    r = _r_factor(array, options)
     if mode == "r":
         return r.astype(dtype)
-    basis = _basis(array, r, "tw.linalg.qr(x)")
-    q = _cast(basis.rows @ basis.inverse, dtype)
+    basis = _basis(array, r, "tw.linalg.qr(x)", options)
+    q = _cast(_times(basis.rows, basis.inverse), dtype)
     return q, basis.r.astype(dtype)
 
 
@@ -160,7 +169,11 @@ def _flip(u: np.ndarray, vh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def svd(
-    x: Any, full_matrices: bool = True, compute_uv: bool = True, hermitian: bool = False
+    x: Any,
+    full_matrices: bool = True,
+    compute_uv: bool = True,
+    hermitian: bool = False,
+    **options: Any,
 ) -> Any:
     """``np.linalg.svd(x, full_matrices=False)`` of a tall ``(N, k)`` array: ``(U, S, Vh)``
     with ``U`` a lazy ``(N, k)`` array and ``S``, ``Vh`` computed NumPy arrays; ``S``
@@ -177,19 +190,19 @@ def svd(
         )
     dtype = _result_dtype(array.dtype)
     if _small(array):
-        values = np.asarray(array.compute(), np.float64)
+        values = np.asarray(array.compute(**options), np.float64)
         if not compute_uv:
             return np.linalg.svd(values, compute_uv=False).astype(dtype)
         u_small, s, vh = np.linalg.svd(values, full_matrices=False)
         u_small, vh = _flip(u_small, vh)
         return from_array(u_small.astype(dtype)), s.astype(dtype), vh.astype(dtype)
-    r = _r_factor(array)
+    r = _r_factor(array, options)
     if not compute_uv:
         return np.linalg.svd(r, compute_uv=False).astype(dtype)
-    basis = _basis(array, r, "tw.linalg.svd(x)")
+    basis = _basis(array, r, "tw.linalg.svd(x)", options)
     ur, s, vh = np.linalg.svd(basis.r)
     ur, vh = _flip(ur, vh)
-    u = _cast(basis.rows @ (basis.inverse @ ur), dtype)
+    u = _cast(_times(basis.rows, basis.inverse @ ur), dtype)
     return u, s.astype(dtype), vh.astype(dtype)
 
 
@@ -219,7 +232,7 @@ class PCA:
         return _cast((array - self.mean) @ self.components.T, self.projection.dtype)
 
 
-def pca(x: Any, n_components: int | None = None) -> PCA:
+def pca(x: Any, n_components: int | None = None, **options: Any) -> PCA:
     """The first ``n_components`` (default: all ``k``) principal components of the rows
     of ``x`` ``(N, k)``, in one pass: TSQR of ``[1 | x]`` gives the row count, the means
     and the R factor of the centred data (centring by orthogonal transformations, so
@@ -228,7 +241,7 @@ def pca(x: Any, n_components: int | None = None) -> PCA:
     ``1..min(N, k)``."""
     array = _tall(x, "tw.linalg.pca")
     dtype = _result_dtype(array.dtype)
-    r = _r_factor(array, with_ones=True)
+    r = _r_factor(array, options, with_ones=True)
     count = round(float(r[0, 0]) ** 2) if r.size else 0
     k = int(array.shape[1])  # type: ignore[arg-type]
     if count < 2:
