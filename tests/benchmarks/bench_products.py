@@ -188,6 +188,19 @@ def part_cgroup(path: Path, limit_mb: int) -> None:
         )
 
 
+def test_products_on_a_small_file(benchmark: Any, tmp_path: Path) -> None:
+    """``make bench``: parts 1-3 on a 3 MB file (results checked inside each part)."""
+    benchmark.group = "engine: products across the rows"
+    path = harness.make_npy(tmp_path / "x.npy", 100_000, WIDTH)
+
+    def run() -> None:
+        part_gram(path, 1)
+        part_cov(path, 1)
+        part_tsqr(path, 1)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=4.0, help="size of the float32 [N, 8] file")
