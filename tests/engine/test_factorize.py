@@ -229,6 +229,14 @@ def test_fewer_rows_than_columns_are_factored_in_memory() -> None:
     np.testing.assert_allclose(q.compute() @ r, a, atol=1e-12)
     u, s, vh = tw.linalg.svd(tw.from_array(a), full_matrices=False)
     np.testing.assert_allclose((u.compute() * s) @ vh, a, atol=1e-12)
+    tall = np.concatenate([a, np.full((20, 5), -100.0)])
+    x = tw.from_array(tall, rows=4)
+    masked = x[x[:, 0] > -50]  # the 3 rows of a, known only once computed
+    q, r = tw.linalg.qr(masked)
+    assert r.shape == (3, 5)
+    np.testing.assert_allclose(q.compute() @ r, a, atol=1e-12)
+    u, s, vh = tw.linalg.svd(masked, full_matrices=False)
+    np.testing.assert_allclose((u.compute() * s) @ vh, a, atol=1e-12)
 
 
 def test_factorisations_under_a_tiny_budget() -> None:

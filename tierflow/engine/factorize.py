@@ -133,6 +133,24 @@ def _small(array: Array) -> bool:
     return rows is not None and columns is not None and rows < columns
 
 
+def _qr_in_memory(array: Array, mode: str, dtype: np.dtype, options: dict[str, Any]) -> Any:
+    """NumPy's QR of a short array (fewer rows than columns), signs as :func:`qr`'s."""
+    q, r = np.linalg.qr(np.asarray(array.compute(**options), np.float64))
+    signs = np.where(np.diagonal(r) < 0, -1.0, 1.0)
+    r = (r * signs[:, None]).astype(dtype)
+    return r if mode == "r" else (from_array((q * signs).astype(dtype)), r)
+
+
+def _svd_in_memory(array: Array, compute_uv: bool, dtype: np.dtype, options: dict[str, Any]) -> Any:
+    """NumPy's SVD of a short array, signs as :func:`svd`'s."""
+    values = np.asarray(array.compute(**options), np.float64)
+    if not compute_uv:
+        return np.linalg.svd(values, compute_uv=False).astype(dtype)
+    u, s, vh = np.linalg.svd(values, full_matrices=False)
+    u, vh = _flip(u, vh)
+    return from_array(u.astype(dtype)), s.astype(dtype), vh.astype(dtype)
+
+
 def qr(x: Any, mode: str = "reduced", **options: Any) -> Any:
     """``np.linalg.qr(x, mode)`` of a tall ``(N, k)`` array: ``(Q, R)`` with ``Q`` a lazy
     ``(N, k)`` array and ``R`` a computed ``(k, k)`` NumPy array (R's diagonal
@@ -146,13 +164,12 @@ def qr(x: Any, mode: str = "reduced", **options: Any) -> Any:
     array = _tall(x, "tw.linalg.qr")
     dtype = _result_dtype(array.dtype)
     if _small(array):
-        q_small, r_small = np.linalg.qr(np.asarray(array.compute(**options), np.float64))
-        signs = np.where(np.diagonal(r_small) < 0, -1.0, 1.0)
-        r_small = (r_small * signs[:, None]).astype(dtype)
-        return r_small if mode == "r" else (from_array((q_small * signs).astype(dtype)), r_small)
+        return _qr_in_memory(array, mode, dtype, options)
     r = _r_factor(array, options)
     if mode == "r":
         return r.astype(dtype)
+    if len(r) < r.shape[1]:  # fewer rows than columns, known only now (after a mask)
+        return _qr_in_memory(array, mode, dtype, options)
     basis = _basis(array, r, "tw.linalg.qr(x)", options)
     q = _cast(_times(basis.rows, basis.inverse), dtype)
     return q, basis.r.astype(dtype)
@@ -190,15 +207,12 @@ def svd(
         )
     dtype = _result_dtype(array.dtype)
     if _small(array):
-        values = np.asarray(array.compute(**options), np.float64)
-        if not compute_uv:
-            return np.linalg.svd(values, compute_uv=False).astype(dtype)
-        u_small, s, vh = np.linalg.svd(values, full_matrices=False)
-        u_small, vh = _flip(u_small, vh)
-        return from_array(u_small.astype(dtype)), s.astype(dtype), vh.astype(dtype)
+        return _svd_in_memory(array, compute_uv, dtype, options)
     r = _r_factor(array, options)
     if not compute_uv:
         return np.linalg.svd(r, compute_uv=False).astype(dtype)
+    if len(r) < r.shape[1]:  # fewer rows than columns, known only now (after a mask)
+        return _svd_in_memory(array, compute_uv, dtype, options)
     basis = _basis(array, r, "tw.linalg.svd(x)", options)
     ur, s, vh = np.linalg.svd(basis.r)
     ur, vh = _flip(ur, vh)
