@@ -506,7 +506,8 @@ class Array:
     def transpose(self, *axes: Any) -> Any:
         """``x.transpose(axes)``: as :attr:`T` without axes (or with ``(1, 0)``); a block
         map when the row axis stays first."""
-        order = axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else axes
+        single = len(axes) == 1 and not isinstance(axes[0], (int, np.integer))
+        order = axes[0] if single else axes
         return products.transpose(self, order if order else None)
 
     @property
