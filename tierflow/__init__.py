@@ -8,6 +8,7 @@ arrays over files bigger than RAM.
 from __future__ import annotations
 
 from . import config, errors, memory
+from .engine import factorize as linalg
 from .engine.array import (
     Array,
     from_array,
@@ -51,6 +52,7 @@ __all__ = [
     "from_parquet",
     "from_raw",
     "from_zarr",
+    "linalg",
     "memory",
     "persist",
     "stack",

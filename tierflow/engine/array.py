@@ -498,6 +498,19 @@ class Array:
         return self._node.ndim
 
     @property
+    def T(self) -> Any:
+        """The transpose: lazy only as the left operand of ``@`` with an array of the
+        same rows (``x.T @ y``, ``x.T @ x``); see :mod:`tierflow.engine.products`."""
+        return products.transpose(self)
+
+    def transpose(self, *axes: Any) -> Any:
+        """``x.transpose(axes)``: as :attr:`T` without axes (or with ``(1, 0)``); a block
+        map when the row axis stays first."""
+        single = len(axes) == 1 and not isinstance(axes[0], (int, np.integer))
+        order = axes[0] if single else axes
+        return products.transpose(self, order if order else None)
+
+    @property
     def size(self) -> int | None:
         """Number of elements (None while the row count is unknown)."""
         if any(n is None for n in self.shape):
@@ -806,6 +819,8 @@ class Array:
         return self.round(ndigits or 0)
 
     def __matmul__(self, other: Any) -> Array:
+        if isinstance(other, products.Transposed):
+            other.__rmatmul__(self)
         return functions.matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Array:
@@ -1443,4 +1458,4 @@ def _probe(
 
 # The NumPy-function and module-level operations need Array, so they import it; Array's
 # methods reach them through this module attribute, bound once both modules exist.
-from . import functions  # noqa: E402
+from . import functions, products  # noqa: E402

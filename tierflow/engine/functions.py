@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import graph, specs
+from . import graph, products, specs
 from .array import (
     Array,
     _align,
@@ -366,3 +366,5 @@ FUNCTIONS.update(quantiles.FUNCTIONS)
 from . import frequencies  # noqa: E402 -- it imports this module's neighbours, not this module
 
 FUNCTIONS.update(frequencies.FUNCTIONS)
+
+FUNCTIONS.update(products.FUNCTIONS)
