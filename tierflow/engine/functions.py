@@ -17,6 +17,7 @@ from .array import (
     Array,
     _align,
     _as_value,
+    _deferred,
     _describe_shape,
     _elementwise,
     _node_of,
@@ -30,8 +31,44 @@ from .graph import Chunked, ElemOp, Value
 __all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
 
 
+def _contract_later(left: Any, right: Any) -> Array:
+    """``left @ right``, a product over rows that are unknown until counted."""
+    inputs = [n for n in (left, right) if isinstance(n, graph.Node)]
+
+    def placeholder(n: Any, other: Any, side: str) -> Any:
+        # The unknown row count stands as the other operand's matching axis.
+        value = graph.placeholder(n) if isinstance(n, graph.Node) else np.asarray(n)
+        if not (isinstance(n, Chunked) and n.n_rows is None):
+            return value
+        shape = np.shape(graph.placeholder(other) if isinstance(other, graph.Node) else other)
+        rows = (shape[0] if len(shape) == 1 else shape[-2]) if side == "left" else shape[-1]
+        return np.zeros((rows, *value.shape[1:]), value.dtype)
+
+    with graph._quiet():
+        x = placeholder(left, right, "left")
+        w = placeholder(right, left, "right")
+        result = np.asarray(np.matmul(x, w))
+    return _deferred(
+        inputs,
+        lambda lookup: (
+            matmul(
+                lookup(left) if isinstance(left, graph.Node) else left,
+                lookup(right) if isinstance(right, graph.Node) else right,
+            )._node
+        ),
+        (result.dtype, result.shape),
+        "matmul",
+        ("matmul", [n if not isinstance(n, graph.Node) else "node" for n in (left, right)]),
+        rows=False,
+    )
+
+
 def matmul(a: Any, b: Any) -> Array:
     left, right = _node_of(a), _node_of(b)
+    unknown_left = isinstance(left, Chunked) and left.n_rows is None
+    unknown_right = isinstance(right, Chunked) and right.n_rows is None
+    if (unknown_left and left.ndim == 1) or (unknown_right and not isinstance(left, Chunked)):
+        return _contract_later(left, right)
     if isinstance(left, Chunked) and isinstance(right, Chunked):
         right = _as_value(right)
     if isinstance(left, Chunked):

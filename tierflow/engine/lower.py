@@ -49,6 +49,7 @@ from .program import (
     Accumulator,
     CachedStep,
     ConcatStep,
+    CountedStep,
     FilterStep,
     KernelStep,
     Program,
@@ -245,6 +246,8 @@ class Lowering:
             return FilterStep(node, self.step(node.inputs[0]), mask)
         if isinstance(node, graph.Concat):
             return ConcatStep(node, [self.step(i) for i in node.inputs])
+        if isinstance(node, graph.Counted):
+            return CountedStep(node, self.step(node.inputs[0]))
         raise TypeError(f"cannot lower {node!r}")
 
     def _fusable(self, node: Node) -> bool:

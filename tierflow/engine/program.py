@@ -447,6 +447,40 @@ class FilterStep(Step):
         return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
 
 
+class CountedStep(Step):
+    """Rows of a counted node (:class:`graph.Counted`): each block that holds some of
+    the rows asked for is computed whole (by its index, as before counting) and cut."""
+
+    node: graph.Counted
+
+    def __init__(self, node: graph.Counted, source: Step) -> None:
+        self.node = node
+        self.source = source
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        assert isinstance(req, RowRange)
+        parts = [
+            self.source.host(ctx, BlockIndex(j))[lo:hi]
+            for j, lo, hi in self.node.pieces(req.start, req.stop)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return np.empty((0, *self.node.row_shape), self.node.dtype)
+        return np.concatenate(parts)
+
+    def children(self) -> list[Step]:
+        return [self.source]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        assert isinstance(req, RowRange)
+        for j, _, _ in self.node.pieces(req.start, req.stop):
+            yield from self.source.sources(BlockIndex(j))
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
+
+
 class ConcatStep(Step):
     node: graph.Concat
 
