@@ -540,6 +540,27 @@ def _make_method(
     return getattr(Array(lookup(target)), name)(*values, **kwargs)._node
 
 
+def _line_up_later(nodes: Sequence[Node]) -> bool:
+    """Whether chunked ``nodes`` have rows that line up (or not) only once counted: some
+    unknown, and either some known or from different masks."""
+    chunked = [n for n in nodes if isinstance(n, Chunked)]
+    unknown = [n for n in chunked if n.n_rows is None]
+    if not unknown:
+        return False
+    return len(unknown) < len(chunked) or any(n.origin != unknown[0].origin for n in unknown)
+
+
+def _defer_function(fn: Callable[..., Array], nodes: Sequence[Node], what: str) -> Array:
+    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted."""
+    rows = [np.zeros((1, *(int(d or 0) for d in n.shape[1:])), n.dtype) for n in nodes]
+    dtype, shape = _probe_meta(lambda: np.asarray(fn(rows)))
+
+    def make(lookup: Callable[[Node], Node]) -> Node:
+        return fn([Array(lookup(n)) for n in nodes])._node
+
+    return _deferred(nodes, make, (dtype, shape[1:]), what, (what, len(nodes)))
+
+
 def _defer_method(  # noqa: PLR0913 -- the method's call, and what the result is
     target: Node,
     name: str,

@@ -34,6 +34,8 @@ that meets one first *counts*, then builds, then plans as usual::
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -179,17 +181,21 @@ def _has_deferred(node: Node, memo: dict[int, bool]) -> bool:
 # -- rebuilding the graph on counted nodes ------------------------------------------------
 
 
+def _build_deferred(node: graph.DeferredRows | graph.DeferredValue, inputs: list[Node]) -> Node:
+    """The deferred operation built, once its inputs' rows are known; else itself (on
+    ``inputs``)."""
+    if all(not isinstance(i, Chunked) or i.n_rows is not None for i in inputs):
+        return node.make(inputs)
+    if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
+        return node
+    meta = (node.dtype, node.shape[1:] if isinstance(node, Chunked) else node.shape)
+    return type(node)(inputs, node.make, meta, node.what, node.raw_token)  # type: ignore[arg-type]
+
+
 def _rebuild(node: Node, inputs: list[Node]) -> Node:
     """``node`` built again on ``inputs`` (its inputs, some of them replaced)."""
     if isinstance(node, (graph.DeferredRows, graph.DeferredValue)):
-        if all(not isinstance(i, Chunked) or i.n_rows is not None for i in inputs):
-            return node.make(inputs)
-        if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
-            return node
-        meta = (node.dtype, node.shape[1:] if isinstance(node, Chunked) else node.shape)
-        again = type(node)(inputs, node.make, meta, node.what)  # type: ignore[arg-type]
-        again.token = node.token
-        return again
+        return _build_deferred(node, inputs)
     if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
         return node
     new = dict(zip(map(id, node.inputs), inputs, strict=True))
@@ -216,6 +222,8 @@ def _rebuild(node: Node, inputs: list[Node]) -> Node:
     elif isinstance(node, graph.RowTake):
         made = graph.RowTake(inputs[0], node.positions, node.rows)  # type: ignore[arg-type]
     elif isinstance(node, graph.Counted):
+        if isinstance(inputs[0], graph.Counted):
+            return inputs[0]  # its input was counted again, with the same counts
         made = graph.Counted(inputs[0], node.counts)  # type: ignore[arg-type]
     elif isinstance(node, graph.Apply):
         made = graph.Apply(
@@ -230,8 +238,34 @@ def _rebuild(node: Node, inputs: list[Node]) -> Node:
     return made
 
 
+# Counts by origin, for origins made of keys only (a mask's key and the blocks it is cut
+# in): an array masked again by an equal mask finds its counts here.
+_KNOWN: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+_KNOWN_MAX = 256  # origins remembered, least recently used leave first
+_LOCK = threading.Lock()
+
+
+def _by_content(origin: Any) -> bool:
+    """Whether ``origin`` is made of keys and numbers only (no node objects)."""
+    if isinstance(origin, tuple):
+        return all(_by_content(o) for o in origin)
+    return origin is None or isinstance(origin, (str, int))
+
+
+def _remember(origin: Any, counts: tuple[int, ...]) -> None:
+    if _by_content(origin):
+        with _LOCK:
+            _KNOWN[origin] = counts
+            _KNOWN.move_to_end(origin)
+            while len(_KNOWN) > _KNOWN_MAX:
+                _KNOWN.popitem(last=False)
+
+
 def _counts_of(root: Chunked, table: dict[Any, tuple[int, ...]]) -> tuple[int, ...] | None:
     found = root.row_counts if root.row_counts is not None else table.get(root.origin)
+    if found is None and _by_content(root.origin):
+        with _LOCK:
+            found = _KNOWN.get(root.origin)
     if found is None or len(found) != root.nblocks:
         return None
     return found
@@ -296,6 +330,7 @@ def resolve(
         for (origin, root), value in zip(first.items(), values, strict=True):
             table[origin] = tuple(int(v) for v in np.asarray(value))
             root.row_counts = table[origin]
+            _remember(origin, table[origin])
         for root in wanted:
             root.row_counts = table[root.origin]
         names = ", ".join(str(r.spec.label()) for r in reductions)
@@ -311,7 +346,10 @@ def known_rows(node: Node) -> int | None:
     """``node``'s row count where the counts it needs are known (no pass is run);
     None otherwise."""
     nodes = graph.walk([node])
-    if not any(isinstance(n, Chunked) and n.row_counts is not None for n in nodes):
+    if not any(
+        isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {})
+        for n in nodes
+    ):
         return None
     try:
         (built,) = _rewrite([node], {})

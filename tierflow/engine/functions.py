@@ -17,9 +17,11 @@ from .array import (
     Array,
     _align,
     _as_value,
+    _defer_function,
     _deferred,
     _describe_shape,
     _elementwise,
+    _line_up_later,
     _node_of,
     _result_shape,
     _value_apply,
@@ -174,6 +176,10 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         if len(chunked) == 1:
             return items[0]
         return _wrap(graph.Concat(chunked))
+    if _line_up_later(chunked):
+        return _defer_function(
+            lambda xs: concatenate(xs, axis=axis), chunked, f"concatenate(axis={axis})"
+        )
     rows = {n.n_rows for n in chunked}
     if len(rows) > 1:
         raise ValueError(
@@ -201,6 +207,8 @@ def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
             "axis, or concatenate along the rows"
         )
     chunked = tuple(n for n in nodes if isinstance(n, Chunked))
+    if len(chunked) == len(nodes) and _line_up_later(chunked):
+        return _defer_function(lambda xs: stack(xs, axis=axis), chunked, f"stack(axis={axis})")
     shapes = {n.shape for n in chunked}
     if len(chunked) != len(nodes) or len(shapes) > 1:
         raise ValueError(

@@ -680,7 +680,11 @@ class DeferredRows(Chunked):
         )
         self.make = make
         self.what = what
+        self.raw_token = token
         self.token = identity.token((what, token))
+        # The same operation built twice (the same key) has the same rows.
+        ident = self.ident
+        self.origin = ("deferred", self if ident.startswith("id:") else ident)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -711,6 +715,7 @@ class DeferredValue(Value):
         super().__init__(inputs, dtype, shape)
         self.make = make
         self.what = what
+        self.raw_token = token
         self.token = identity.token((what, token))
 
     def __getstate__(self) -> dict[str, Any]:
