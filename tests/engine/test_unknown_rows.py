@@ -281,3 +281,15 @@ def test_count_partials_add_up_over_pieces_of_blocks() -> None:
     merged = by_index.combine(by_index.combine([pieces[0]], [pieces[1]]), pieces[2:])
     assert by_index.aggregate(merged).tolist() == [5, 0, 1]
     assert by_index.aggregate(None).tolist() == [0, 0, 0]
+
+
+def test_to_dask_needs_the_counts_and_computes_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("dask.array")
+    a = np.arange(60.0).reshape(20, 3) % 7
+    np.save(tmp_path / "x.npy", a)  # a new file: its masks were never counted
+    x = tw.from_npy(tmp_path / "x.npy", rows=3)
+    y = x[x[:, 0] > 2][::-1]
+    with pytest.raises(ValueError, match=r"call len\(\) on the array first"):
+        y.to_dask()
+    assert len(y) == int((a[:, 0] > 2).sum())
+    np.testing.assert_array_equal(y.to_dask().compute(scheduler="sync"), a[a[:, 0] > 2][::-1])
