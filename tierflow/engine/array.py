@@ -16,7 +16,9 @@ blocks:
   result of a reduction) is a *broadcast constant*: it is computed first and held in
   memory whole;
 * after a boolean mask the number of rows is unknown (``shape[0]`` is None) until
-  computed; such arrays combine only with arrays cut by the same mask.
+  counted; such arrays combine row by row with arrays cut by the same mask, and an
+  operation that needs the row count (a row slice, ``x[i]``, ``argmax``, other rows)
+  waits for a pass that counts rows per block (:mod:`tierflow.engine.counting`).
 """
 
 from __future__ import annotations

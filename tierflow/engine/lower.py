@@ -18,7 +18,8 @@
   :class:`~tierflow.operators.fused.FusedReduction`: no block-sized intermediate at all.
   A trailing-axis reduction, ``@ w`` or a trailing index after an elementwise tree is the
   kernel's epilogue.
-* Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step.
+* Every other node (sources, ``map_blocks``, slices, masks, concatenation, counted
+  rows) is one step.
 * A node the compute caches (:mod:`tierflow.engine.cache`) is never fused into its
   consumers: its step is wrapped in a :class:`~tierflow.engine.program.CachedStep`.
 * A pass that asks for a device (:func:`tierflow.engine.offload.pass_device`) gets the
