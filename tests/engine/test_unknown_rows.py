@@ -293,3 +293,25 @@ def test_to_dask_needs_the_counts_and_computes_nothing(tmp_path: Path) -> None:
         y.to_dask()
     assert len(y) == int((a[:, 0] > 2).sum())
     np.testing.assert_array_equal(y.to_dask().compute(scheduler="sync"), a[a[:, 0] > 2][::-1])
+
+
+def test_a_counted_block_projects_the_whole_blocks_it_is_cut_from() -> None:
+    from tierflow.engine.plan import Target, build_plan
+
+    a = np.arange(3000.0).reshape(1000, 3)
+    x = tw.from_array(a, rows=100)
+    few = x[x[:, 0] > 2900]  # 33 rows, all from the last block of 100
+    assert len(few) == 33
+
+    def no_count(reductions: list[Any]) -> list[Any]:
+        raise AssertionError("counted already")
+
+    (built,), _ = counting.resolve([few[::-1].sum(axis=0)._node], no_count)
+    plan = build_plan([Target(built)], workers=2, budget=1 << 30)
+    (block,) = [t for t in plan.tasks if t.block]
+    assert block.rows == 33
+    # The filter computes its whole input block (100 rows of 3 float64) before the mask:
+    # the counted step projects what that takes beyond 33 rows.
+    (counted,) = [s for s in plan.programs[0].steps() if type(s).__name__ == "CountedStep"]
+    assert counted.memory(33, False).temps >= (100 - 33) * 3 * 8
+    assert block.memory.total >= counted.memory(33, False).total
