@@ -72,6 +72,13 @@ CASES: dict[str, Callable[[Any, int], Any]] = {
     "[[3, 0, 7]][::-1]": lambda v, n: v[2:][::-1][1:],
     "reshape(n, 1, 3)": lambda v, n: v.reshape(n, 1, 3),
     "[::-1] + known rows": lambda v, n: v[::-1] + np.arange(3.0 * n).reshape(n, 3),
+    "divmod(x, x[::-1] + 1)[1]": lambda v, n: np.divmod(v, v[::-1] + 1)[1],
+    "stack with reversed": lambda v, n: (tw if isinstance(v, tw.Array) else np).stack(
+        [v, v[::-1]], axis=1
+    ),
+    "map_blocks with reversed": lambda v, n: (
+        v.map_blocks(np.add, v[::-1]) if isinstance(v, tw.Array) else v + v[::-1]
+    ),
 }
 
 

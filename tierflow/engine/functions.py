@@ -22,6 +22,7 @@ from .array import (
     _describe_shape,
     _elementwise,
     _line_up_later,
+    _NeedsCount,
     _node_of,
     _result_shape,
     _value_apply,
@@ -100,7 +101,10 @@ def multi_output(
     ufunc: np.ufunc, inputs: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Array, ...]:
     nodes = [_node_of(i) for i in inputs]
-    shape = _result_shape(nodes)
+    try:
+        shape = _result_shape(nodes)
+    except _NeedsCount:
+        return _multi_output_later(ufunc, nodes, kwargs)
     aligned = _align(nodes, shape)
     chunked = [a for a in aligned if isinstance(a, Chunked)]
     if not chunked:
@@ -120,6 +124,30 @@ def multi_output(
         _wrap(graph.BlockMap(specs.UfuncOutSpec(ufunc, k, kwargs, template), blocks, values))
         for k in range(ufunc.nout)
     )
+
+
+def _multi_output_later(
+    ufunc: np.ufunc, nodes: list[Any], kwargs: dict[str, Any]
+) -> tuple[Array, ...]:
+    """The outputs of ``ufunc`` on operands whose rows line up only once counted."""
+    inputs = [n for n in nodes if isinstance(n, graph.Node)]
+    probes = [
+        np.zeros((1, *n.shape[1:]), n.dtype) if isinstance(n, np.ndarray) and n.ndim else n
+        for n in nodes
+    ]
+    with graph._quiet():
+        results = ufunc(*graph.substitute(probes, graph.placeholder), **kwargs)
+    outputs = []
+    for k, probe in enumerate(results):
+        meta = (np.asarray(probe).dtype, np.shape(probe)[1:])
+
+        def make(lookup: Callable[[graph.Node], graph.Node], k: int = k) -> graph.Node:
+            swapped = [lookup(n) if isinstance(n, graph.Node) else n for n in nodes]
+            return multi_output(ufunc, swapped, kwargs)[k]._node
+
+        what = f"{ufunc.__name__}[{k}]"
+        outputs.append(_deferred(inputs, make, meta, what, (what, kwargs, len(nodes))))
+    return tuple(outputs)
 
 
 REDUCE_UFUNCS = {
