@@ -1421,7 +1421,8 @@ class Array:
         if key.step is not None and operator.index(key.step) == 0:
             raise ValueError("slice step cannot be zero")
         if node.n_rows is None:
-            what = f"rows[{key.start if key.start is not None else ''}:{key.stop if key.stop is not None else ''}:{key.step if key.step is not None else ''}]"
+            parts = (key.start, key.stop) if key.step is None else (key.start, key.stop, key.step)
+            what = "rows[" + ":".join("" if p is None else str(p) for p in parts) + "]"
             return _defer_method(node, "_rows", (key,), (node.dtype, node.row_shape), what)
         if key.indices(node.n_rows) == (0, node.n_rows, 1):
             return self
