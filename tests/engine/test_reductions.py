@@ -82,10 +82,9 @@ def test_argmin_argmax_use_global_row_numbers(path: str) -> None:
     x = tw.from_npy(path, rows=333)
     assert x.argmin().compute() == a.argmin()
     np.testing.assert_array_equal(x.argmax(axis=0).compute(), a.argmax(axis=0))
-    with pytest.raises(
-        ValueError, match="argmin over the rows of an array whose row count is unknown"
-    ):
-        x[x[:, 0] > 0].argmin()
+    keep = a[:, 0] > 0
+    assert x[x[:, 0] > 0].argmin().compute() == a[keep].argmin()
+    np.testing.assert_array_equal(x[x[:, 0] > 0].argmax(axis=0).compute(), a[keep].argmax(0))
 
 
 def test_histogram_with_a_range_and_with_edges(path: str) -> None:

@@ -16,11 +16,14 @@ blocks:
   result of a reduction) is a *broadcast constant*: it is computed first and held in
   memory whole;
 * after a boolean mask the number of rows is unknown (``shape[0]`` is None) until
-  computed; such arrays combine only with arrays cut by the same mask.
+  counted; such arrays combine row by row with arrays cut by the same mask, and an
+  operation that needs the row count (a row slice, ``x[i]``, ``argmax``, other rows)
+  waits for a pass that counts rows per block (:mod:`tierflow.engine.counting`).
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 import operator
@@ -37,7 +40,7 @@ from ..operators import selection
 from ..storage import sources as storage_sources
 from ..storage import stream
 from ..system import devices
-from . import blocksize, graph, ops, specs
+from . import blocksize, counting, graph, ops, specs
 from .graph import Chunked, ElemOp, Node, Value
 from .sources import ArrayReader, FileReader, FileRows, FilesReader
 
@@ -330,6 +333,10 @@ def _describe_shape(shape: tuple[int | None, ...]) -> str:
     )
 
 
+class _NeedsCount(ValueError):
+    """Operands line up only once their rows are counted (see :func:`_deferred`)."""
+
+
 def _result_shape(operands: Sequence[Any]) -> tuple[int | None, ...]:
     """NumPy's broadcast shape, with None for an unknown row count."""
     shapes = [_shape_of(o) for o in operands]
@@ -343,19 +350,18 @@ def _result_shape(operands: Sequence[Any]) -> tuple[int | None, ...]:
         s[0] for s in shapes if len(s) == ndim and ndim and s[0] is not None and s[0] != 1
     }
     if unknown and known_rows:
-        raise ValueError(
+        raise _NeedsCount(
             "row counts do not match: "
             + " and ".join(_describe_shape(s) for s in shapes if len(s) == ndim)
             + " ('?' is a row count that is unknown until computed, after a boolean mask); "
-            "persist() the masked array first, or mask both arrays with the same mask"
+            "they are compared once counted"
         )
     if len(unknown) > 1:
         first = unknown[0].origin
         if any(o.origin != first for o in unknown[1:]):
-            raise ValueError(
-                "cannot combine arrays whose row counts are unknown and come from different "
-                "masks or files: their rows need not line up; mask both with the same mask "
-                "array, or persist() them first"
+            raise _NeedsCount(
+                "arrays whose row counts are unknown and come from different masks or files "
+                "line up only once counted"
             )
     big = 2**31 - 1  # stands in for the unknown row count while NumPy checks the rest
     subst = [tuple(big if n is None else n for n in s) for s in shapes]
@@ -432,7 +438,10 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
     nodes = [_node_of(o) for o in operands]
     for n in nodes:
         _check_meta(n)
-    shape = _result_shape(nodes)
+    try:
+        shape = _result_shape(nodes)
+    except _NeedsCount:
+        return _deferred_elementwise(op, nodes)
     aligned = _align(nodes, shape)
     if any(isinstance(a, Chunked) for a in aligned):
         return _wrap(graph.Elementwise(op, tuple(aligned)))
@@ -463,6 +472,114 @@ def _reduce_value(kind: str) -> Callable[..., Any]:
 _VALUED = frozenset({"prepend", "append"})
 
 
+# -- operations that wait for row counts ------------------------------------------------
+#
+# An operation that needs the row count of an array whose rows are unknown (after a
+# boolean mask) is a deferred node: a compute counts rows per block first, then builds
+# it with the same method on the counted array (see tierflow.engine.counting).
+
+
+def _deferred(  # noqa: PLR0913 -- the operation, and what its result is
+    inputs: Sequence[Node],
+    make: Callable[[Callable[[Node], Node]], Node],
+    meta: tuple[Any, tuple[Any, ...]],
+    what: str,
+    token: Any = None,
+    rows: bool = True,
+) -> Array:
+    """A deferred node over ``inputs``: chunked rows of ``meta = (dtype, row shape)``
+    when ``rows``, else a value of ``meta = (dtype, shape)``. ``make(lookup)`` builds
+    the operation, ``lookup`` giving the counted node for each input."""
+    unique = list({id(n): n for n in inputs}.values())
+    kind = graph.DeferredRows if rows else graph.DeferredValue
+    return _wrap(kind(unique, functools.partial(_made, make, unique, rows), meta, what, token))
+
+
+def _made(
+    make: Callable[[Callable[[Node], Node]], Node], old: list[Node], rows: bool, inputs: list[Node]
+) -> Node:
+    """``make`` on the counted inputs; a chunked result of a value's operation is held."""
+    table = {id(o): n for o, n in zip(old, inputs, strict=True)}
+    node = make(lambda n: table.get(id(n), n))
+    if not rows and isinstance(node, Chunked):
+        return _as_value(node)
+    return node
+
+
+def _probe_meta(fn: Callable[..., Any], *args: Any) -> tuple[np.dtype, tuple[int, ...]]:
+    """Dtype and shape of ``fn`` on zero placeholders (unknown rows count as 1)."""
+    with graph._quiet():
+        probe = np.asarray(fn(*graph.substitute(args, graph.placeholder)))
+    return probe.dtype, probe.shape
+
+
+def _deferred_elementwise(op: ElemOp, nodes: list[Any]) -> Array:
+    """``op`` on operands whose rows line up only once counted."""
+    inputs = [n for n in nodes if isinstance(n, Node)]
+    shaped = [
+        np.zeros((1, *n.shape[1:]), n.dtype) if isinstance(n, np.ndarray) and n.ndim else n
+        for n in nodes
+    ]
+    dtype, shape = _probe_meta(op.apply, *shaped)
+    make = functools.partial(_make_elementwise, op, tuple(nodes))
+    return _deferred(inputs, make, (dtype, shape[1:]), op.label(), (op.params(), len(nodes)))
+
+
+def _make_elementwise(op: ElemOp, nodes: tuple[Any, ...], lookup: Callable[[Node], Node]) -> Node:
+    return _elementwise(op, *(lookup(n) if isinstance(n, Node) else n for n in nodes))._node
+
+
+def _make_method(
+    name: str,
+    target: Node,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lookup: Callable[[Node], Node],
+) -> Node:
+    """``Array(target).<name>(*args, **kwargs)`` on the counted nodes (nodes among
+    ``args`` as Arrays)."""
+    values = [Array(lookup(a)) if isinstance(a, Node) else a for a in args]
+    return getattr(Array(lookup(target)), name)(*values, **kwargs)._node
+
+
+def _line_up_later(nodes: Sequence[Node]) -> bool:
+    """Whether chunked ``nodes`` have rows that line up (or not) only once counted: some
+    unknown, and either some known or from different masks."""
+    chunked = [n for n in nodes if isinstance(n, Chunked)]
+    unknown = [n for n in chunked if n.n_rows is None]
+    if not unknown:
+        return False
+    return len(unknown) < len(chunked) or any(n.origin != unknown[0].origin for n in unknown)
+
+
+def _defer_function(fn: Callable[..., Array], nodes: Sequence[Node], what: str) -> Array:
+    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted."""
+    rows = [np.zeros((1, *(int(d or 0) for d in n.shape[1:])), n.dtype) for n in nodes]
+    dtype, shape = _probe_meta(lambda: np.asarray(fn(rows)))
+
+    def make(lookup: Callable[[Node], Node]) -> Node:
+        return fn([Array(lookup(n)) for n in nodes])._node
+
+    return _deferred(nodes, make, (dtype, shape[1:]), what, (what, len(nodes)))
+
+
+def _defer_method(  # noqa: PLR0913 -- the method's call, and what the result is
+    target: Node,
+    name: str,
+    args: tuple[Any, ...],
+    meta: tuple[Any, tuple[Any, ...]],
+    what: str,
+    rows: bool = True,
+    kwargs: dict[str, Any] | None = None,
+) -> Array:
+    """``Array(target).<name>(*args, **kwargs)`` once the rows are counted."""
+    kwargs = kwargs or {}
+    make = functools.partial(_make_method, name, target, args, kwargs)
+    inputs = [target, *(a for a in args if isinstance(a, Node))]
+    token = (name, [a if not isinstance(a, Node) else "node" for a in args], kwargs)
+    return _deferred(inputs, make, meta, what, token, rows)
+
+
 # -- the Array --------------------------------------------------------------------------
 
 
@@ -484,8 +601,15 @@ class Array:
 
     @property
     def shape(self) -> tuple[int | None, ...]:
-        """The shape; the row count is None until computed after a boolean mask."""
-        return self._node.shape
+        """The shape; the row count is None after a boolean mask until its rows are
+        counted (by ``len()``, or a compute that needed the count)."""
+        node = self._node
+        shape = node.shape
+        if shape and shape[0] is None:
+            n = counting.known_rows(node)
+            if n is not None:
+                return (n, *shape[1:])
+        return shape
 
     @property
     def dtype(self) -> np.dtype:
@@ -556,10 +680,12 @@ class Array:
         if not self.shape:
             raise TypeError("len() of a 0-d array")
         if n is None:
-            raise TypeError(
-                "len() of an array whose row count is unknown until computed (after a "
-                "boolean mask); compute() or persist() it first"
-            )
+            # One pass that counts rows per block (the mask's true values); the counts
+            # are kept, so later operations and computes do not count again.
+            from .compute import resolve_rows
+
+            n = resolve_rows(self._node).shape[0]
+            assert n is not None
         return n
 
     def __iter__(self) -> Any:
@@ -910,12 +1036,13 @@ class Array:
                 graph.BlockMap(specs.RowwiseSpec(kind, axis, keepdims, dtype, ddof), (node,))
             )
         spec = specs.KindSpec(kind, axis, keepdims, dtype, ddof)
+        reduce = graph.Reduce(spec, (node,))
         if spec.needs_offset and node.n_rows is None:
-            raise ValueError(
-                f"{kind} over the rows of an array whose row count is unknown (after a "
-                "boolean mask) needs each block's first row; persist() the array first"
-            )
-        return _wrap(graph.Reduce(spec, (node,)))
+            # Each block's first row is known once the rows are counted.
+            args = (kind, axis, keepdims, dtype, ddof)
+            meta = (reduce.dtype, reduce.shape)
+            return _defer_method(node, "_reduce", args, meta, spec.label(), rows=False)
+        return _wrap(reduce)
 
     def sum(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
         """Sum over ``axis`` (None: all). Float data accumulates in float64."""
@@ -1019,18 +1146,26 @@ class Array:
         node = self._node
         if not isinstance(node, Chunked):
             raise TypeError("x.reduction() reduces the rows of a chunked array")
-        if with_offset and node.n_rows is None:
-            raise ValueError(
-                "a reduction with_offset=True needs each block's first row, unknown after "
-                "a boolean mask; persist() the array first"
-            )
         options = red.ReductionOptions(
             with_offset=with_offset, commutative=commutative, out_dtype=dtype,
             out_shape=None if shape is None else tuple(shape), partial_bytes=partial_bytes,
             name=name,
         )  # fmt: skip
         op = red.Reduction(chunk, combine, aggregate, options)
-        return _wrap(graph.Reduce(specs.UserSpec(op, (chunk, combine, aggregate)), (node,)))
+        reduce = graph.Reduce(specs.UserSpec(op, (chunk, combine, aggregate)), (node,))
+        if with_offset and node.n_rows is None:
+            # Each block's first row is known once the rows are counted.
+            kwargs = {
+                "dtype": dtype, "shape": shape, "with_offset": True,
+                "commutative": commutative, "partial_bytes": partial_bytes, "name": name,
+            }  # fmt: skip
+            meta = (reduce.dtype, reduce.shape)
+            out = _defer_method(
+                node, "reduction", (chunk, combine, aggregate), meta, reduce.label(), False, kwargs
+            )
+            out._node.meta_known = reduce.meta_known  # type: ignore[attr-defined]
+            return out
+        return _wrap(reduce)
 
     # -- blockwise --------------------------------------------------------------------
 
@@ -1064,16 +1199,19 @@ class Array:
         node = self._node
         arrays = [self, *(from_array(o) for o in others)]
         nodes = [a._node for a in arrays]
+        counted = False  # rows that line up only once counted
         for extra in nodes[1:]:
             if not isinstance(extra, Chunked) or not isinstance(node, Chunked):
                 raise TypeError(
                     "map_blocks: extra arrays must be chunked arrays with the same rows"
                 )
-            if extra.n_rows != node.n_rows or (node.n_rows is None and extra.origin != node.origin):
+            if None not in (extra.n_rows, node.n_rows) and extra.n_rows != node.n_rows:
                 raise ValueError(
                     f"map_blocks: the arrays have different rows: {_describe_shape(node.shape)} "
                     f"and {_describe_shape(extra.shape)}"
                 )
+            if extra.n_rows != node.n_rows or (node.n_rows is None and extra.origin != node.origin):
+                counted = True
         resolved = _device(device)
         if isinstance(node, Value):
             if others:
@@ -1083,6 +1221,11 @@ class Array:
             probe_dtype, probe_shape = _probe(fn, nodes, resolved, kwargs)
             dtype = probe_dtype if dtype is None else dtype
             row_shape = probe_shape if row_shape is None else row_shape
+        if counted:
+            options = {"dtype": dtype, "row_shape": row_shape, "device": device, **kwargs}
+            meta = (np.dtype(dtype), tuple(row_shape))
+            what = f"map_blocks({getattr(fn, '__qualname__', 'fn')})"
+            return _defer_method(node, "map_blocks", (fn, *nodes[1:]), meta, what, True, options)
         spec = specs.MapSpec(fn, np.dtype(dtype), tuple(row_shape), resolved, kwargs)
         return _wrap(graph.BlockMap(spec, tuple(nodes)))  # type: ignore[arg-type]
 
@@ -1172,6 +1315,9 @@ class Array:
                     f"cannot reshape rows of shape {node.row_shape} into {tuple(trailing)}"
                 )
             trailing = [row_size // known if d == -1 else d for d in trailing]
+        if node.n_rows is None and dims[0] >= 0 and math.prod(trailing) == row_size:
+            meta = (node.dtype, tuple(trailing))
+            return _defer_method(node, "reshape", tuple(dims), meta, "reshape")
         if dims[0] not in (-1, node.n_rows) or math.prod(trailing) != row_size:
             raise ValueError(
                 f"cannot reshape an array of shape {_describe_shape(node.shape)} into "
@@ -1209,10 +1355,9 @@ class Array:
         else:
             index = operator.index(rows)
             if node.n_rows is None:
-                raise IndexError(
-                    f"x[{index}] needs the row count, unknown after a boolean mask; use head(), "
-                    "or persist() first"
-                )
+                meta = (node.dtype, node.row_shape)
+                value = _defer_method(node, "__getitem__", (index,), meta, f"row {index}", False)
+                return value[trailing] if trailing else value
             selection.locate_row(index, node.block_pairs())
             if index < 0:
                 index += node.n_rows
@@ -1245,10 +1390,13 @@ class Array:
             )
         n = node.n_rows
         if n is None:
-            raise IndexError(
-                "picking rows needs the row count, which is unknown after a boolean mask; "
-                "persist() the array first"
+            # Sorted positions from the start stay rows; others come back in memory.
+            rows_kept = index.size == 0 or (
+                int(index.min()) >= 0 and bool(np.all(index[1:] >= index[:-1]))
             )
+            meta = (node.dtype, node.row_shape if rows_kept else (len(index), *node.row_shape))
+            what = f"rows[{len(index):,} picked]"
+            return _defer_method(node, "_take", (index.copy(),), meta, what, rows_kept)
         if index.size and (int(index.min()) < -n or int(index.max()) >= n):
             first = index[(index < -n) | (index >= n)][0]
             raise IndexError(f"index {int(first)} is out of bounds for axis 0 with size {n}")
@@ -1285,13 +1433,12 @@ class Array:
         assert isinstance(node, Chunked)
         if key == slice(None):
             return self
-        if node.n_rows is None:
-            raise IndexError(
-                "slicing rows needs the row count, which is unknown after a boolean mask; use "
-                "head(n) for the first rows, or persist() the array first"
-            )
         if key.step is not None and operator.index(key.step) == 0:
             raise ValueError("slice step cannot be zero")
+        if node.n_rows is None:
+            parts = (key.start, key.stop) if key.step is None else (key.start, key.stop, key.step)
+            what = "rows[" + ":".join("" if p is None else str(p) for p in parts) + "]"
+            return _defer_method(node, "_rows", (key,), (node.dtype, node.row_shape), what)
         if key.indices(node.n_rows) == (0, node.n_rows, 1):
             return self
         return _wrap(graph.RowSlice(node, key))
@@ -1313,21 +1460,20 @@ class Array:
                 f"array of shape {_describe_shape(node.shape)}: it must have the array's "
                 "leading shape"
             )
-        if (mnode.n_rows is None) != (node.n_rows is None) or (
-            node.n_rows is not None and mnode.n_rows != node.n_rows
-        ):
-            raise IndexError(
-                f"boolean index did not match indexed array along axis 0; size of axis is "
-                f"{node.n_rows if node.n_rows is not None else '?'} but size of corresponding "
-                f"boolean axis is {mnode.n_rows if mnode.n_rows is not None else '?'}"
-            )
-        if node.n_rows is None and mnode.origin != node.origin:
-            raise IndexError(
-                "the mask's rows are unknown and come from a different mask than the array's; "
-                "persist() one of them first"
-            )
         if trailing and mnode.ndim > 1:
             raise IndexError("a boolean mask over several axes cannot be followed by more indices")
+        if node.n_rows is not None and mnode.n_rows is not None and mnode.n_rows != node.n_rows:
+            raise IndexError(
+                f"boolean index did not match indexed array along axis 0; size of axis is "
+                f"{node.n_rows} but size of corresponding boolean axis is {mnode.n_rows}"
+            )
+        if (mnode.n_rows is None) != (node.n_rows is None) or (
+            node.n_rows is None and mnode.origin != node.origin
+        ):
+            # The rows line up (or NumPy's IndexError is raised) once counted.
+            meta = (node.dtype, tuple(node.shape[max(1, mnode.ndim) :]))
+            out = _defer_method(node, "_mask", (mnode, ()), meta, "mask")
+            return out._trailing(trailing) if trailing else out
         out = _wrap(graph.Filter(node, mnode))
         return out._trailing(trailing) if trailing else out
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..system import budget as budget_module
-from . import blocksize, graph, scheduler
+from . import blocksize, counting, graph, scheduler
 from . import cache as cache_module
 from .executors import default_is_set, make_executor
 from .graph import Chunked
@@ -74,7 +74,39 @@ def _preferred(targets: list[Target]) -> str | None:
     return "processes"
 
 
+def _resolve(targets: list[Target], options: RunOptions) -> tuple[list[Target], list[str]]:
+    """``targets`` with the operations that wait for row counts built (see
+    :mod:`tierflow.engine.counting`): the counting passes run first, as computes of
+    their own with the same options. Also those passes, in words."""
+    nodes = [t.node for t in targets]
+    if not any(isinstance(n, graph.Deferred) for n in graph.walk(nodes)):
+        return targets, []
+
+    def count(reductions: list[graph.Node]) -> list[Any]:
+        return _run([Target(r) for r in reductions], options)[0]
+
+    built, passes = counting.resolve(nodes, count)
+    out = []
+    for target, node in zip(targets, built, strict=True):
+        sink = target.sink
+        if node is not target.node and type(sink) is ArraySink and isinstance(node, Chunked):
+            sink = ArraySink(node)  # known rows now: written in place, not assembled
+        out.append(Target(node, sink))
+    return out, passes
+
+
+def resolve_rows(node: graph.Node) -> graph.Node:
+    """``node`` built on counted rows (its row count known), counting what it needs."""
+
+    def count(reductions: list[graph.Node]) -> list[Any]:
+        return _run([Target(r) for r in reductions], RunOptions())[0]
+
+    (built,), _ = counting.resolve([node], count, count_roots=True)
+    return built
+
+
 def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], scheduler.Stats]:
+    targets, counted = _resolve(targets, options)
     session = cache_module.session(options.cache, [t.node for t in targets])
     executor = options.executor
     if executor is None:
@@ -91,6 +123,7 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
             cache=session,
             device=options.device,
         )
+        plan.counting = counted
         log.debug("plan of %s: %s", plan.what, describe(plan))
         plan.open()
         try:

@@ -61,8 +61,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BlockError, missing_dependency
-from . import blocksize, graph, portable
-from .graph import Chunked, Value
+from . import blocksize, counting, graph, portable
+from .graph import Chunked, Node, Value
 from .lower import lower_pass
 from .sources import Reader
 from .types import BlockIndex, Request, RowRange
@@ -376,18 +376,34 @@ def _chunk_key(name: str, j: int, ndim: int) -> tuple[Any, ...]:
     return key
 
 
+def _counted(node: Node) -> Node:
+    """``node`` with its operations that wait for row counts built on counts already
+    known (see :mod:`tierflow.engine.counting`)."""
+
+    def refuse(reductions: list[Node]) -> list[Any]:
+        raise ValueError(
+            f"to_dask: {node.label()} needs the rows of an array after a boolean mask counted "
+            "first, and to_dask computes nothing; call len() on the array first (one pass "
+            "that counts rows per block), or persist() it"
+        )
+
+    (built,), _ = counting.resolve([node], refuse)
+    return built
+
+
 def to_dask(array: Array) -> Any:
     """A ``dask.array.Array`` of ``array`` whose chunks compute through tierflow.
 
     Row chunks are ``array``'s blocks (NaN sizes when its row count is unknown); each is
     one dask task (see :mod:`tierflow.engine.dask_arrays`). An in-memory result (a
-    reduction) is one chunk. Nothing is computed now. Raises
-    :class:`~tierflow.errors.DependencyError` without dask.
+    reduction) is one chunk. Nothing is computed now: an operation that waits for row
+    counts (``x[m][::-1]``) needs them counted first (``len(x)``), else ValueError.
+    Raises :class:`~tierflow.errors.DependencyError` without dask.
     """
     da = _dask_array()
     from dask.highlevelgraph import HighLevelGraph
 
-    node = array._node
+    node = _counted(array._node)
     name = f"tierflow-{node.key}"
     if isinstance(node, Value) and not node.meta_known:
         raise TypeError(

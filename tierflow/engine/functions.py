@@ -17,8 +17,12 @@ from .array import (
     Array,
     _align,
     _as_value,
+    _defer_function,
+    _deferred,
     _describe_shape,
     _elementwise,
+    _line_up_later,
+    _NeedsCount,
     _node_of,
     _result_shape,
     _value_apply,
@@ -30,8 +34,44 @@ from .graph import Chunked, ElemOp, Value
 __all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
 
 
+def _contract_later(left: Any, right: Any) -> Array:
+    """``left @ right``, a product over rows that are unknown until counted."""
+    inputs = [n for n in (left, right) if isinstance(n, graph.Node)]
+
+    def placeholder(n: Any, other: Any, side: str) -> Any:
+        # The unknown row count stands as the other operand's matching axis.
+        value = graph.placeholder(n) if isinstance(n, graph.Node) else np.asarray(n)
+        if not (isinstance(n, Chunked) and n.n_rows is None):
+            return value
+        shape = np.shape(graph.placeholder(other) if isinstance(other, graph.Node) else other)
+        rows = (shape[0] if len(shape) == 1 else shape[-2]) if side == "left" else shape[-1]
+        return np.zeros((rows, *value.shape[1:]), value.dtype)
+
+    with graph._quiet():
+        x = placeholder(left, right, "left")
+        w = placeholder(right, left, "right")
+        result = np.asarray(np.matmul(x, w))
+    return _deferred(
+        inputs,
+        lambda lookup: (
+            matmul(
+                lookup(left) if isinstance(left, graph.Node) else left,
+                lookup(right) if isinstance(right, graph.Node) else right,
+            )._node
+        ),
+        (result.dtype, result.shape),
+        "matmul",
+        ("matmul", [n if not isinstance(n, graph.Node) else "node" for n in (left, right)]),
+        rows=False,
+    )
+
+
 def matmul(a: Any, b: Any) -> Array:
     left, right = _node_of(a), _node_of(b)
+    unknown_left = isinstance(left, Chunked) and left.n_rows is None
+    unknown_right = isinstance(right, Chunked) and right.n_rows is None
+    if (unknown_left and left.ndim == 1) or (unknown_right and not isinstance(left, Chunked)):
+        return _contract_later(left, right)
     if isinstance(left, Chunked) and isinstance(right, Chunked):
         right = _as_value(right)
     if isinstance(left, Chunked):
@@ -61,7 +101,10 @@ def multi_output(
     ufunc: np.ufunc, inputs: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Array, ...]:
     nodes = [_node_of(i) for i in inputs]
-    shape = _result_shape(nodes)
+    try:
+        shape = _result_shape(nodes)
+    except _NeedsCount:
+        return _multi_output_later(ufunc, nodes, kwargs)
     aligned = _align(nodes, shape)
     chunked = [a for a in aligned if isinstance(a, Chunked)]
     if not chunked:
@@ -81,6 +124,30 @@ def multi_output(
         _wrap(graph.BlockMap(specs.UfuncOutSpec(ufunc, k, kwargs, template), blocks, values))
         for k in range(ufunc.nout)
     )
+
+
+def _multi_output_later(
+    ufunc: np.ufunc, nodes: list[Any], kwargs: dict[str, Any]
+) -> tuple[Array, ...]:
+    """The outputs of ``ufunc`` on operands whose rows line up only once counted."""
+    inputs = [n for n in nodes if isinstance(n, graph.Node)]
+    probes = [
+        np.zeros((1, *n.shape[1:]), n.dtype) if isinstance(n, np.ndarray) and n.ndim else n
+        for n in nodes
+    ]
+    with graph._quiet():
+        results = ufunc(*graph.substitute(probes, graph.placeholder), **kwargs)
+    outputs = []
+    for k, probe in enumerate(results):
+        meta = (np.asarray(probe).dtype, np.shape(probe)[1:])
+
+        def make(lookup: Callable[[graph.Node], graph.Node], k: int = k) -> graph.Node:
+            swapped = [lookup(n) if isinstance(n, graph.Node) else n for n in nodes]
+            return multi_output(ufunc, swapped, kwargs)[k]._node
+
+        what = f"{ufunc.__name__}[{k}]"
+        outputs.append(_deferred(inputs, make, meta, what, (what, kwargs, len(nodes))))
+    return tuple(outputs)
 
 
 REDUCE_UFUNCS = {
@@ -137,6 +204,10 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         if len(chunked) == 1:
             return items[0]
         return _wrap(graph.Concat(chunked))
+    if _line_up_later(chunked):
+        return _defer_function(
+            lambda xs: concatenate(xs, axis=axis), chunked, f"concatenate(axis={axis})"
+        )
     rows = {n.n_rows for n in chunked}
     if len(rows) > 1:
         raise ValueError(
@@ -164,6 +235,8 @@ def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
             "axis, or concatenate along the rows"
         )
     chunked = tuple(n for n in nodes if isinstance(n, Chunked))
+    if len(chunked) == len(nodes) and _line_up_later(chunked):
+        return _defer_function(lambda xs: stack(xs, axis=axis), chunked, f"stack(axis={axis})")
     shapes = {n.shape for n in chunked}
     if len(chunked) != len(nodes) or len(shapes) > 1:
         raise ValueError(

@@ -42,6 +42,9 @@ __all__ = [
     "Chunked",
     "Concat",
     "Const",
+    "Counted",
+    "DeferredRows",
+    "DeferredValue",
     "ElemOp",
     "Elementwise",
     "Filter",
@@ -147,6 +150,9 @@ class Chunked(Node):
         self.bounds = blocks.bounds
         self.nblocks = len(self.bounds) - 1 if self.bounds is not None else blocks.count
         self.origin = blocks.origin
+        # Rows of each block once counted (:mod:`tierflow.engine.counting`), on the node
+        # that decides an unknown layout (a filter, a source of files); None until then.
+        self.row_counts: tuple[int, ...] | None = None
 
     def layout(self) -> Blocks:
         """This node's blocks, for a node cut as this one is (elementwise, a block map)."""
@@ -458,6 +464,7 @@ class RowSlice(Chunked):
             Blocks(_slice_bounds(key, source.block_pairs())),
         )
         self.first, self.step = first, step
+        self.key_slice = key
 
     def input_rows(self, a: int, b: int) -> tuple[int, int, slice]:
         """Input rows ``[lo, hi)`` holding output rows ``a:b``, and the slice to take."""
@@ -499,6 +506,7 @@ class RowTake(Chunked):
             (source,), source.dtype, (len(positions), *source.row_shape), Blocks(bounds)
         )
         self.positions = positions
+        self.rows = rows
 
     def input_rows(self, a: int, b: int) -> tuple[int, int, np.ndarray]:
         """Input rows ``[lo, hi)`` holding output rows ``a:b``, and the rows to take from
@@ -514,6 +522,16 @@ class RowTake(Chunked):
 
     def label(self) -> str:
         return f"rows[{len(self.positions):,} picked]"
+
+
+def _same_rows(mask: Chunked | None, node: Chunked) -> Any:
+    """What tells a filter's rows apart: the mask's key (a mask built twice from the same
+    expression selects the same rows), or the mask (or the filter) itself where the key
+    is not taken (a mask over a big in-memory array, see :attr:`Node.ident`)."""
+    if mask is None:
+        return node
+    ident = mask.ident
+    return mask if ident.startswith("id:") else ident
 
 
 class Filter(Chunked):
@@ -532,11 +550,7 @@ class Filter(Chunked):
             inputs,
             source.dtype,
             (None, *source.shape[k:]),
-            Blocks(
-                None,
-                source.nblocks,
-                ("filter", mask if mask is not None else self, source.partition()),
-            ),
+            Blocks(None, source.nblocks, ("filter", _same_rows(mask, self), source.partition())),
         )
         self.fn = fn
         self.mask_ndim = k
@@ -601,6 +615,125 @@ class Concat(Chunked):
 
     def label(self) -> str:
         return "concatenate"
+
+
+class Counted(Chunked):
+    """An array of unknown row counts whose blocks were counted: the same rows as
+    ``source``, with known bounds, so any row range can be computed (see
+    :mod:`tierflow.engine.counting`).
+
+    Its blocks are ``source``'s blocks that have rows (``index`` names them); rows
+    ``[a, b)`` are read from the blocks that hold them, each computed whole and cut.
+    """
+
+    def __init__(self, source: Chunked, counts: Sequence[int]) -> None:
+        sizes = np.asarray(counts, dtype=np.int64)
+        if len(sizes) != source.nblocks:
+            raise ValueError(f"{len(sizes)} counts for {source.nblocks} blocks")
+        index = np.flatnonzero(sizes)
+        bounds = (0, *np.cumsum(sizes[index]).tolist())
+        super().__init__(
+            (source,), source.dtype, (bounds[-1], *source.row_shape), Blocks(tuple(bounds))
+        )
+        self.counts = tuple(int(c) for c in sizes)
+        self.index = tuple(int(j) for j in index)
+
+    def pieces(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """``(block, lo, hi)``: rows ``a:b`` as rows ``lo:hi`` of blocks of ``source``."""
+        assert self.bounds is not None
+        bounds = self.bounds
+        first = int(np.searchsorted(bounds, a, side="right")) - 1
+        out = []
+        for k in range(max(first, 0), len(self.index)):
+            start, stop = bounds[k], bounds[k + 1]
+            if start >= b:
+                break
+            lo, hi = max(a, start), min(b, stop)
+            if hi > lo:
+                out.append((self.index[k], lo - start, hi - start))
+        return out
+
+    def params(self) -> str:
+        return identity.token(self.counts)
+
+    def label(self) -> str:
+        return "counted rows"
+
+
+class DeferredRows(Chunked):
+    """An operation that needs the row count of an input whose rows are unknown until
+    computed (``x[m][::-1]``, ``x[m][[3, 0]]``, ``x[m] + y``): ``make(inputs)`` builds it
+    once the inputs' rows are counted (inputs of known rows in place of the unknown
+    ones). Its own rows are unknown until then. A compute counts first and builds it
+    (:mod:`tierflow.engine.counting`); it is never lowered itself.
+    """
+
+    def __init__(
+        self,
+        inputs: Sequence[Node],
+        make: Callable[[list[Node]], Node],
+        meta: tuple[Any, tuple[int, ...]],
+        what: str,
+        token: Any = None,
+    ) -> None:
+        dtype, row_shape = meta
+        first = next(i for i in inputs if isinstance(i, Chunked))
+        super().__init__(
+            inputs, dtype, (None, *row_shape), Blocks(None, first.nblocks, ("deferred", self))
+        )
+        self.make = make
+        self.what = what
+        self.raw_token = token
+        self.token = identity.token((what, token))
+        # The same operation built twice (the same key) has the same rows.
+        ident = self.ident
+        self.origin = ("deferred", self if ident.startswith("id:") else ident)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["make"] = portable.by_value(self.make)
+        return state
+
+    def params(self) -> str:
+        return self.token
+
+    def label(self) -> str:
+        return self.what
+
+
+class DeferredValue(Value):
+    """A value (``x[m][-1]``, ``x[m].argmax(0)``, ``w @ x[m]``) that needs the row count
+    of an input whose rows are unknown until computed: as :class:`DeferredRows`, with
+    the value's dtype and shape known now."""
+
+    def __init__(
+        self,
+        inputs: Sequence[Node],
+        make: Callable[[list[Node]], Node],
+        meta: tuple[Any, tuple[int, ...]],
+        what: str,
+        token: Any = None,
+    ) -> None:
+        dtype, shape = meta
+        super().__init__(inputs, dtype, shape)
+        self.make = make
+        self.what = what
+        self.raw_token = token
+        self.token = identity.token((what, token))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["make"] = portable.by_value(self.make)
+        return state
+
+    def params(self) -> str:
+        return self.token
+
+    def label(self) -> str:
+        return self.what
+
+
+Deferred = DeferredRows | DeferredValue
 
 
 # -- value nodes ------------------------------------------------------------------------

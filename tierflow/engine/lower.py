@@ -18,7 +18,8 @@
   :class:`~tierflow.operators.fused.FusedReduction`: no block-sized intermediate at all.
   A trailing-axis reduction, ``@ w`` or a trailing index after an elementwise tree is the
   kernel's epilogue.
-* Every other node (sources, ``map_blocks``, slices, masks, concatenation) is one step.
+* Every other node (sources, ``map_blocks``, slices, masks, concatenation, counted
+  rows) is one step.
 * A node the compute caches (:mod:`tierflow.engine.cache`) is never fused into its
   consumers: its step is wrapped in a :class:`~tierflow.engine.program.CachedStep`.
 * A pass that asks for a device (:func:`tierflow.engine.offload.pass_device`) gets the
@@ -49,6 +50,7 @@ from .program import (
     Accumulator,
     CachedStep,
     ConcatStep,
+    CountedStep,
     FilterStep,
     KernelStep,
     Program,
@@ -249,6 +251,8 @@ class Lowering:
             return FilterStep(node, self.step(node.inputs[0]), mask)
         if isinstance(node, graph.Concat):
             return ConcatStep(node, [self.step(i) for i in node.inputs])
+        if isinstance(node, graph.Counted):
+            return CountedStep(node, self.step(node.inputs[0]))
         raise TypeError(f"cannot lower {node!r}")
 
     def _fusable(self, node: Node) -> bool:

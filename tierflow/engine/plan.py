@@ -122,6 +122,9 @@ class Plan:
     programs: list[Program] = field(default_factory=list)  # one per pass, as planned
     # Every reduction's accumulator, planned or made by a prepare task (for abort).
     accumulators: list[Accumulator] = field(default_factory=list)
+    # The passes that counted rows per block before this plan was built, in words
+    # (see tierflow.engine.counting); empty when no count was needed.
+    counting: list[str] = field(default_factory=list)
 
     def add(self, task: Task) -> int:
         self.tasks.append(task)
@@ -752,6 +755,8 @@ def describe(plan: Plan, *, tasks: bool = False) -> str:
         counts[t.name.split(" ", 1)[0]] += 1
     parts = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
     head = f"{len(plan.tasks)} tasks in {plan.stages} stage(s), {plan.passes} pass(es): {parts}"
+    if plan.counting:
+        head = "\n".join([*plan.counting, f"then {head}"])
     if not tasks:
         return head
     lines = [head]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -479,6 +480,77 @@ class FilterStep(Step):
 
     def memory(self, rows: int, into_sink: bool) -> TaskMemory:
         return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
+
+
+class CountedStep(Step):
+    """Rows of a counted node (:class:`graph.Counted`): each block that holds some of
+    the rows asked for is computed whole (by its index, as before counting) and cut."""
+
+    node: graph.Counted
+
+    def __init__(self, node: graph.Counted, source: Step) -> None:
+        self.node = node
+        self.source = source
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        assert isinstance(req, RowRange)
+        parts = [
+            self.source.host(ctx, BlockIndex(j))[lo:hi]
+            for j, lo, hi in self.node.pieces(req.start, req.stop)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return np.empty((0, *self.node.row_shape), self.node.dtype)
+        return np.concatenate(parts)
+
+    def children(self) -> list[Step]:
+        return [self.source]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        assert isinstance(req, RowRange)
+        for j, _, _ in self.node.pieces(req.start, req.stop):
+            yield from self.source.sources(BlockIndex(j))
+
+    def memory(self, rows: int, into_sink: bool) -> TaskMemory:
+        """The block out, and what the steps below take beyond their share of ``rows``:
+        they compute whole blocks before the mask, of up to :func:`widest_rows` rows."""
+        out = TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
+        widest = widest_rows(self.node.inputs[0])  # type: ignore[arg-type]
+        if widest <= rows:
+            return out
+        below = _subtree(self.source)
+        more = sum((s.memory(widest, False) for s in below), TaskMemory())
+        less = sum((s.memory(rows, False) for s in below), TaskMemory())
+        return out + TaskMemory(temps=max(0, more.total - less.total))
+
+
+def _subtree(step: Step) -> list[Step]:
+    """``step`` and every step below it, each once."""
+    found: dict[int, Step] = {}
+    stack = [step]
+    while stack:
+        s = stack.pop()
+        if id(s) not in found:
+            found[id(s)] = s
+            stack.extend(s.children())
+    return list(found.values())
+
+
+def widest_rows(node: Chunked) -> int:
+    """At most how many rows (elements, past a mask over several axes) a block of
+    ``node`` is computed from: its widest block where the sizes are known."""
+    if node.bounds is not None:
+        return max((b - a for a, b in node.block_pairs()), default=0)
+    if isinstance(node, graph.Source):
+        return int(node.reader.block_rows())
+    inputs = [i for i in node.inputs if isinstance(i, Chunked)]
+    if isinstance(node, graph.Concat):
+        return max((widest_rows(i) for i in inputs), default=0)
+    scale = 1
+    if isinstance(node, graph.Filter) and node.mask_ndim > 1:
+        scale = math.prod(inputs[0].row_shape[: node.mask_ndim - 1])
+    return widest_rows(inputs[0]) * scale
 
 
 class ConcatStep(Step):

@@ -1,0 +1,358 @@
+"""Counting rows per block: arrays whose row counts are unknown until computed (after a
+boolean mask, a ``filter``, ``from_files`` with a varying number of rows per file) take
+every operation that needs the row count.
+
+Such an operation (``x[m][::-1]``, ``x[m][-1]``, ``x[m][[3, 0, 7]]``,
+``x[m].argmax(0)``, ``np.ones(n) @ x[m]``, ``x[m] + y``) is a *deferred* node
+(:class:`~tierflow.engine.graph.DeferredRows`, :class:`~tierflow.engine.graph.DeferredValue`):
+it holds its inputs and a function that builds it once their rows are known. A compute
+that meets one first *counts*, then builds, then plans as usual::
+
+    x[m][::-1].sum(0)
+
+    pass 1: count rows per block (mask greater)     one partial per block: how many
+      Reduce(count) <- greater <- x                 rows the mask keeps; the mask's
+                                                    expression is fused, x is read once
+    then:  Counted(x[m], counts)                    known bounds: any row range
+           RowSlice[::-1] -> sum(0)                 the plan of a known array
+
+* **What is counted.** The node that decides the unknown layout: a filter (by its
+  mask's true values when the mask is cut as the array is, else by the rows it keeps)
+  or a source of files (by the rows it loads). Nodes that share an ``origin`` share
+  their counts, so ``x[m]`` and ``y[m]`` are counted once.
+* **When.** Only when a deferred node needs it: a mask computed or reduced without
+  such an operation is not counted. Counts are kept on the counted node, so a second
+  compute (and ``len``, ``shape``) does not count again.
+* **Rounds.** A deferred node above another one (``x[m][5:][m2][::-1]``) waits for the
+  one below to be built: each round counts what the deferred nodes it can reach need,
+  in one compute (one pass per block layout).
+* **After counting** the counted node is wrapped in a
+  :class:`~tierflow.engine.graph.Counted` node (known bounds: its blocks that have
+  rows), every node above it is built again on it, and the deferred nodes build
+  themselves (raising NumPy's errors now: an index out of range, rows that differ).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..storage import identity
+from . import graph
+from .graph import Chunked, Node
+
+__all__ = ["CountRows", "CountSpec", "known_rows", "resolve"]
+
+Partial = list[tuple[int, int]] | None
+
+
+class CountRows:
+    """Rows per block as a reduction: ``"nonzero"`` counts a mask's true values,
+    ``"rows"`` a block's rows.
+
+    A partial is ``[(first row, count), ...]``. Over blocks of known ``bounds`` (a
+    mask cut as the array is) each count goes to the block holding its first row, so
+    pieces of blocks (a plan's cut, an out-of-memory halving) add up. Over blocks of
+    unknown size (requested by index, first row 0) partials merge left before right,
+    and a piece that starts at row 0 starts the next block.
+    """
+
+    row_independent = False
+    n_inputs = 1
+
+    def __init__(self, mode: str, bounds: tuple[int, ...] | None, nblocks: int) -> None:
+        self.mode = mode
+        self.bounds = bounds
+        self.nblocks = nblocks
+        self.commutative = bounds is not None
+        self.out_dtype = np.dtype(np.int64)
+        self.out_shape = (nblocks,)
+
+    def __repr__(self) -> str:
+        return f"CountRows({self.mode})"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        block = blocks[0]
+        n = int(np.count_nonzero(block)) if self.mode == "nonzero" else len(block)
+        return [(row_offset, n)]
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return a + b
+
+    def aggregate(self, partial: Partial) -> np.ndarray:
+        counts = np.zeros(self.nblocks, np.int64)
+        if not partial:
+            return counts
+        if self.bounds is not None:
+            starts = np.array([s for s, _ in partial], np.int64)
+            blocks = np.searchsorted(np.asarray(self.bounds), starts, side="right") - 1
+            np.add.at(counts, blocks, [n for _, n in partial])
+            return counts
+        j = -1
+        for start, n in partial:
+            j += start == 0
+            counts[j] += n
+        return counts
+
+    def temp_bytes(self, rows: int) -> int:
+        return 0
+
+    def partial_bytes(self) -> int:
+        return 64
+
+
+class CountSpec:
+    """The spec of a :class:`CountRows` reduction over ``node`` (a mask or the counted
+    node itself): its blocks are part of the key, since counts are per block."""
+
+    user = False
+    epilogue = False
+    device = None
+    needs_offset = False
+
+    def __init__(self, mode: str, node: Chunked, what: str) -> None:
+        self.mode = mode
+        self.bounds = node.bounds
+        self.nblocks = node.nblocks
+        self.what = what
+
+    def params(self) -> str:
+        return identity.token((self.mode, self.bounds, self.nblocks))
+
+    def build(
+        self,
+        dtypes: Sequence[np.dtype],
+        row_shapes: Sequence[tuple[int, ...]],
+        n_rows: int | None,
+        values: Sequence[Any],
+    ) -> CountRows:
+        return CountRows(self.mode, self.bounds, self.nblocks)
+
+    def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int, ...]]:
+        return op.out_dtype, op.out_shape
+
+    def label(self) -> str:
+        return f"count rows per block ({self.what})"
+
+
+# -- which nodes decide an unknown layout ------------------------------------------------
+
+
+def _roots(node: Node) -> list[Chunked]:
+    """The nodes that decide ``node``'s unknown blocks (filters, sources of files)."""
+    if not isinstance(node, Chunked) or node.bounds is not None:
+        return []
+    if isinstance(node, (graph.Filter, graph.Source)):
+        return [node]
+    if isinstance(node, graph.DeferredRows):
+        return []
+    return [r for i in node.inputs for r in _roots(i)]
+
+
+def _count_node(root: Chunked) -> graph.Reduce:
+    """The cheapest reduction giving ``root``'s rows per block: the mask's true values
+    when the mask is cut as the array is, else the rows the node makes."""
+    if isinstance(root, graph.Filter) and root.fn is None:
+        source, mask = root.inputs
+        assert isinstance(source, Chunked) and isinstance(mask, Chunked)
+        if mask.partition() == source.partition():
+            return graph.Reduce(CountSpec("nonzero", mask, f"mask {mask.label()}"), (mask,))
+    return graph.Reduce(CountSpec("rows", root, root.label()), (root,))
+
+
+def _has_deferred(node: Node, memo: dict[int, bool]) -> bool:
+    found = memo.get(id(node))
+    if found is None:
+        found = isinstance(node, (graph.DeferredRows, graph.DeferredValue)) or any(
+            _has_deferred(i, memo) for i in node.inputs
+        )
+        memo[id(node)] = found
+    return found
+
+
+# -- rebuilding the graph on counted nodes ------------------------------------------------
+
+
+def _build_deferred(node: graph.DeferredRows | graph.DeferredValue, inputs: list[Node]) -> Node:
+    """The deferred operation built, once its inputs' rows are known; else itself (on
+    ``inputs``)."""
+    if all(not isinstance(i, Chunked) or i.n_rows is not None for i in inputs):
+        return node.make(inputs)
+    if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
+        return node
+    meta = (node.dtype, node.shape[1:] if isinstance(node, Chunked) else node.shape)
+    return type(node)(inputs, node.make, meta, node.what, node.raw_token)  # type: ignore[arg-type]
+
+
+def _rebuild(node: Node, inputs: list[Node]) -> Node:
+    """``node`` built again on ``inputs`` (its inputs, some of them replaced)."""
+    if isinstance(node, (graph.DeferredRows, graph.DeferredValue)):
+        return _build_deferred(node, inputs)
+    if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
+        return node
+    new = dict(zip(map(id, node.inputs), inputs, strict=True))
+
+    def swap(value: Any) -> Any:
+        return new.get(id(value), value) if isinstance(value, Node) else value
+
+    made: Node
+    if isinstance(node, graph.Elementwise):
+        made = graph.Elementwise(node.op, tuple(swap(o) for o in node.operands))
+    elif isinstance(node, graph.BlockMap):
+        n = node.n_chunked
+        made = graph.BlockMap(node.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
+    elif isinstance(node, graph.Reduce):
+        n = node.n_chunked
+        made = graph.Reduce(node.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
+    elif isinstance(node, graph.Filter):
+        mask = inputs[1] if len(inputs) > 1 else None
+        made = graph.Filter(inputs[0], mask, node.fn)  # type: ignore[arg-type]
+    elif isinstance(node, graph.Concat):
+        made = graph.Concat(tuple(inputs))  # type: ignore[arg-type]
+    elif isinstance(node, graph.RowSlice):
+        made = graph.RowSlice(inputs[0], node.key_slice)  # type: ignore[arg-type]
+    elif isinstance(node, graph.RowTake):
+        made = graph.RowTake(inputs[0], node.positions, node.rows)  # type: ignore[arg-type]
+    elif isinstance(node, graph.Counted):
+        if isinstance(inputs[0], graph.Counted):
+            return inputs[0]  # its input was counted again, with the same counts
+        made = graph.Counted(inputs[0], node.counts)  # type: ignore[arg-type]
+    elif isinstance(node, graph.Apply):
+        made = graph.Apply(
+            node.fn,
+            graph.substitute(node.args, swap),
+            graph.substitute(node.kwargs, swap),
+            name=node.name,
+        )
+    else:
+        raise TypeError(f"cannot rebuild {node!r} on counted rows")
+    made.cache_mark = node.cache_mark
+    return made
+
+
+# Counts by origin, for origins made of keys only (a mask's key and the blocks it is cut
+# in): an array masked again by an equal mask finds its counts here.
+_KNOWN: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+_KNOWN_MAX = 256  # origins remembered, least recently used leave first
+_LOCK = threading.Lock()
+
+
+def _by_content(origin: Any) -> bool:
+    """Whether ``origin`` is made of keys and numbers only (no node objects)."""
+    if isinstance(origin, tuple):
+        return all(_by_content(o) for o in origin)
+    return origin is None or isinstance(origin, (str, int))
+
+
+def _remember(origin: Any, counts: tuple[int, ...]) -> None:
+    if _by_content(origin):
+        with _LOCK:
+            _KNOWN[origin] = counts
+            _KNOWN.move_to_end(origin)
+            while len(_KNOWN) > _KNOWN_MAX:
+                _KNOWN.popitem(last=False)
+
+
+def _counts_of(root: Chunked, table: dict[Any, tuple[int, ...]]) -> tuple[int, ...] | None:
+    found = root.row_counts if root.row_counts is not None else table.get(root.origin)
+    if found is None and _by_content(root.origin):
+        with _LOCK:
+            found = _KNOWN.get(root.origin)
+    if found is None or len(found) != root.nblocks:
+        return None
+    return found
+
+
+def _rewrite(roots: list[Node], table: dict[Any, tuple[int, ...]]) -> list[Node]:
+    """``roots`` with every counted node wrapped in :class:`graph.Counted`, the nodes
+    above built again, and the deferred nodes whose inputs are known built."""
+    made: dict[int, Node] = {}
+    for node in graph.walk(roots):
+        new = _rebuild(node, [made[id(i)] for i in node.inputs])
+        if isinstance(new, (graph.Filter, graph.Source)) and new.bounds is None:
+            counts = _counts_of(new, table)
+            if counts is not None:
+                new.row_counts = counts
+                new = graph.Counted(new, counts)
+        made[id(node)] = new
+    return [made[id(r)] for r in roots]
+
+
+def _wanted(
+    roots: list[Node], table: dict[Any, tuple[int, ...]], count_roots: bool
+) -> list[Chunked]:
+    """Nodes to count now: those under deferred nodes that have no deferred node below
+    (and under ``roots`` themselves with ``count_roots``)."""
+    memo: dict[int, bool] = {}
+    found: dict[int, Chunked] = {}
+    for node in graph.walk(roots):
+        deferred = isinstance(node, (graph.DeferredRows, graph.DeferredValue))
+        if not deferred and not (count_roots and any(node is r for r in roots)):
+            continue
+        if any(_has_deferred(i, memo) for i in node.inputs):
+            continue
+        for i in node.inputs if deferred else [node]:
+            for root in _roots(i):
+                if _counts_of(root, table) is None:
+                    found[id(root)] = root
+    return list(found.values())
+
+
+def resolve(
+    roots: list[Node], count: Callable[[list[Node]], Sequence[Any]], count_roots: bool = False
+) -> tuple[list[Node], list[str]]:
+    """``roots`` with nothing deferred left: the nodes they need counted (by
+    ``count(reductions)``, which computes them), and the graph built again on the
+    counts (see the module docstring); ``count_roots`` counts the roots' own rows
+    too (for ``len``). Also the counting passes run, in words, for the plan's
+    description. Raises what building a deferred node raises (NumPy's errors), after
+    counting."""
+    table: dict[Any, tuple[int, ...]] = {}
+    done: list[str] = []
+    current = _rewrite(roots, table)
+    while True:
+        wanted = _wanted(current, table, count_roots)
+        if not wanted:
+            break
+        first: dict[Any, Chunked] = {}
+        for root in wanted:
+            first.setdefault(root.origin, root)
+        reductions = [_count_node(root) for root in first.values()]
+        values = count(list(reductions))
+        for (origin, root), value in zip(first.items(), values, strict=True):
+            table[origin] = tuple(int(v) for v in np.asarray(value))
+            root.row_counts = table[origin]
+            _remember(origin, table[origin])
+        for root in wanted:
+            root.row_counts = table[root.origin]
+        names = ", ".join(str(r.spec.label()) for r in reductions)
+        done.append(f"pass {len(done) + 1}: {names}")
+        current = _rewrite(current, table)
+    memo: dict[int, bool] = {}
+    if any(_has_deferred(r, memo) for r in current):
+        raise RuntimeError("an operation waiting for row counts was left unbuilt")
+    return current, done
+
+
+def known_rows(node: Node) -> int | None:
+    """``node``'s row count where the counts it needs are known (no pass is run);
+    None otherwise."""
+    nodes = graph.walk([node])
+    if not any(
+        isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {})
+        for n in nodes
+    ):
+        return None
+    try:
+        (built,) = _rewrite([node], {})
+    except Exception:  # an error NumPy raises once counted: the compute raises it
+        return None
+    return built.shape[0] if isinstance(built, Chunked) else None
