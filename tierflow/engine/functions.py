@@ -358,3 +358,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 }
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype
+
+from . import rowwise  # noqa: E402 -- it builds on this module's functions
+
+FUNCTIONS.update(rowwise.FUNCTIONS)
