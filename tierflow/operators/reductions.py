@@ -532,6 +532,11 @@ class RowReduction(_NamedReduction, abc.ABC):
             part = np.asarray(ufunc.reduce(part, axis=self.trailing, dtype=dtype))
         return part
 
+    def derive_from(self, other: RowReduction) -> Callable[[Partial], Partial] | None:
+        """How to make this reduction's partial of a block from ``other``'s partial of
+        the same block, or None where it cannot (then both chunk the block)."""
+        return None
+
     def _accumulator(self, rows: int) -> _Accumulator | None:
         """A fresh accumulator for one block of ``rows`` rows, or None where this
         reduction has none or it would not pay (the caller then calls ``_chunk`` per
@@ -635,11 +640,31 @@ class _Mean(RowReduction):
     def _combine(self, a: Partial, b: Partial) -> Partial:
         return (a[0] + b[0], np.add(a[1], b[1], out=np.empty_like(a[1])))
 
+    def derive_from(self, other: RowReduction) -> Callable[[Partial], Partial] | None:
+        """A var/std of the same rows (over axis 0 only, float64 sums) holds the count and
+        the mean, ``shift + offset``: the sum is their product."""
+        if (
+            isinstance(other, _Moments)
+            and other.in_dtype == self.in_dtype
+            and other.in_row_shape == self.in_row_shape
+            and other.axes == self.axes == (0,)
+            and other.acc == self.acc == np.float64
+        ):
+            return _mean_of_moments
+        return None
+
     def _finish(self, partial: Partial) -> np.ndarray:
         count, total = partial
         if count == 0:
             warnings.warn("Mean of empty slice", RuntimeWarning, stacklevel=3)
         return np.asarray(np.true_divide(total, np.intp(count))).astype(self.out_dtype)
+
+
+def _mean_of_moments(partial: Partial) -> Partial:
+    """A mean's partial ``(count, sum)`` from a var/std partial ``(count, shift,
+    offset, M2)`` of the same rows."""
+    count, shift, offset, _ = partial
+    return (count, (shift + offset) * count)
 
 
 class _Moments(RowReduction):
