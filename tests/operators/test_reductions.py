@@ -682,3 +682,28 @@ def test_float16_var_takes_the_float32_road(monkeypatch: pytest.MonkeyPatch) -> 
     assert got.dtype == np.float16
     want = np.sqrt(_two_pass(x.astype(np.float64))).astype(np.float16)
     np.testing.assert_allclose(got, want, rtol=4 * float(np.finfo(np.float16).eps))
+
+
+def test_a_mean_from_float32_moments_keeps_float32_accuracy() -> None:
+    rng = np.random.default_rng(44)
+    x = rng.standard_normal((300_000, 4))
+    x[:, 1] += 1e4  # shifted by its mean: exact deviations (Sterbenz)
+    x[:, 2] = x[:, 2] * 1e-3 + 1.0
+    x[:, 3] += 2.5  # near its spread: shifted by zero, every deviation exact
+    x = x.astype(np.float32)
+    var = reduction("var", np.float32, (4,), axis=0)
+    mean = reduction("mean", np.float32, (4,), axis=0)
+    derive = mean.derive_from(var)
+    assert derive is not None
+    partial = None
+    for a in range(0, len(x), 70_000):
+        one = derive(var.chunk(x[a : a + 70_000]))
+        partial = one if partial is None else mean.combine(partial, one)
+    got = mean.aggregate(partial)
+    want = x.astype(np.float64).mean(axis=0)
+    sigma = x.astype(np.float64).std(axis=0)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=4e-7, atol=1e-9)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= 1e-9 * sigma + 4e-7 * np.abs(want))
+    # A float64 mean wants float64 sums: it does not come from float32 moments.
+    assert reduction("mean", np.float32, (4,), axis=0, dtype=np.float64).derive_from(var) is None

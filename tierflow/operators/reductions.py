@@ -72,22 +72,28 @@ each sub-block of its expression and folds once per block.
 
 A float32 (or float16) block whose var/std result is float32 (or float16) takes a
 narrower road when it comes whole (:func:`_narrow_moments`): deviations from a float32
-pilot are taken in float32, pieces of 65536 elements at a time, ``np.einsum`` sums them
+shift are taken in float32, pieces of 65536 elements at a time, ``np.einsum`` sums them
 and their squares four rows of lanes at a time in float32, and those partial sums add up
-in float64. A deviation ``x - s`` of two nearby float32 values is exact (Sterbenz), and
-elsewhere off by half a float32 unit of the deviation; a square adds another; a sum of
-four float32 terms is off by at most three units of itself. These errors are relative
-to each term or partial sum, so no value, however far out, drowns its neighbours (lanes
-summed over 64 rows in float32 lost 1e-6 of the variance to one outlier in 60,000
-rows), and their signs vary, so they shrink in the sum: the result keeps float32's
-accuracy (4 units of the last place in the tests, 1e6 + noise and outliers included).
-Two cases go back to the float64 road above: a deviation or square that is not finite
-in float32 (NaN or inf in the data, or squares past 3.4e38), and a pilot more than two
-standard deviations from the block's mean (the block is summed again from its mean), so
-that the subtraction in ``M2`` amplifies the sums' rounding at most about 5 times; a
-linear trend across a block puts the pilot 1.7 standard deviations off, and is not
-summed twice. Measured on float32 ``[1M, 8]`` (one thread, the same machine, shared):
-2.8-3.5 GB/s against the float64 road's 0.9-1.3 and the column sum's 5-7.
+in float64. The shift of a column is its mean over the block's first rows where that
+mean is more than two standard deviations from zero, and zero elsewhere. So a deviation
+is exact either way: ``x - 0``, or ``x - s`` of two nearby float32 values (Sterbenz;
+values farther than ``s / 2`` from a shift of more than two deviations are rare, and
+off by half a unit of the deviation). A square is off by half a float32 unit, a sum of
+four terms by at most three units of itself. These errors are relative to each term or
+partial sum, so no value, however far out, drowns its neighbours (lanes summed over 64
+rows in float32 lost 1e-6 of the variance to one outlier in 60,000 rows), and their
+signs vary, so they shrink in the sum: the result keeps float32's accuracy (4 units of
+the last place in the tests, 1e6 + noise and outliers included). Two cases go back to
+the float64 road above: a deviation or square that is not finite in float32 (NaN or inf
+in the data, or squares past 3.4e38), and a block whose mean lies more than two
+standard deviations from its shift (the block is summed again, shifted by its own
+mean by the same rule), so that the subtraction in ``M2`` amplifies the sums' rounding
+at most about 5 times; a linear trend across a block puts the first rows' mean 1.7
+standard deviations off, and is not summed twice. A float32 mean taken from these
+partials (``tw.compute(x.mean(0), x.std(0))``, see :meth:`_Mean.derive_from`) is within
+about 1e-11 standard deviations of the float64 mean. Measured on float32 ``[1M, 8]``
+(one thread, the same machine, shared): 2.8-3.5 GB/s against the float64 road's 0.9-1.3
+and the column sum's 5-7.
 """
 
 from __future__ import annotations
@@ -642,13 +648,17 @@ class _Mean(RowReduction):
 
     def derive_from(self, other: RowReduction) -> Callable[[Partial], Partial] | None:
         """A var/std of the same rows (over axis 0 only, float64 sums) holds the count and
-        the mean, ``shift + offset``: the sum is their product."""
+        the mean, ``shift + offset``: the sum is their product. Where the var/std sums
+        float32 deviations, only a float32 (or float16) mean takes it: the mean is then
+        within about 1e-11 standard deviations of the float64 one, not within float64's
+        rounding."""
         if (
             isinstance(other, _Moments)
             and other.in_dtype == self.in_dtype
             and other.in_row_shape == self.in_row_shape
             and other.axes == self.axes == (0,)
             and other.acc == self.acc == np.float64
+            and (not other._narrow or self.out_dtype in _NARROW_DTYPES)
         ):
             return _mean_of_moments
         return None
@@ -888,16 +898,19 @@ def _narrow_moments(block: np.ndarray, core_shape: tuple[int, ...]) -> Partial |
     inf in the data, or a square past float32's range): the caller then takes the
     float64 path.
 
-    The pilot shift is the float32 rounding of the column means of the first
-    ``_NARROW_ELEMENTS`` elements. When the block's mean lies more than
-    ``sqrt(_PILOT_SPREAD)`` standard deviations from it, the sums are taken again from
-    the block's mean (the module docstring says why).
+    The shift of a column is the float32 rounding of its mean over the first
+    ``_NARROW_ELEMENTS`` elements where that mean lies more than ``sqrt(_PILOT_SPREAD)``
+    standard deviations from zero, and zero elsewhere (then every deviation is exact).
+    When the block's mean lies more than that from the shift, the sums are taken again,
+    shifted by the block's own mean by the same rule (the module docstring says why).
     """
     rows = block.shape[0]
     row_elements = math.prod(block.shape[1:])
     flat = block.reshape(-1)
     head = min(rows, max(1, _NARROW_ELEMENTS // row_elements))
-    shift = flat[: head * row_elements].reshape(head, row_elements).mean(axis=0, dtype=np.float64)
+    first = flat[: head * row_elements].reshape(head, row_elements)
+    mean = first.mean(axis=0, dtype=np.float64)
+    shift = _shift_for(mean, first.var(axis=0, dtype=np.float64))
     for attempt in range(2):
         pilot = shift.astype(np.float32)
         if not np.isfinite(pilot).all():
@@ -912,13 +925,19 @@ def _narrow_moments(block: np.ndarray, core_shape: tuple[int, ...]) -> Partial |
         np.maximum(m2, 0.0, out=m2)  # as in _MomentLanes.partial
         if attempt or not np.any(offset * offset * rows > _PILOT_SPREAD * m2):
             break
-        shift = pilot + offset
+        shift = _shift_for(pilot + offset, m2 / rows)
     return (
         rows,
         pilot.astype(np.float64).reshape(core_shape),
         offset.reshape(core_shape),
         m2.reshape(core_shape),
     )
+
+
+def _shift_for(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """The shift of each column for float32 deviations: its mean where that is more than
+    ``sqrt(_PILOT_SPREAD)`` standard deviations from zero, else zero."""
+    return np.where(mean * mean > _PILOT_SPREAD * var, mean, 0.0)
 
 
 def _narrow_sums(flat: np.ndarray, pilot: np.ndarray, row_elements: int, fold: int) -> np.ndarray:
