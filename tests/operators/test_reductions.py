@@ -615,12 +615,14 @@ def _refuse_float64_road(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reductions, "_subblocks", refuse)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 2000, 8193, 70_001])
+@pytest.mark.parametrize("extra", [0, 7, 4099, 70_001])
 @pytest.mark.parametrize("row_shape", [(8,), (3,), (2, 5), (1500,)])
 def test_var_of_float32_blocks_takes_float32_deviations(
-    monkeypatch: pytest.MonkeyPatch, rows: int, row_shape: tuple[int, ...]
+    monkeypatch: pytest.MonkeyPatch, extra: int, row_shape: tuple[int, ...]
 ) -> None:
     _refuse_float64_road(monkeypatch)
+    elements = math.prod(row_shape)
+    rows = -(-reductions._NARROW_ELEMENTS // elements) + extra // elements
     rng = np.random.default_rng(rows)
     x = (1e6 + rng.standard_normal((rows, *row_shape))).astype(np.float32)
     for kind in ("var", "std"):
@@ -632,13 +634,16 @@ def test_var_of_float32_blocks_takes_float32_deviations(
         np.testing.assert_allclose(got, want.astype(np.float32), rtol=4e-7, atol=0)
 
 
-def test_float32_var_with_a_float64_result_keeps_the_float64_road(
+def test_float32_var_with_a_float64_result_or_a_small_block_keeps_the_float64_road(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _refuse_float64_road(monkeypatch)
-    x = np.random.default_rng(40).random((3000, 8), dtype=np.float32)
+    x = np.random.default_rng(40).random((9000, 8), dtype=np.float32)
+    reduction("var", np.float32, (8,), axis=0).chunk(x)
     with pytest.raises(AssertionError, match="float64 road ran"):
         reduction("var", np.float32, (8,), axis=0, dtype=np.float64).chunk(x)
+    with pytest.raises(AssertionError, match="float64 road ran"):  # fixed costs first
+        reduction("var", np.float32, (8,), axis=0).chunk(x[:8000])
 
 
 @pytest.mark.parametrize("shifted", [1, 100, 8192, 30_000])
@@ -676,7 +681,7 @@ def test_float32_var_past_float32_range_and_with_nan_takes_the_float64_road() ->
 
 def test_float16_var_takes_the_float32_road(monkeypatch: pytest.MonkeyPatch) -> None:
     _refuse_float64_road(monkeypatch)
-    x = (100 + np.random.default_rng(43).standard_normal((9000, 3))).astype(np.float16)
+    x = (100 + np.random.default_rng(43).standard_normal((30_000, 3))).astype(np.float16)
     op = reduction("std", np.float16, (3,), axis=0)
     got = op.aggregate(op.chunk(x))
     assert got.dtype == np.float16

@@ -71,11 +71,13 @@ The same lanes serve :class:`~tierflow.operators.fused.FusedReduction`, which fe
 each sub-block of its expression and folds once per block.
 
 A float32 (or float16) block whose var/std result is float32 (or float16) takes a
-narrower road when it comes whole (:func:`_narrow_moments`): deviations from a float32
-shift are taken in float32, pieces of 65536 elements at a time, ``np.einsum`` sums them
-and their squares four rows of lanes at a time in float32, and those partial sums add up
-in float64. The shift of a column is its mean over the block's first rows where that
-mean is more than two standard deviations from zero, and zero elsewhere. So a deviation
+narrower road when it comes whole and holds at least 65536 values (a smaller block
+would spend more on the road's fixed costs than it saves; :func:`_narrow_moments`):
+deviations from a float32 shift are taken in float32, pieces of 65536 elements at a
+time, ``np.einsum`` sums them and their squares four rows of lanes at a time in float32,
+and those partial sums add up in float64. The shift of a column is its mean over the
+block's first 16384 values where that mean is more than two standard deviations from
+zero, and zero elsewhere. So a deviation
 is exact either way: ``x - 0``, or ``x - s`` of two nearby float32 values (Sterbenz;
 values farther than ``s / 2`` from a shift of more than two deviations are rare, and
 off by half a unit of the deviation). A square is off by half a float32 unit, a sum of
@@ -143,6 +145,7 @@ _ITER_BYTES = 64 * 1024  # NumPy's casting buffers in a reduction with a dtype
 _NARROW_ELEMENTS = 65536  # float32 deviations per piece in float32 var/std (256 KiB)
 _NARROW_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
 _NARROW_TERMS = 4  # float32 terms per partial sum in float32 var/std, before float64
+_PILOT_ELEMENTS = 16384  # values of a block's first rows that choose its shifts
 _PILOT_SPREAD = 4  # squared distance of a block's mean from its pilot, in variances
 
 _UFUNCS: dict[str, np.ufunc] = {
@@ -717,7 +720,7 @@ class _Moments(RowReduction):
         return _MomentLanes(row_elements, fold, self.core_shape)
 
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
-        if self._narrow and block.flags.c_contiguous:
+        if self._narrow and block.flags.c_contiguous and block.size >= _NARROW_ELEMENTS:
             found = _narrow_moments(block, self.core_shape)
             if found is not None:
                 return found
@@ -899,7 +902,7 @@ def _narrow_moments(block: np.ndarray, core_shape: tuple[int, ...]) -> Partial |
     float64 path.
 
     The shift of a column is the float32 rounding of its mean over the first
-    ``_NARROW_ELEMENTS`` elements where that mean lies more than ``sqrt(_PILOT_SPREAD)``
+    ``_PILOT_ELEMENTS`` elements where that mean lies more than ``sqrt(_PILOT_SPREAD)``
     standard deviations from zero, and zero elsewhere (then every deviation is exact).
     When the block's mean lies more than that from the shift, the sums are taken again,
     shifted by the block's own mean by the same rule (the module docstring says why).
@@ -907,10 +910,12 @@ def _narrow_moments(block: np.ndarray, core_shape: tuple[int, ...]) -> Partial |
     rows = block.shape[0]
     row_elements = math.prod(block.shape[1:])
     flat = block.reshape(-1)
-    head = min(rows, max(1, _NARROW_ELEMENTS // row_elements))
-    first = flat[: head * row_elements].reshape(head, row_elements)
-    mean = first.mean(axis=0, dtype=np.float64)
-    shift = _shift_for(mean, first.var(axis=0, dtype=np.float64))
+    head = min(rows, max(1, _PILOT_ELEMENTS // row_elements))
+    first = flat[: head * row_elements].reshape(head, row_elements).astype(np.float64)
+    mean = reduce_rows(np.add, first) / head
+    np.subtract(first, mean, out=first)
+    np.multiply(first, first, out=first)
+    shift = _shift_for(mean, reduce_rows(np.add, first) / head)
     for attempt in range(2):
         pilot = shift.astype(np.float32)
         if not np.isfinite(pilot).all():
