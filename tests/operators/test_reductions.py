@@ -634,6 +634,27 @@ def test_var_of_float32_blocks_takes_float32_deviations(
         np.testing.assert_allclose(got, want.astype(np.float32), rtol=4e-7, atol=0)
 
 
+@pytest.mark.parametrize("rows", [8192, 8193, 70_001])
+def test_float32_var_of_centered_data_sums_the_data_where_it_lies(
+    monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    _refuse_float64_road(monkeypatch)
+    x = np.random.default_rng(rows).random((rows, 8), dtype=np.float32)  # zero shifts
+    x[:, 3] -= 0.5
+    sums = reductions._narrow_sums(x.reshape(-1), np.zeros(8, np.float32), 8, 128)
+    wide = x.astype(np.float64)
+    # Sums of four float32 terms, then float64: off by a few float32 units of the
+    # magnitudes summed, never more.
+    magnitude = np.abs(wide).sum(axis=0)
+    np.testing.assert_allclose(sums[0], wide.sum(axis=0), rtol=0, atol=4e-7 * magnitude.max())
+    np.testing.assert_allclose(sums[1], (wide * wide).sum(axis=0), rtol=4e-7)
+    for kind in ("var", "std"):
+        op = reduction(kind, np.float32, (8,), axis=0, ddof=1)
+        want = _two_pass(x, 1)
+        want = np.sqrt(want) if kind == "std" else want
+        np.testing.assert_allclose(op.aggregate(op.chunk(x)), want.astype(np.float32), rtol=4e-7)
+
+
 def test_float32_var_with_a_float64_result_or_a_small_block_keeps_the_float64_road(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -951,23 +951,32 @@ def _narrow_sums(flat: np.ndarray, pilot: np.ndarray, row_elements: int, fold: i
 
     Each piece of about ``_NARROW_ELEMENTS`` elements is subtracted into a reused float32
     buffer padded with zeros to whole groups of ``_NARROW_TERMS`` wide rows of ``fold``
-    rows; ``np.einsum`` sums the deviations and their squares within each group and lane
+    rows (a whole piece of float32 data with a zero shift is summed where it lies); ``np.einsum`` sums the deviations and their squares within each group and lane
     in one read each (no square is ever stored), and the groups add up in float64.
     """
     width = fold * row_elements
     group = _NARROW_TERMS * width
     step = max(1, _NARROW_ELEMENTS // group) * group
     size = flat.size
-    tiled = np.tile(pilot, min(step, size) // row_elements)
+    # A zero shift everywhere (data within two deviations of zero) needs no subtraction:
+    # whole pieces of float32 data are summed where they lie.
+    direct = flat.dtype == np.float32 and not pilot.any()
+    tiled = None if direct else np.tile(pilot, min(step, size) // row_elements)
     buffer = np.empty(min(step, -(-size // group) * group), np.float32)
     lanes = np.zeros((2, width))
     for first in range(0, size, step):
         piece = flat[first : first + step]
         n = piece.size
-        dev = buffer[: -(-n // group) * group]
-        np.subtract(piece, tiled[:n], out=dev[:n])
-        dev[n:] = 0.0
-        wide = dev.reshape(-1, _NARROW_TERMS, width)
+        if direct and n == step:
+            wide = piece.reshape(-1, _NARROW_TERMS, width)
+        else:
+            dev = buffer[: -(-n // group) * group]
+            if tiled is None:
+                np.copyto(dev[:n], piece)
+            else:
+                np.subtract(piece, tiled[:n], out=dev[:n])
+            dev[n:] = 0.0
+            wide = dev.reshape(-1, _NARROW_TERMS, width)
         lanes[0] += np.add.reduce(np.einsum("aij->aj", wide), axis=0, dtype=np.float64)
         lanes[1] += np.add.reduce(np.einsum("aij,aij->aj", wide, wide), axis=0, dtype=np.float64)
     return lanes.reshape(2, fold, row_elements).sum(axis=1)
