@@ -74,28 +74,30 @@ A float32 (or float16) block whose var/std result is float32 (or float16) takes 
 narrower road when it comes whole and holds at least 65536 values (a smaller block
 would spend more on the road's fixed costs than it saves; :func:`_narrow_moments`):
 deviations from a float32 shift are taken in float32, pieces of 65536 elements at a
-time, ``np.einsum`` sums them and their squares four rows of lanes at a time in float32,
-and those partial sums add up in float64. The shift of a column is its mean over the
-block's first 16384 values where that mean is more than two standard deviations from
-zero, and zero elsewhere. So a deviation
-is exact either way: ``x - 0``, or ``x - s`` of two nearby float32 values (Sterbenz;
-values farther than ``s / 2`` from a shift of more than two deviations are rare, and
-off by half a unit of the deviation). A square is off by half a float32 unit, a sum of
-four terms by at most three units of itself. These errors are relative to each term or
-partial sum, so no value, however far out, drowns its neighbours (lanes summed over 64
-rows in float32 lost 1e-6 of the variance to one outlier in 60,000 rows), and their
-signs vary, so they shrink in the sum: the result keeps float32's accuracy (4 units of
-the last place in the tests, 1e6 + noise and outliers included). Two cases go back to
-the float64 road above: a deviation or square that is not finite in float32 (NaN or inf
-in the data, or squares past 3.4e38), and a block whose mean lies more than two
-standard deviations from its shift (the block is summed again, shifted by its own
-mean by the same rule), so that the subtraction in ``M2`` amplifies the sums' rounding
-at most about 5 times; a linear trend across a block puts the first rows' mean 1.7
-standard deviations off, and is not summed twice. A float32 mean taken from these
-partials (``tw.compute(x.mean(0), x.std(0))``, see :meth:`_Mean.derive_from`) is within
-about 1e-11 standard deviations of the float64 mean. Measured on float32 ``[1M, 8]``
-(one thread, the same machine, shared): 2.8-3.5 GB/s against the float64 road's 0.9-1.3
-and the column sum's 5-7.
+time; ``np.einsum`` sums their squares four rows of lanes at a time in float32 (the
+deviations themselves 16 rows at a time), and those partial sums add up in float64.
+The shift of a column is its mean over the block's first 16384 values where that mean
+is more than two standard deviations from zero, and zero elsewhere (then the data are
+summed where they lie, without a subtraction). So a deviation is exact either way:
+``x - 0``, or ``x - s`` of two nearby float32 values (Sterbenz; values farther than
+``s / 2`` from a shift of more than two deviations are rare, and off by half a unit of
+the deviation). A square is off by half a float32 unit, a sum of four terms by at most
+three units of itself. These errors are relative to each term or partial sum, so no
+value, however far out, drowns its neighbours (lanes summed over 64 rows in float32
+lost 1e-6 of the variance to one outlier in 60,000 rows), and their signs vary, so they
+shrink in the sum: the result keeps float32's accuracy (4 units of the last place in
+the tests, 1e6 + noise and outliers included). The deviations' own sums only move the
+mean, whose share in ``M2`` the shift keeps below 4 variances, so 16 terms a partial
+sum are enough for them. A deviation or square that is not finite in float32 (NaN or
+inf in the data, or squares past 3.4e38) sends the block back to the float64 road
+above; a block whose mean lies more than two standard deviations from its shift is
+summed again, shifted by its own mean by the same rule, so that the subtraction in
+``M2`` amplifies the sums' rounding at most about 5 times (a linear trend across a
+block puts the first rows' mean 1.7 standard deviations off, and is not summed twice).
+A float32 mean taken from these partials (``tw.compute(x.mean(0), x.std(0))``, see
+:meth:`_Mean.derive_from`) is within 5e-11 standard deviations of the float64
+mean. Measured on float32 ``[1M, 8]`` (one thread, the same machine, shared): 3.3-4.3
+GB/s against the float64 road's 0.9-1.3 and the column sum's 5-6.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ _MOMENT_ELEMENTS = 16384  # float64 deviations per piece in var/std (with square
 _ITER_BYTES = 64 * 1024  # NumPy's casting buffers in a reduction with a dtype
 _NARROW_ELEMENTS = 65536  # float32 deviations per piece in float32 var/std (256 KiB)
 _NARROW_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
-_NARROW_TERMS = 4  # float32 terms per partial sum in float32 var/std, before float64
+_NARROW_TERMS = 4  # float32 squares per partial sum in float32 var/std, before float64
+_NARROW_SUM_TERMS = 16  # float32 deviations per partial sum there (module docstring)
 _PILOT_ELEMENTS = 16384  # values of a block's first rows that choose its shifts
 _PILOT_SPREAD = 4  # squared distance of a block's mean from its pilot, in variances
 
@@ -653,7 +656,7 @@ class _Mean(RowReduction):
         """A var/std of the same rows (over axis 0 only, float64 sums) holds the count and
         the mean, ``shift + offset``: the sum is their product. Where the var/std sums
         float32 deviations, only a float32 (or float16) mean takes it: the mean is then
-        within about 1e-11 standard deviations of the float64 one, not within float64's
+        within 5e-11 standard deviations of the float64 one, not within float64's
         rounding."""
         if (
             isinstance(other, _Moments)
@@ -950,12 +953,14 @@ def _narrow_sums(flat: np.ndarray, pilot: np.ndarray, row_elements: int, fold: i
     squares, whole rows of ``flat`` at a time.
 
     Each piece of about ``_NARROW_ELEMENTS`` elements is subtracted into a reused float32
-    buffer padded with zeros to whole groups of ``_NARROW_TERMS`` wide rows of ``fold``
-    rows (a whole piece of float32 data with a zero shift is summed where it lies); ``np.einsum`` sums the deviations and their squares within each group and lane
-    in one read each (no square is ever stored), and the groups add up in float64.
+    buffer padded with zeros to whole groups of ``_NARROW_SUM_TERMS`` wide rows of
+    ``fold`` rows (a whole piece of float32 data with a zero shift is summed where it
+    lies). ``np.einsum`` sums the squares ``_NARROW_TERMS`` wide rows at a time and the
+    deviations ``_NARROW_SUM_TERMS`` at a time, per lane, in one read each (no square is
+    ever stored), and those partial sums add up in float64.
     """
     width = fold * row_elements
-    group = _NARROW_TERMS * width
+    group = _NARROW_SUM_TERMS * width
     step = max(1, _NARROW_ELEMENTS // group) * group
     size = flat.size
     # A zero shift everywhere (data within two deviations of zero) needs no subtraction:
@@ -968,7 +973,7 @@ def _narrow_sums(flat: np.ndarray, pilot: np.ndarray, row_elements: int, fold: i
         piece = flat[first : first + step]
         n = piece.size
         if direct and n == step:
-            wide = piece.reshape(-1, _NARROW_TERMS, width)
+            dev = piece
         else:
             dev = buffer[: -(-n // group) * group]
             if tiled is None:
@@ -976,8 +981,9 @@ def _narrow_sums(flat: np.ndarray, pilot: np.ndarray, row_elements: int, fold: i
             else:
                 np.subtract(piece, tiled[:n], out=dev[:n])
             dev[n:] = 0.0
-            wide = dev.reshape(-1, _NARROW_TERMS, width)
-        lanes[0] += np.add.reduce(np.einsum("aij->aj", wide), axis=0, dtype=np.float64)
+        sums = np.einsum("aij->aj", dev.reshape(-1, _NARROW_SUM_TERMS, width))
+        lanes[0] += np.add.reduce(sums, axis=0, dtype=np.float64)
+        wide = dev.reshape(-1, _NARROW_TERMS, width)
         lanes[1] += np.add.reduce(np.einsum("aij,aij->aj", wide, wide), axis=0, dtype=np.float64)
     return lanes.reshape(2, fold, row_elements).sum(axis=1)
 
