@@ -1531,4 +1531,5 @@ def _probe(
 from . import functions, ndarray_methods  # noqa: E402
 
 for _name in ndarray_methods.REFUSED:
-    setattr(Array, _name, ndarray_methods.refused_attribute(_name))
+    if _name not in Array.__dict__:  # a method Array defines itself wins
+        setattr(Array, _name, ndarray_methods.refused_attribute(_name))
