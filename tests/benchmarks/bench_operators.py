@@ -5,8 +5,9 @@ Throughput, on a float32 ``[N, 8]`` array in RAM (512 MB by default) walked in b
 
 * column sums: ``reduce_rows`` (wide view, float64 lanes) against
   ``block.sum(axis=0, dtype=np.float64)``;
-* ``var(axis=0)``: the row reduction (one pass in float64 lanes, Chan's merge between
-  blocks) against ``block.var(axis=0, dtype=np.float64)``;
+* ``var(axis=0)``: the row reduction (one pass: float32 deviations summed four rows of
+  lanes at a time, float64 across; Chan's merge between blocks) against
+  ``block.var(axis=0, dtype=np.float64)``;
 * ``np.sqrt(x * 2 + 1).sum(axis=0)``: ``FusedReduction`` (sub-blocks in cache, float64
   partials) against NumPy's two block-sized temporaries and float32 ``sum(axis=0)``;
 * the map alone, ``np.sqrt(x * 2 + 1)`` into an output block: ``FusedKernel`` against

@@ -174,3 +174,32 @@ def test_head_of_a_masked_array_stops_after_enough_blocks(
     first = x[x[:, 0] > 3].head(10)
     np.testing.assert_array_equal(first.compute(executor="serial"), a[a[:, 0] > 3][:10])
     assert len(reads) < x.nblocks // 2  # later blocks were not needed
+
+
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
+def test_a_mean_beside_a_variance_takes_the_variances_partials(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierflow.operators import reductions
+
+    a = np.load(path)
+    x = tw.from_npy(path, rows=700)
+    calls: list[str] = []
+    original = reductions._Mean._chunk
+
+    def counted(self: Any, block: np.ndarray, row_offset: int) -> Any:
+        calls.append(self.kind)
+        return original(self, block, row_offset)
+
+    monkeypatch.setattr(reductions._Mean, "_chunk", counted)
+    mean, std, var = tw.compute(x.mean(axis=0), x.std(axis=0), x.var(axis=0, ddof=1))
+    assert calls == []  # every block's mean came from the std's partial
+    wide = a.astype(np.float64)
+    assert mean.dtype == np.float32 and std.dtype == np.float32
+    np.testing.assert_allclose(mean, wide.mean(axis=0).astype(np.float32), rtol=4e-7)
+    np.testing.assert_allclose(std, wide.std(axis=0).astype(np.float32), rtol=4e-7)
+    np.testing.assert_allclose(var, wide.var(axis=0, ddof=1).astype(np.float32), rtol=4e-7)
+    # Not over the same rows, or not the same axes: each chunks its own.
+    tw.compute(x.mean(axis=0), x[1:].std(axis=0))
+    tw.compute(x.mean(axis=None), x.std(axis=0))
+    assert len(calls) == 2 * x.nblocks

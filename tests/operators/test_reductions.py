@@ -602,3 +602,134 @@ def test_var_in_lanes_for_other_dtypes_and_small_blocks(dtype: Any, rows: int) -
     oracle = _two_pass(x.astype(np.float64))
     tol = 4 * float(np.finfo(want.dtype).eps)
     np.testing.assert_allclose(got, oracle.astype(want.dtype), rtol=tol, atol=1e-12)
+
+
+# The float32 road of var/std (whole float32 blocks, float32 results).
+
+
+def _refuse_float64_road(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("the float64 road ran")
+
+    monkeypatch.setattr(reductions, "_MomentLanes", refuse)
+    monkeypatch.setattr(reductions, "_subblocks", refuse)
+
+
+@pytest.mark.parametrize("extra", [0, 7, 4099, 70_001])
+@pytest.mark.parametrize("row_shape", [(8,), (3,), (2, 5), (1500,)])
+def test_var_of_float32_blocks_takes_float32_deviations(
+    monkeypatch: pytest.MonkeyPatch, extra: int, row_shape: tuple[int, ...]
+) -> None:
+    _refuse_float64_road(monkeypatch)
+    elements = math.prod(row_shape)
+    rows = -(-reductions._NARROW_ELEMENTS // elements) + extra // elements
+    rng = np.random.default_rng(rows)
+    x = (1e6 + rng.standard_normal((rows, *row_shape))).astype(np.float32)
+    for kind in ("var", "std"):
+        op = reduction(kind, np.float32, row_shape, axis=0, ddof=0)
+        got = op.aggregate(op.chunk(x))
+        assert got.dtype == np.float32
+        want = _two_pass(x)
+        want = np.sqrt(want) if kind == "std" else want
+        np.testing.assert_allclose(got, want.astype(np.float32), rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("rows", [8192, 8193, 70_001])
+def test_float32_var_of_centered_data_sums_the_data_where_it_lies(
+    monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    _refuse_float64_road(monkeypatch)
+    x = np.random.default_rng(rows).random((rows, 8), dtype=np.float32)  # zero shifts
+    x[:, 3] -= 0.5
+    sums = reductions._narrow_sums(x.reshape(-1), np.zeros(8, np.float32), 8, 128)
+    wide = x.astype(np.float64)
+    # Sums of four float32 terms, then float64: off by a few float32 units of the
+    # magnitudes summed, never more.
+    magnitude = np.abs(wide).sum(axis=0)
+    np.testing.assert_allclose(sums[0], wide.sum(axis=0), rtol=0, atol=4e-7 * magnitude.max())
+    np.testing.assert_allclose(sums[1], (wide * wide).sum(axis=0), rtol=4e-7)
+    for kind in ("var", "std"):
+        op = reduction(kind, np.float32, (8,), axis=0, ddof=1)
+        want = _two_pass(x, 1)
+        want = np.sqrt(want) if kind == "std" else want
+        np.testing.assert_allclose(op.aggregate(op.chunk(x)), want.astype(np.float32), rtol=4e-7)
+
+
+def test_float32_var_with_a_float64_result_or_a_small_block_keeps_the_float64_road(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _refuse_float64_road(monkeypatch)
+    x = np.random.default_rng(40).random((9000, 8), dtype=np.float32)
+    reduction("var", np.float32, (8,), axis=0).chunk(x)
+    with pytest.raises(AssertionError, match="float64 road ran"):
+        reduction("var", np.float32, (8,), axis=0, dtype=np.float64).chunk(x)
+    with pytest.raises(AssertionError, match="float64 road ran"):  # fixed costs first
+        reduction("var", np.float32, (8,), axis=0).chunk(x[:8000])
+
+
+@pytest.mark.parametrize("shifted", [1, 100, 8192, 30_000])
+def test_float32_var_sums_again_from_the_mean_when_the_pilot_is_far(shifted: int) -> None:
+    # The pilot is the mean of the first 8192 rows of 8; rows far from the rest there
+    # put it far from the block's mean.
+    rng = np.random.default_rng(41)
+    x = (10 + rng.standard_normal((60_000, 8))).astype(np.float32)
+    x[:shifted] += np.float32(3e4)
+    op = reduction("var", np.float32, (8,), axis=0)
+    got = op.aggregate(op.chunk(x))
+    np.testing.assert_allclose(got, _two_pass(x).astype(np.float32), rtol=4e-7, atol=0)
+
+
+def test_float32_var_past_float32_range_and_with_nan_takes_the_float64_road() -> None:
+    rng = np.random.default_rng(42)
+    x = (rng.standard_normal((5000, 4)) * 1e19).astype(np.float32)  # squares past 3.4e38
+    x[:, 1] = 1.0
+    op = reduction("var", np.float32, (4,), axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = op.aggregate(op.chunk(x))
+    want = _two_pass(x).astype(np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=4e-7)
+    assert got[1] == 0.0
+    x[17, 2] = np.nan
+    x[18, 3] = np.inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = op.aggregate(op.chunk(x))
+        want = np.var(x, axis=0)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[:2], _two_pass(x[:, :2]).astype(np.float32), rtol=4e-7)
+
+
+def test_float16_var_takes_the_float32_road(monkeypatch: pytest.MonkeyPatch) -> None:
+    _refuse_float64_road(monkeypatch)
+    x = (100 + np.random.default_rng(43).standard_normal((30_000, 3))).astype(np.float16)
+    op = reduction("std", np.float16, (3,), axis=0)
+    got = op.aggregate(op.chunk(x))
+    assert got.dtype == np.float16
+    want = np.sqrt(_two_pass(x.astype(np.float64))).astype(np.float16)
+    np.testing.assert_allclose(got, want, rtol=4 * float(np.finfo(np.float16).eps))
+
+
+def test_a_mean_from_float32_moments_keeps_float32_accuracy() -> None:
+    rng = np.random.default_rng(44)
+    x = rng.standard_normal((300_000, 4))
+    x[:, 1] += 1e4  # shifted by its mean: exact deviations (Sterbenz)
+    x[:, 2] = x[:, 2] * 1e-3 + 1.0
+    x[:, 3] += 2.5  # near its spread: shifted by zero, every deviation exact
+    x = x.astype(np.float32)
+    var = reduction("var", np.float32, (4,), axis=0)
+    mean = reduction("mean", np.float32, (4,), axis=0)
+    derive = mean.derive_from(var)
+    assert derive is not None
+    partial = None
+    for a in range(0, len(x), 70_000):
+        one = derive(var.chunk(x[a : a + 70_000]))
+        partial = one if partial is None else mean.combine(partial, one)
+    got = mean.aggregate(partial)
+    want = x.astype(np.float64).mean(axis=0)
+    sigma = x.astype(np.float64).std(axis=0)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=4e-7, atol=1e-9)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= 5e-11 * sigma + 4e-7 * np.abs(want))
+    # A float64 mean wants float64 sums: it does not come from float32 moments.
+    assert reduction("mean", np.float32, (4,), axis=0, dtype=np.float64).derive_from(var) is None

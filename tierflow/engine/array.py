@@ -1002,7 +1002,7 @@ class Array:
         handler = functions.FUNCTIONS.get(func)
         if handler is None:
             raise TypeError(
-                f"np.{getattr(func, '__name__', func)} is not supported on lazy arrays; "
+                f"{ndarray_methods.function_name(func)} is not supported on lazy arrays; "
                 "use map_blocks for a row-wise function, x.reduction(...) for a reduction "
                 "over rows, or compute() first"
             )
@@ -1477,6 +1477,91 @@ class Array:
         out = _wrap(graph.Filter(node, mnode))
         return out._trailing(trailing) if trailing else out
 
+    # -- the ndarray methods a NumPy user reaches for (see ndarray_methods) ------------
+
+    def copy(self, order: str = "C") -> Array:
+        """A new handle on the same lazy graph (a lazy array never changes)."""
+        return ndarray_methods.copy(self, order)
+
+    def tolist(self) -> Any:
+        """Computed now, as nested Python lists; refused above the RAM budget."""
+        return ndarray_methods.tolist(self)
+
+    def item(self, *args: Any) -> Any:
+        """One element as a Python scalar, computed now."""
+        return ndarray_methods.item(self, *args)
+
+    def rechunk(self, rows: int) -> Array:
+        """The same rows in blocks of ``rows`` rows (lazy)."""
+        return ndarray_methods.rechunk(self, rows)
+
+    @property
+    def real(self) -> Array:
+        """The real part (lazy)."""
+        return ndarray_methods.real(self)
+
+    @property
+    def imag(self) -> Array:
+        """The imaginary part (lazy; zeros for real data)."""
+        return ndarray_methods.imag(self)
+
+    @property
+    def device(self) -> str:
+        """``"cpu"``: lazy arrays compute into host memory."""
+        return "cpu"
+
+    def to_device(self, device: Any, stream: Any = None) -> Array:
+        """``self`` for ``"cpu"``; GPUs go through ``persist(device=...)``."""
+        return ndarray_methods.to_device(self, device, stream)
+
+    def conj(self) -> Array:
+        """The complex conjugate (lazy)."""
+        return _ufunc(np.conjugate, self)
+
+    conjugate = conj
+
+    def dot(self, other: Any) -> Array:
+        """``self @ other``."""
+        return ndarray_methods.dot(self, other)
+
+    def take(self, indices: Any, axis: Any = None) -> Array:
+        """Rows picked (axis 0) or a trailing axis picked on each block (lazy)."""
+        return ndarray_methods.take(self, indices, axis)
+
+    def compress(self, condition: Any, axis: Any = None) -> Array:
+        """Rows kept where ``condition`` is true (axis 0), or along a trailing axis."""
+        return ndarray_methods.compress(self, condition, axis)
+
+    def repeat(self, repeats: Any, axis: Any = None) -> Array:
+        """``np.repeat`` along a trailing axis (lazy)."""
+        return ndarray_methods.repeat(self, repeats, axis)
+
+    def swapaxes(self, axis1: Any, axis2: Any) -> Array:
+        """Two trailing axes swapped (lazy)."""
+        return ndarray_methods.swapaxes(self, axis1, axis2)
+
+    def diagonal(self, offset: int = 0, axis1: int = 0, axis2: int = 1) -> Array:
+        """Diagonals over two trailing axes, row by row (lazy)."""
+        return ndarray_methods.diagonal(self, offset, axis1, axis2)
+
+    def trace(
+        self, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype: Any = None, out: Any = None
+    ) -> Array:
+        """Traces over two trailing axes, row by row (lazy)."""
+        return ndarray_methods.trace(self, offset, axis1, axis2, dtype, out)
+
+    def squeeze(self, axis: Any = None) -> Array:
+        """Axes of length one dropped (lazy)."""
+        return ndarray_methods.squeeze(self, axis)
+
+    def ravel(self, order: str = "C") -> Array:
+        """``self`` when 1-D; refused otherwise (it would change the rows)."""
+        return ndarray_methods.ravel(self, order)
+
+    def view(self, dtype: Any) -> Array:
+        """Each block viewed as ``dtype`` (lazy)."""
+        return ndarray_methods.view(self, dtype)
+
     # -- display ----------------------------------------------------------------------
 
     def _pending(self) -> list[str]:
@@ -1604,4 +1689,8 @@ def _probe(
 
 # The NumPy-function and module-level operations need Array, so they import it; Array's
 # methods reach them through this module attribute, bound once both modules exist.
-from . import functions, products  # noqa: E402
+from . import functions, ndarray_methods, products  # noqa: E402
+
+for _name in ndarray_methods.REFUSED:
+    if _name not in Array.__dict__:  # a method Array defines itself wins
+        setattr(Array, _name, ndarray_methods.refused_attribute(_name))

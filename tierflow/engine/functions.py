@@ -441,3 +441,7 @@ from . import frequencies  # noqa: E402 -- it imports this module's neighbours, 
 FUNCTIONS.update(frequencies.FUNCTIONS)
 
 FUNCTIONS.update(products.FUNCTIONS)
+
+from . import rowwise  # noqa: E402 -- it builds on this module's functions
+
+FUNCTIONS.update(rowwise.FUNCTIONS)

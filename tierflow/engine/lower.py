@@ -62,7 +62,7 @@ from .program import (
     TakeStep,
 )
 
-__all__ = ["Lowering", "attach_device", "lower_pass"]
+__all__ = ["Lowering", "attach_device", "lower_pass", "share_partials"]
 
 
 def lower_pass(
@@ -85,13 +85,39 @@ def lower_pass(
         return acc
 
     roots = [SinkRoot(n, lowering.step(n), sink) for n, sink in sinks]
-    program = Program(roots, [lowering.reduce_root(r, acc_for) for r in reduces])
+    program = Program(roots, share_partials([lowering.reduce_root(r, acc_for) for r in reduces]))
     program.origins = lowering.origins
     program.session = cache
     program.device = offload.pass_device(device, _gpu_map(program))
     if program.device is not None:
         program.work = attach_device(program)
     return program, accs
+
+
+def share_partials(roots: list[ReduceRoot]) -> list[ReduceRoot]:
+    """The reduction roots, each that can derive its partial from another's over the same
+    input told so (``tw.compute(x.mean(0), x.std(0))``: the mean from the variance's
+    count and mean, one pass over each block instead of two; see
+    :meth:`~tierflow.operators.reductions.RowReduction.derive_from`), givers first.
+
+    Only built-in reductions of the input itself (not fused over an expression) and not
+    cached share; a derived root whose giver did not run (skipped, or on a device)
+    computes its own partial."""
+    plain = [
+        r
+        for r in roots
+        if r.chunker is r.op and r.cache is None and isinstance(r.op, reductions.RowReduction)
+    ]
+    for taker in plain:
+        for giver in plain:
+            if giver is taker or giver.derived_from is not None or giver.inputs != taker.inputs:
+                continue
+            derive = taker.op.derive_from(giver.op)
+            if derive is not None:
+                giver.shares = True
+                taker.derived_from = (giver, derive)
+                break
+    return sorted(roots, key=lambda r: r.derived_from is not None)
 
 
 def _gpu_map(program: Program) -> str | None:

@@ -807,6 +807,10 @@ class ReduceRoot:
     cache: Any = None
     device_kernel: Any = None
     device_reduce: Any = None
+    # A root whose partial another derives (shares) keeps it in the task's memo; the
+    # other (derived_from: that root and how to derive) takes it when it is there.
+    shares: bool = False
+    derived_from: tuple[Any, Any] | None = None
     label: str = field(init=False)
     site: halving.Site = field(init=False)
 
@@ -830,6 +834,11 @@ class ReduceRoot:
             return SKIPPED
         if getattr(self.op, "idle", False):
             return None  # nothing to do in this pass (a finished search): nothing is read
+        if self.derived_from is not None:
+            giver, derive = self.derived_from
+            found = ctx.memo.get(("partial", giver.node.ident))
+            if found is not None:
+                return derive(found)
         cache = self.cache
         if cache is not None:
             cached = cache.get_partial(req)
@@ -853,6 +862,8 @@ class ReduceRoot:
             partial = self._chunk(ctx, blocks, offset)
         if cache is not None:
             cache.put_partial(req, partial)
+        if self.shares and partial is not None:
+            ctx.memo[("partial", self.node.ident)] = partial
         return partial
 
     def _chunk(self, ctx: Context, blocks: list[np.ndarray], offset: int) -> Any:
@@ -1207,6 +1218,9 @@ class Program:
             lines.append(f"sink {s.node.label()} -> {type(s.sink).__name__}")
             walk(s.step, 1)
         for r in self.reductions:
+            if r.derived_from is not None:
+                lines.append(f"reduce {r.label} from the partials of {r.derived_from[0].label}")
+                continue
             lines.append(f"reduce {r.label} by {type(r.chunker).__name__}")
             for step in r.inputs:
                 walk(step, 1)

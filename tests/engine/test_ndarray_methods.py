@@ -1,0 +1,177 @@
+"""The ndarray methods a NumPy user reaches for on a lazy array, and NumPy's names in
+errors (tierflow/engine/ndarray_methods.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow.engine import ndarray_methods
+from tierflow.system import budget
+
+
+@pytest.fixture
+def a() -> np.ndarray:
+    return np.random.default_rng(8).normal(size=(50, 4))
+
+
+@pytest.fixture
+def x(a: np.ndarray) -> tw.Array:
+    return tw.from_array(a, rows=8)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda x: np.linalg.inv(x), "np.linalg.inv"),
+        (lambda x: np.fft.fft(x), "np.fft.fft"),
+        (lambda x: np.linalg.eigh(x), "np.linalg.eigh"),
+        (lambda x: np.polyfit(x, x, 1), "np.polyfit"),
+        (lambda x: np.lib.stride_tricks.sliding_window_view(x, 2), "np.lib.stride_tricks"),
+    ],
+)
+def test_unsupported_numpy_functions_are_named_as_written(
+    x: tw.Array, call: object, name: str
+) -> None:
+    with pytest.raises(TypeError) as raised:
+        call(x)  # type: ignore[operator]
+    message = str(raised.value)
+    assert message.startswith(name), message
+    assert "is not supported on lazy arrays" in message and "compute() first" in message
+
+
+def test_function_name_leaves_private_modules_out() -> None:
+    assert ndarray_methods.function_name(np.linalg.norm) == "np.linalg.norm"
+    assert ndarray_methods.function_name(np.sum) == "np.sum"
+    assert ndarray_methods.function_name(np.fft.rfft) == "np.fft.rfft"
+
+
+def test_copy_is_a_new_handle_on_the_same_graph(a: np.ndarray, x: tw.Array) -> None:
+    y = x.copy()
+    assert y is not x and y.key == x.key and y.blocks == x.blocks
+    np.testing.assert_array_equal(y.compute(), a)
+    with pytest.raises(ValueError, match="copied in C order"):
+        x.copy(order="F")
+
+
+def test_tolist_computes_and_refuses_lists_past_the_budget(
+    a: np.ndarray, x: tw.Array, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert x.tolist() == a.tolist()
+    assert x[3, 1].tolist() == a[3, 1].tolist()
+    masked = x[x[:, 0] > 0]
+    assert masked.tolist() == a[a[:, 0] > 0].tolist()
+    monkeypatch.setattr(budget, "budget_bytes", lambda: 50 * 4 * 32 - 1)
+    with pytest.raises(MemoryError, match=r"x\.tolist\(\) of shape \(50, 4\) would build 200"):
+        x.tolist()
+    assert x[:5].tolist() == a[:5].tolist()
+    monkeypatch.setattr(budget, "budget_bytes", lambda: 1)
+    with pytest.raises(MemoryError, match=r"would build \d+ Python numbers.*more than the RAM"):
+        masked.tolist()  # checked once computed: its row count was unknown
+
+
+def test_item_gives_one_python_scalar(a: np.ndarray, x: tw.Array) -> None:
+    assert x.item(7) == a.item(7)
+    assert x.item(3, 2) == a.item(3, 2)
+    assert x.item((4, 1)) == a.item((4, 1))
+    assert x[2:3, 1:2].item() == a[2, 1]
+    with pytest.raises(ValueError, match="can only convert an array of size 1"):
+        x.item()
+
+
+def test_rechunk_cuts_new_blocks_lazily(a: np.ndarray, x: tw.Array, tmp_path: Path) -> None:
+    r = x.rechunk(20)
+    assert r.blocks == ((0, 20), (20, 40), (40, 50))
+    np.testing.assert_array_equal(r.compute(), a)
+    y = (x * 2 + 1).rechunk(13)
+    assert y.blocks == ((0, 13), (13, 26), (26, 39), (39, 50))
+    assert "rechunk(rows=13)" in repr(y)
+    np.testing.assert_allclose(y.sum(axis=0).compute(), (a * 2 + 1).sum(axis=0))
+    y.to_npy(tmp_path / "y.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), a * 2 + 1)
+    assert x.rechunk(8) is x
+    np.save(tmp_path / "a.npy", a)
+    f = tw.from_npy(tmp_path / "a.npy", rows=10).rechunk(25)
+    assert f.blocks == ((0, 25), (25, 50)) and f.key == tw.from_npy(tmp_path / "a.npy").key
+    with pytest.raises(ValueError, match="unknown after a boolean mask; persist"):
+        x[x[:, 0] > 0].rechunk(5)
+    with pytest.raises(ValueError, match="in-memory result"):
+        x.sum(axis=0).rechunk(5)
+    with pytest.raises(ValueError, match="rows >= 1"):
+        x.rechunk(0)
+
+
+def test_lazy_methods_follow_numpy(a: np.ndarray, x: tw.Array) -> None:
+    c = a[:, :2] + 1j * a[:, 2:]
+    z = tw.from_array(c, rows=7)
+    cube = tw.from_array(a.reshape(50, 2, 2), rows=9)
+    one = tw.from_array(a[:, :1].reshape(50, 1, 1), rows=9)
+    cases = [
+        (z.conj(), c.conj()),
+        (z.conjugate(), c.conjugate()),
+        (z.real, c.real),
+        (z.imag, c.imag),
+        (x.real, a.real),
+        (x.imag, a.imag),
+        (x.dot(np.ones(4)), a.dot(np.ones(4))),
+        (x.take([3, 1, 1], axis=0), a.take([3, 1, 1], axis=0)),
+        (x.take([3, 0], axis=1), a.take([3, 0], axis=1)),
+        (x[:, 0].take([5, 2]), a[:, 0].take([5, 2])),
+        (x.compress(a[:, 0] > 0, axis=0), a.compress(a[:, 0] > 0, axis=0)),
+        (x.compress([True, False, True], axis=1), a.compress([True, False, True], axis=1)),
+        (x.repeat(2, axis=1), a.repeat(2, axis=1)),
+        (cube.swapaxes(1, 2), a.reshape(50, 2, 2).swapaxes(1, 2)),
+        (cube.diagonal(axis1=1, axis2=2), a.reshape(50, 2, 2).diagonal(axis1=1, axis2=2)),
+        (cube.trace(axis1=1, axis2=2), a.reshape(50, 2, 2).trace(axis1=1, axis2=2)),
+        (one.squeeze(), a[:, :1].reshape(50, 1, 1).squeeze()),
+        (one.squeeze(axis=2), a[:, :1].reshape(50, 1, 1).squeeze(axis=2)),
+        (x[:1].squeeze(), a[:1].squeeze()),
+        (x[:, 0].ravel(), a[:, 0].ravel()),
+        (x.view(np.int64), a.view(np.int64)),
+        (x.view(np.float32), a.view(np.float32)),
+    ]
+    for lazy, want in cases:
+        assert isinstance(lazy, tw.Array)
+        got = lazy.compute()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    assert x.device == "cpu" and x.to_device("cpu") is x
+
+
+def test_methods_that_would_move_the_rows_say_what_to_do(x: tw.Array) -> None:
+    with pytest.raises(ValueError, match=r"x\.ravel\(\) of shape \(50, 4\) would turn each row"):
+        x.ravel()
+    with pytest.raises(ValueError, match="without an axis picks from the flattened array"):
+        x.take([1])
+    with pytest.raises(ValueError, match=r"along the rows \(axis 0\) changes the row count"):
+        x.repeat(2, axis=0)
+    with pytest.raises(ValueError, match="swap trailing axes only"):
+        x.swapaxes(0, 1)
+    with pytest.raises(ValueError, match="cannot select an axis to squeeze out"):
+        x.squeeze(axis=1)
+    with pytest.raises(ValueError, match=r"x\.view\(int16\) of a 1-D lazy array"):
+        x[:, 0].view(np.int16)
+    with pytest.raises(ValueError, match=r"persist\(device='cuda'\)"):
+        x.to_device("cuda")
+
+
+@pytest.mark.parametrize("name", sorted(ndarray_methods.REFUSED))
+def test_every_refused_ndarray_name_says_what_to_do(x: tw.Array, name: str) -> None:
+    assert hasattr(np.ndarray, name)  # a name NumPy users know
+    is_property, guidance = ndarray_methods.REFUSED[name]
+    shown = f"x.{name}" if is_property else f"x.{name}()"
+    with pytest.raises(
+        TypeError,
+        match=f"^{shown.replace('(', '[(]').replace(')', '[)]')} is not supported on lazy arrays: ",
+    ) as raised:
+        getattr(x, name) if is_property else getattr(x, name)()
+    assert str(raised.value).endswith(guidance)
+    assert any(word in guidance for word in ("use ", "compute() first"))
+
+
+def test_an_attribute_numpy_does_not_have_stays_an_attribute_error(x: tw.Array) -> None:
+    with pytest.raises(AttributeError):
+        x.no_such_thing  # noqa: B018
