@@ -23,6 +23,7 @@ from .engine.compute import compute, persist, to_npy
 from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.functions import concatenate, stack, where
+from .engine.profile import Profile, last_profile, profile
 from .engine.types import Callback
 from .errors import TierflowError
 
@@ -33,6 +34,7 @@ __all__ = [
     "Callback",
     "DaskExecutor",
     "ProcessExecutor",
+    "Profile",
     "RayExecutor",
     "TierflowError",
     "__version__",
@@ -50,8 +52,10 @@ __all__ = [
     "from_parquet",
     "from_raw",
     "from_zarr",
+    "last_profile",
     "memory",
     "persist",
+    "profile",
     "stack",
     "to_npy",
     "use_executor",

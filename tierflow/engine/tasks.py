@@ -70,14 +70,17 @@ class BlockResult:
     reduction (``SKIPPED`` where it was not needed), ``blocks[k]`` of its ``k``-th sink
     (None where the rows were written in place), and ``cache``: what the worker counted
     in the compute's cache and what failed there
-    (:func:`tierflow.engine.cache.take_reports`)."""
+    (:func:`tierflow.engine.cache.take_reports`); ``trace``: the worker that ran it and
+    what happened inside it (``(worker, ((name, count), ...))``, see
+    :mod:`tierflow.system.tally`), for a profile in the driver."""
 
     partials: tuple[Any, ...]
     blocks: tuple[Any, ...]
     cache: tuple[Any, ...] = ()
+    trace: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (BlockResult, (self.partials, self.blocks, self.cache))
+        return (BlockResult, (self.partials, self.blocks, self.cache, self.trace))
 
 
 _lock = threading.Lock()
