@@ -134,6 +134,7 @@ class ComputeRecord:
     executor: str = ""
     workers: int = 0
     budget: int = 0
+    tasks: int = 0  # in its plan
     start: float = 0.0
     end: float = 0.0
     stages: int = 0
@@ -235,6 +236,7 @@ class Recorder:
         r = self.record
         r.start = self.profile.now()
         r.executor, r.workers, r.budget = event.executor, event.workers, event.budget
+        r.tasks = event.tasks
         r.what = r.what or event.what
         pids = getattr(self.executor, "worker_pids", None)
         self.profile._worker_pids = pids if callable(pids) else None
@@ -243,6 +245,7 @@ class Recorder:
         return None  # tasks are recorded where they run
 
     def finish(self, event: ComputeFinished) -> None:
+        self.profile.sample()  # every compute's end, its worker processes still here
         r = self.record
         r.end = self.profile.now()
         r.peak_bytes, r.spilled_bytes = event.peak_bytes, event.spilled_bytes
