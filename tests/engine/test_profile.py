@@ -255,6 +255,8 @@ def test_plot_has_a_lane_per_worker_a_rectangle_per_task_and_the_budget_line() -
     assert (start, stop) == pytest.approx((5 * 0.07, 10 * 0.07))  # to the next "ok" sample
     stacks = [c for c in memory_ax.collections if c.get_label() in ("RAM held", "SSD held")]
     assert len(stacks) == 2
+    legend = [t.get_text() for t in memory_ax.get_legend().get_texts()]
+    assert "pressure high" in legend and "pressure critical" not in legend  # what occurred
 
 
 @pytest.mark.executors("serial")

@@ -256,8 +256,9 @@ def plot(p: Profile, *, width: float = 10.0) -> Any:
     bottom.set_xlabel("seconds")
     bottom.set_ylim(0, max(peak, budget) / unit * 1.1)
     handles, names = bottom.get_legend_handles_labels()
-    handles += [Patch(color=c, label=lvl) for lvl, c in LEVEL_COLOURS.items()]
-    names += [f"pressure {lvl}" for lvl in LEVEL_COLOURS]
+    seen = {s.level for s in samples}  # only the levels that occurred
+    handles += [Patch(color=c, label=lvl) for lvl, c in LEVEL_COLOURS.items() if lvl in seen]
+    names += [f"pressure {lvl}" for lvl in LEVEL_COLOURS if lvl in seen]
     bottom.legend(handles, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     end = max([t.end for t in tasks] + times + [0.0])
     start = min([t.start for t in tasks] + times + [end])

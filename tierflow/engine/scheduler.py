@@ -148,6 +148,13 @@ stitched; each failure remembers half its size at once, for the rest of the bloc
 for that operator's next blocks (:mod:`tierflow.engine.halving`). Operators on whole in-memory values cannot be split;
 their out-of-memory errors are explained (:func:`tierflow.storage.oom.explain_oom`).
 
+Profiling
+---------
+A callback that is a :class:`~tierflow.engine.types.Tracer` (the profiler,
+:mod:`tierflow.engine.profile`) wraps each task's function when it is submitted, sees the
+outcome of each task another process ran, and hears of each held result spilled. With
+none among the callbacks, the only cost is one check per task.
+
 Failure and interruption
 ------------------------
 The first error stops the compute: nothing more is submitted, tasks not started are
