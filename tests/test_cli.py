@@ -135,7 +135,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "give a command: status or demo"),
+        ([], "give a command: status, demo or profile"),
         (["bogus"], "invalid choice: 'bogus'"),
         (["status", "--yaml"], "unrecognized arguments: --yaml"),
     ],

@@ -150,12 +150,21 @@ def test_samples_come_every_interval_with_memory_by_tier_budget_and_level(
     times = [s.t for s in p.samples]
     assert len(times) >= 7 and times == sorted(times)
     assert all(s.rss > 0 and s.anon > 0 and s.budget == budget.budget_bytes() for s in p.samples)
-    assert {s.level for s in p.samples} == {"ok"}
+    assert {s.level for s in p.samples} <= {"ok", "moderate", "high", "critical"}
     # While the tasks ran, their projected bytes were admitted: RAM held.
     during = [s for s in p.samples if p.computes[0].start < s.t < p.computes[0].end]
     assert max(s.ram for s in during) >= data.nbytes // 2
     assert p.summary().peak_held["RAM"] == max(s.ram for s in p.samples)
     assert p.summary().peak_rss == max(s.rss for s in p.samples)
+
+
+@pytest.mark.executors("serial")
+def test_a_sample_takes_the_recorded_pressure_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierflow.engine import profile as profile_module
+    from tierflow.system.types import Level
+
+    monkeypatch.setattr(profile_module.pressure, "recorded_level", lambda: Level.HIGH)
+    assert Profile().sample().level == "high"
 
 
 @pytest.mark.executors("processes")
