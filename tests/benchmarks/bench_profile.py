@@ -16,7 +16,9 @@
    on a shared machine.
 
    The ratio off / baseline is what profiling costs when it is off; on / off what it
-   costs when on (a record per task and the sampler thread).
+   costs when on (a record per task and the sampler thread). The baseline runs twice
+   per round (``base`` first, ``base2`` last): base2 / base is the noise between two
+   equal trees on this machine, the yardstick for the others.
 2. **The picture** (``--picture PNG``): a float32 ``[N, 8]`` ``.npy`` of ``--size-gb``
    (default 4, i.e. 125,000,000 rows) in a temporary folder; with ``--budget`` (default
    1 GB) and ``tw.profile()``: ``mean, std = tw.compute(x.mean(axis=0), x.std(axis=0))``
@@ -108,8 +110,8 @@ def overhead(baseline: Path | None, repeat: int) -> dict[str, dict[str, float]]:
         seen: dict[str, float] = {}
         for _ in range(repeat):
             runs = [("off", False, ROOT), ("on", True, ROOT)]
-            if baseline is not None:
-                runs.insert(0, ("base", False, baseline))
+            if baseline is not None:  # twice: base2 / base is the noise between equals
+                runs = [("base", False, baseline), *runs, ("base2", False, baseline)]
             for name, on, tree in runs:
                 wall, cpu = run_child(kind, on, tree)
                 seen[f"{name}_wall"] = min(seen.get(f"{name}_wall", float("inf")), wall)
@@ -117,6 +119,7 @@ def overhead(baseline: Path | None, repeat: int) -> dict[str, dict[str, float]]:
         for clock in ("wall", "cpu"):
             if baseline is not None:
                 seen[f"off/base_{clock}"] = seen[f"off_{clock}"] / seen[f"base_{clock}"]
+                seen[f"base2/base_{clock}"] = seen[f"base2_{clock}"] / seen[f"base_{clock}"]
             seen[f"on/off_{clock}"] = seen[f"on_{clock}"] / seen[f"off_{clock}"]
         figures[kind] = seen
     return figures

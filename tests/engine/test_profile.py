@@ -14,7 +14,7 @@ import pytest
 
 import tierflow as tw
 from tierflow.engine import halving
-from tierflow.engine.profile import ComputeRecord, Profile, Sample, TaskRecord
+from tierflow.engine.profile import ComputeRecord, Profile, Sample, TaskRecord, tier_of
 from tierflow.system import budget
 
 ROWS, COLS, BLOCK = 40_000, 4, 5_000
@@ -214,6 +214,16 @@ def test_a_failed_task_is_recorded_as_failed(data: np.ndarray) -> None:
 def test_profile_option_is_refused_when_it_is_not_a_profile(data: np.ndarray) -> None:
     with pytest.raises(TypeError, match="profile must be True, False, None or a Profile"):
         tw.compute(tw.from_array(data).sum(), profile="yes")
+
+
+@pytest.mark.executors("serial")
+def test_the_tier_of_a_result_is_where_its_biggest_array_lives() -> None:
+    in_ram = np.ones(1000)
+    tw.memory.budget("16KB")
+    on_ssd = tw.memory.array((10_000,), "float64")  # 80 KB: over the budget
+    assert [tier_of(v) for v in (in_ram, on_ssd, None, (None, None))] == ["RAM", "SSD", "-", "-"]
+    assert tier_of((np.ones(2), on_ssd)) == "SSD" and tier_of((in_ram, np.ones(2))) == "RAM"
+    assert tier_of({"count": 3}) == "value"
 
 
 # -- what you get: plot, summary, HTML ---------------------------------------------------

@@ -63,6 +63,7 @@ from ..storage import device_store, placement, spill
 from ..system import budget as budget_module
 from ..system import device_budget, pressure, tally
 from ..system.resident import resident
+from .program import SharedBlock
 from .types import ComputeFinished, ComputeStarted, Task
 
 __all__ = [
@@ -169,7 +170,7 @@ def tier_of(value: Any) -> str:
     device = getattr(value, "device", None)
     if device is not None and getattr(device, "type", None) == "cuda":
         return "GPU"
-    if type(value).__name__ == "SharedBlock":  # a block a cluster worker wrote to a file
+    if isinstance(value, SharedBlock):  # a block a cluster worker wrote to a file
         return "SSD"
     if hasattr(value, "__array__") and hasattr(value, "nbytes"):
         return "RAM"
