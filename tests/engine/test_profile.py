@@ -124,9 +124,11 @@ def test_an_array_a_task_places_on_the_ssd_is_a_spill_of_that_task(data: np.ndar
     y = x.map_blocks(to_ssd, dtype=data.dtype, row_shape=(COLS,))
     with tw.profile() as p:
         y.sum(axis=0).compute()
-    spilled = [t for t in p.tasks if t.spills]
-    assert len(spilled) == 2 and all(t.spilled_bytes == 400_000 for t in spilled)
-    assert p.summary().bytes_spilled == 2 * 400_000
+    blocks = [t for t in p.tasks if t.kind == "block"]  # 2 blocks, or pieces of them
+    assert len(blocks) >= 2
+    assert all(t.spills == 1 and t.spilled_bytes == 400_000 for t in blocks)
+    assert not any(t.spills for t in p.tasks if t.kind != "block")
+    assert p.summary().bytes_spilled == len(blocks) * 400_000
 
 
 @pytest.mark.executors("threads")
@@ -165,6 +167,23 @@ def test_a_sample_takes_the_recorded_pressure_level(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(profile_module.pressure, "recorded_level", lambda: Level.HIGH)
     assert Profile().sample().level == "high"
+
+
+@pytest.mark.executors("threads")
+def test_a_sample_that_fails_does_not_fail_the_compute(
+    data: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierflow.engine import profile as profile_module
+
+    def unreadable(pid: int | None = None) -> Any:
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(profile_module, "resident", unreadable)
+    with tw.profile(interval=0.01) as p:
+        (total,) = tw.compute(tw.from_array(data, rows=BLOCK).sum(axis=0))
+    np.testing.assert_allclose(total, data.sum(axis=0, dtype=np.float64), rtol=1e-6)
+    assert p.samples == [] and len(p.tasks) == p.computes[0].tasks
+    assert not sampler_running()
 
 
 @pytest.mark.executors("processes")

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ __all__ = [
     "profile",
     "recorder_for",
 ]
+
+log = logging.getLogger("tierflow.engine")
 
 INTERVAL = 0.05  # seconds between samples
 KINDS = ("block", "prepare", "append", "commit", "assemble", "finish")  # else "value"
@@ -246,7 +249,7 @@ class Recorder:
         return None  # tasks are recorded where they run
 
     def finish(self, event: ComputeFinished) -> None:
-        self.profile.sample()  # every compute's end, its worker processes still here
+        self.profile.sample_quietly()  # every compute's end, its worker processes still here
         r = self.record
         r.end = self.profile.now()
         r.peak_bytes, r.spilled_bytes = event.peak_bytes, event.spilled_bytes
@@ -371,9 +374,17 @@ class Profile:
         self.samples.append(taken)
         return taken
 
+    def sample_quietly(self) -> None:
+        """Take a sample; a reading that fails is logged, never raised: a profile must
+        not fail the compute it watches."""
+        try:
+            self.sample()
+        except Exception:
+            log.debug("a profile sample failed", exc_info=True)
+
     def _sampling(self) -> None:
         while not self._stop.wait(self.interval):
-            self.sample()
+            self.sample_quietly()
 
     def start(self) -> None:
         """Start sampling (again counted: :meth:`stop` as many times ends it)."""
@@ -382,7 +393,7 @@ class Profile:
             if self._users > 1:
                 return
             self._stop.clear()
-            self.sample()
+            self.sample_quietly()
             self._thread = threading.Thread(
                 target=self._sampling, name="tierflow-profile-sampler", daemon=True
             )
@@ -398,7 +409,7 @@ class Profile:
             self._stop.set()
         if thread is not None:
             thread.join()
-        self.sample()
+        self.sample_quietly()
 
     def __enter__(self) -> Profile:
         self.start()
