@@ -16,9 +16,7 @@ it counts are rare (a halving, an array placed, a cache hit), not per element.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 __all__ = ["add", "counting"]
 
@@ -32,20 +30,25 @@ def add(name: str, n: int = 1) -> None:
         counts[name] = counts.get(name, 0) + n
 
 
-@contextlib.contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    """Open a tally on this thread for the block; yields its counts (name -> total).
+class counting:  # lower case: used as a function, ``with tally.counting() as counts``
+    """Open a tally on this thread for a ``with`` block; yields its counts (name ->
+    total).
 
     Nested tallies are separate: the inner one counts its block, and its counts are
     added to the outer one when it closes (a compute run inside a task is part of it).
+    A class, not a generator: a profile opens one around every task.
     """
-    outer = getattr(_local, "counts", None)
-    counts: dict[str, int] = {}
-    _local.counts = counts
-    try:
-        yield counts
-    finally:
-        _local.counts = outer
+
+    __slots__ = ("counts", "outer")
+
+    def __enter__(self) -> dict[str, int]:
+        self.outer = getattr(_local, "counts", None)
+        self.counts: dict[str, int] = {}
+        _local.counts = self.counts
+        return self.counts
+
+    def __exit__(self, *exc: object) -> None:
+        outer = _local.counts = self.outer
         if outer is not None:
-            for name, n in counts.items():
+            for name, n in self.counts.items():
                 outer[name] = outer.get(name, 0) + n
