@@ -8,8 +8,7 @@ part of the page cache that this process holds through its mappings; pages of fi
 read with ``read()`` are in the page cache too, but no per-process figure counts them.
 
 A reading is one small file read (about 50 us on a busy 2-core machine), cheap enough
-to take every 50 ms.
-Where ``/proc`` has no such file (not Linux), psutil gives the RSS and the split is 0.
+to take every 50 ms. Where ``/proc`` has no such file (not Linux), psutil gives the RSS and the split is 0.
 """
 
 from __future__ import annotations
