@@ -22,7 +22,14 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(DSTAMP)
 	$(PY) -m tierflow demo
 
+# The profile report's test opens it in a real browser: Debian's chromium, installed
+# here when missing and we are root (the test skips, saying why, where it is absent).
 test: $(STAMP)
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y chromium >/dev/null 2>&1 || \
+		{ apt-get update >/dev/null 2>&1 && apt-get install -y chromium >/dev/null 2>&1; } || \
+		echo "chromium could not be installed: the browser test of the profile report will skip"; \
+	fi
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -136,7 +136,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "give a command: status or demo"),
+        ([], "give a command: status, demo or profile"),
         (["bogus"], "invalid choice: 'bogus'"),
         (["status", "--yaml"], "unrecognized arguments: --yaml"),
     ],
@@ -258,3 +258,45 @@ def test_a_reader_that_goes_away_is_not_an_error() -> None:
     err = child.stderr.read().decode()
     assert child.wait(timeout=60) == 0
     assert "Traceback" not in err
+
+
+SCRIPT = """
+import sys
+import numpy as np
+import tierflow as tw
+
+x = tw.from_array(np.arange(40_000.0).reshape(10_000, 4), rows=1_000)
+mean, std = tw.compute(x.mean(axis=0), x.std(axis=0))
+print("args", sys.argv[1:], float(x.sum().compute()))
+sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+"""
+
+
+def test_profile_runs_a_script_and_writes_its_report_beside_it(tmp_path: object) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text(SCRIPT)
+    done = run_cli("profile", str(script), "--rows", "x")
+    assert done.returncode == 0, done.stderr
+    assert "args ['--rows', 'x'] 799980000.0" in done.stdout
+    report = Path(str(tmp_path)) / "job.profile.html"
+    # 10 blocks and 2 finishes (mean, std), then 10 blocks and 1 finish (sum)
+    assert f"profile of 2 compute(s), 23 tasks written to {report}" in done.stderr
+    text = report.read_text()
+    assert text.count("data:image/png;base64,") == 1
+    assert "compute 1: sum()" in text
+
+
+def test_profile_returns_the_scripts_exit_status_and_still_writes_the_report(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text(SCRIPT)
+    assert main(["profile", str(script), "3"]) == 3
+    assert "args ['3']" in capsys.readouterr().out
+    assert (Path(str(tmp_path)) / "job.profile.html").exists()
+    assert main(["profile", str(Path(str(tmp_path)) / "missing.py")]) == 2
+    assert "no script at" in capsys.readouterr().err

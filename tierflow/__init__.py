@@ -25,6 +25,7 @@ from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.frequencies import value_counts
 from .engine.functions import concatenate, stack, where
+from .engine.profile import Profile, last_profile, profile
 from .engine.types import Callback
 from .errors import TierflowError
 
@@ -35,6 +36,7 @@ __all__ = [
     "Callback",
     "DaskExecutor",
     "ProcessExecutor",
+    "Profile",
     "RayExecutor",
     "TierflowError",
     "__version__",
@@ -52,9 +54,11 @@ __all__ = [
     "from_parquet",
     "from_raw",
     "from_zarr",
+    "last_profile",
     "linalg",
     "memory",
     "persist",
+    "profile",
     "stack",
     "to_npy",
     "use_executor",

@@ -6,6 +6,7 @@
     tierflow status --json   # the same as one JSON object, sizes in bytes
     tierflow status --watch  # the status line every second until Ctrl-C (--interval S)
     tierflow demo            # a file 4x the RAM budget, standardised in two streamed passes
+    tierflow profile script.py [args]   # run a script, every compute profiled: script.profile.html
     tierflow --version
 
 Exit codes: 0 ok, 1 tierflow failed (the message says why), 2 bad usage: an unknown
@@ -28,7 +29,7 @@ from . import __version__
 from .config import parse_size
 from .errors import ConfigError, TierflowError
 
-__all__ = ["demo", "main", "status", "watch"]
+__all__ = ["demo", "main", "profile", "status", "watch"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +80,18 @@ def _parser() -> argparse.ArgumentParser:
         "--size", default="1GB", help="size of the generated file (default 1GB)"
     )
     demo_parser.set_defaults(run=demo)
+    profile_parser = commands.add_parser(
+        "profile",
+        help="run a Python script with every compute profiled; write script.profile.html",
+        description=(
+            "Run SCRIPT as python would (its arguments after it), recording every compute "
+            "it runs on this thread into one profile, and write the report next to it as "
+            "SCRIPT.profile.html: task stream by worker, memory by tier, the figures."
+        ),
+    )
+    profile_parser.add_argument("script", help="the Python script to run")
+    profile_parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    profile_parser.set_defaults(run=profile)
     return parser
 
 
@@ -91,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if getattr(args, "run", None) is None:
         parser.print_usage(sys.stderr)
-        print("tierflow: error: give a command: status or demo", file=sys.stderr)
+        print("tierflow: error: give a command: status, demo or profile", file=sys.stderr)
         return 2
     try:
         code: int = args.run(args)
@@ -188,6 +201,41 @@ def demo(args: argparse.Namespace) -> int:
     print()
     run_demo(budget=budget, file_bytes=size)
     return 0
+
+
+def profile(args: argparse.Namespace) -> int:
+    """``tierflow profile script.py [args]``: run the script as ``__main__`` with
+    ``sys.argv`` set to it and its arguments, inside one ``tw.profile()``; write the
+    report to ``script.profile.html`` beside it (also when the script fails) and say
+    where on stderr. Returns the script's exit status (1 when it raised)."""
+    import runpy
+
+    from .engine.profile import Profile
+
+    script = os.path.abspath(args.script)
+    if not os.path.isfile(script):
+        print(f"tierflow: error: no script at {script}", file=sys.stderr)
+        return 2
+    report = os.path.splitext(script)[0] + ".profile.html"
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *args.args]
+    sys.path.insert(0, os.path.dirname(script))
+    code = 0
+    recorded = Profile()
+    try:
+        with recorded:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        written = recorded.save(report)
+        print(
+            f"tierflow: profile of {len(recorded.computes)} compute(s), "
+            f"{len(recorded.tasks)} tasks written to {written}",
+            file=sys.stderr,
+        )
+    return code
 
 
 def _jsonable(value: Any) -> Any:

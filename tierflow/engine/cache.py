@@ -96,7 +96,7 @@ from ..config import GB, format_bytes
 from ..storage import identity, pages, spill
 from ..storage.store import Store, store
 from ..storage.store.tiers import resolve_path
-from ..system import pressure
+from ..system import pressure, tally
 from ..system.types import Level
 from . import graph
 from .graph import Chunked, Node
@@ -198,6 +198,8 @@ class _Handle:
         return self.store.name
 
     def count(self, *, hit: int = 0, miss: int = 0, read: int = 0) -> None:
+        if hit:
+            tally.add("cache_hits", hit)  # counted in the running task's profile, if any
         with self.lock:
             self.hits += hit
             self.misses += miss

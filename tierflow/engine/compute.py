@@ -25,6 +25,7 @@ from .executors import default_is_set, make_executor
 from .graph import Chunked
 from .offload import check
 from .plan import Target, build_plan, describe
+from .profile import recorder_for
 from .progress import progress_callbacks
 from .sinks import ArraySink, NpySink, ZarrSink, sweep_temps, temp_file
 from .sources import ArrayReader
@@ -45,7 +46,10 @@ class RunOptions:
     callbacks: Any = None
     cache: Any = None
     device: str | None = None
+    profile: Any = None
 
+
+PLAN_LINES = 200  # a profile keeps every task's line of plans with at most this many tasks
 
 # Compressed bytes a source must read before worker processes pay for their start.
 PROCESSES_PAY = 64 << 20
@@ -113,6 +117,11 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
         executor = _preferred(targets)
     chosen, owned = make_executor(executor, options.workers)
     hooks = [*progress_callbacks(options.progress), *callback_list(options.callbacks)]
+    recorder, sampled = recorder_for(options.profile, chosen)
+    if recorder is not None:
+        hooks.append(recorder)
+    if sampled is not None:
+        sampled.start()
     try:
         if session is not None:
             session.resolve([t.node for t in targets])
@@ -125,6 +134,8 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
         )
         plan.counting = counted
         log.debug("plan of %s: %s", plan.what, describe(plan))
+        if recorder is not None:
+            recorder.planned(plan, describe(plan, tasks=len(plan.tasks) <= PLAN_LINES))
         plan.open()
         try:
             results, stats = scheduler.run(
@@ -138,6 +149,8 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
             chosen.shutdown()
         if session is not None:
             session.finish()
+        if sampled is not None:
+            sampled.stop()
     return plan.results(results), stats
 
 
@@ -149,6 +162,7 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
     callbacks: Any = None,
     cache: Any = None,
     device: str | None = None,
+    profile: Any = None,
 ) -> tuple[Any, ...]:
     """Compute several results in one run; inputs they share are read once per stage.
 
@@ -177,6 +191,12 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
     setting. Results come back as NumPy arrays either way. See
     :mod:`tierflow.engine.offload` and docs/engine.md.
 
+    ``profile``: record the compute's tasks, memory samples and plan
+    (:mod:`tierflow.engine.profile`): True (into the enclosing ``with tw.profile()``
+    block's profile, else a new one that ``tw.last_profile()`` returns), a
+    :class:`~tierflow.engine.profile.Profile` to record into, False (not even inside a
+    ``with tw.profile()`` block), or None (default: the enclosing block's, if any).
+
     Raises what a task raised (the first error; operators' errors as NumPy raises them,
     user functions' as :class:`~tierflow.errors.BlockError` naming the block),
     :class:`~tierflow.errors.SourceError` for a source file changed since the array was
@@ -191,7 +211,13 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
         Target(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None) for a in items
     ]
     options = RunOptions(
-        progress, executor, workers, callbacks, cache, None if device is None else check(device)
+        progress,
+        executor,
+        workers,
+        callbacks,
+        cache,
+        None if device is None else check(device),
+        profile,
     )
     outputs, _ = _run(requests, options)
     return tuple(outputs)

@@ -49,6 +49,7 @@ import numpy as np
 
 from ..errors import OutOfMemoryError
 from ..storage import oom
+from ..system import tally
 
 __all__ = ["Site", "call", "call_chunk", "cap", "forget", "remembered", "retries"]
 
@@ -93,6 +94,7 @@ def retries() -> int:
 
 def _remember(key: str, rows: int) -> None:
     global _retries
+    tally.add("halvings")  # counted in the running task's profile, if any
     with _lock:
         _retries += 1
         known = _sizes.get(key)

@@ -125,6 +125,9 @@ class Plan:
     # The passes that counted rows per block before this plan was built, in words
     # (see tierflow.engine.counting); empty when no count was needed.
     counting: list[str] = field(default_factory=list)
+    # The index of the first task of each stage (tasks are numbered stage by stage;
+    # values computed from values after the last stage count in a stage of their own).
+    stage_starts: list[int] = field(default_factory=list)
 
     def add(self, task: Task) -> int:
         self.tasks.append(task)
@@ -371,11 +374,14 @@ class Planner:
                 )
 
         for s in range(n_stages):
+            self.plan.stage_starts.append(len(self.plan.tasks))
             add_applies(s)
             stage_passes = [p for p in self.pass_of.values() if p.stage == s]
             for p in stage_passes:
                 _PassTasks(self, p, const).add()
             self.plan.passes += len(stage_passes)
+        if len(made) < len(applies):
+            self.plan.stage_starts.append(len(self.plan.tasks))
         while len(made) < len(applies):  # values computed from values, in dependency order
             before = len(made)
             add_applies(n_stages + 1)

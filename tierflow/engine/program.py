@@ -48,7 +48,7 @@ from ..operators import selection, torch_ops
 from ..operators.types import block_bytes
 from ..storage import pages
 from ..storage.pool import Pool
-from ..system import budget, pressure
+from ..system import budget, pressure, tally
 from ..system.types import Level
 from . import cache as cache_module
 from . import callsites, float_errors, graph, halving, offload, transfer
@@ -436,6 +436,22 @@ class TakeStep(Step):
             return  # reading the span ahead would read what nobody picked
         for a, b, _ in self._spans(req):
             yield from self.source.sources(RowRange(a, b))
+
+
+_worker: str | None = None  # this process's name as a worker, made once
+
+
+def _worker_name() -> str:
+    """This process as a profile names a worker: the name the processes executor gave
+    it (``tierflow-worker-3``), else host and pid (a Dask or Ray worker)."""
+    global _worker
+    if _worker is None:
+        import multiprocessing
+        import socket
+
+        name = multiprocessing.current_process().name
+        _worker = name if name.startswith("tierflow-") else f"{socket.gethostname()}:{os.getpid()}"
+    return _worker
 
 
 def _block_request(node: Chunked, j: int) -> Request:
@@ -1106,17 +1122,19 @@ class Program:
 
         ctx = Context(index, req, self)
         ctx.caught = []
-        try:
-            with float_errors.applied(errstate):
-                blocks = tuple(
-                    s.run_remote(ctx, req, None if shared is None else f"{shared}-{k}")
-                    for k, s in enumerate(self.sinks)
-                )
-                partials = tuple(r.run(ctx, req) for r in self.reductions)
-        finally:
-            self._release(ctx)
+        with tally.counting() as counts:  # sent back for a profile in the driver
+            try:
+                with float_errors.applied(errstate):
+                    blocks = tuple(
+                        s.run_remote(ctx, req, None if shared is None else f"{shared}-{k}")
+                        for k, s in enumerate(self.sinks)
+                    )
+                    partials = tuple(r.run(ctx, req) for r in self.reductions)
+            finally:
+                self._release(ctx)
         reports = tuple(cache_module.take_reports()) if self.uses_cache else ()
-        return BlockResult(partials, blocks, reports, tuple(ctx.caught))
+        trace = (_worker_name(), tuple(counts.items()))
+        return BlockResult(partials, blocks, reports, tuple(ctx.caught), trace)
 
     def receive(self, index: int, req: Request, result: Any) -> Any:
         """In the driver, what a worker computed for block ``index``: its partials

@@ -148,6 +148,13 @@ stitched; each failure remembers half its size at once, for the rest of the bloc
 for that operator's next blocks (:mod:`tierflow.engine.halving`). Operators on whole in-memory values cannot be split;
 their out-of-memory errors are explained (:func:`tierflow.storage.oom.explain_oom`).
 
+Profiling
+---------
+A callback that is a :class:`~tierflow.engine.types.Tracer` (the profiler,
+:mod:`tierflow.engine.profile`) wraps each task's function when it is submitted, sees the
+outcome of each task another process ran, and hears of each held result spilled. With
+none among the callbacks, the only cost is one check per task.
+
 Failure and interruption
 ------------------------
 The first error stops the compute: nothing more is submitted, tasks not started are
@@ -189,6 +196,7 @@ from .types import (
     Task,
     TaskExecutor,
     TaskFinished,
+    Tracer,
 )
 
 __all__ = ["LANE_PROBE", "TASKS_PER_WORKER", "TINY_TASK_SECONDS", "Stats", "run"]
@@ -456,6 +464,8 @@ class _Run:
         self.lane = _Lane(self.inbox)
         # Callbacks' task_done methods, looked up once rather than for every task.
         self.task_done = [m for cb in callbacks if (m := getattr(cb, "task_done", None))]
+        # A profiler follows each task where it runs (types.Tracer); None costs nothing.
+        self.tracer: Tracer | None = next((cb for cb in callbacks if isinstance(cb, Tracer)), None)
         self.stats = Stats()
         self.spilled: list[np.ndarray] = []
         self.level = Level.OK
@@ -467,7 +477,7 @@ class _Run:
         :meth:`_admit` queues on the lane, and reads ahead for, when it returns).
         Scheduler thread only."""
         args = (*task.args, *[self.results[d] for d in task.deps]) if task.deps else task.args
-        fn = task.fn
+        fn = task.fn if self.tracer is None else self.tracer.wrap(i, task, task.fn)
         in_flight = self.in_flight = self.in_flight + 1
         running = self.running = self.running + need
         stats = self.stats
@@ -516,10 +526,13 @@ class _Run:
         desc = BlockTask(tasks_module.ship(program), index, req, float_errors.modes())
         executor: Any = self.executor
         put = self.inbox.put
+        tracer = self.tracer
 
         def done(outcome: Any, error: BaseException | None) -> None:
             if error is None:
                 try:
+                    if tracer is not None:
+                        tracer.landed(i, task, outcome)
                     result, seconds = outcome
                     outcome = (program.receive(index, req, result), seconds)
                 except BaseException as exc:
@@ -781,6 +794,8 @@ class _Run:
             budget_module.ledger.drop(size)
             self.sizes[i] = 0
             self.stats.spilled_bytes += size
+            if self.tracer is not None:
+                self.tracer.spilled(i, size)
             log.info("spilled a held result of %d bytes (%s)", size, why)
 
     def _to_disk(self, value: Any) -> Any:

@@ -75,16 +75,19 @@ class BlockResult:
     reduction (``SKIPPED`` where it was not needed), ``blocks[k]`` of its ``k``-th sink
     (None where the rows were written in place), ``cache``: what the worker counted
     in the compute's cache and what failed there
-    (:func:`tierflow.engine.cache.take_reports`), and ``warnings``: the floating-point
-    warnings of its operators, ``(message, call site)``, for the driver to issue."""
+    (:func:`tierflow.engine.cache.take_reports`), ``warnings``: the floating-point
+    warnings of its operators, ``(message, call site)``, for the driver to issue, and
+    ``trace``: the worker that ran it and what happened inside it (``(worker, ((name,
+    count), ...))``, see :mod:`tierflow.system.tally`), for a profile in the driver."""
 
     partials: tuple[Any, ...]
     blocks: tuple[Any, ...]
     cache: tuple[Any, ...] = ()
     warnings: tuple[Any, ...] = ()
+    trace: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (BlockResult, (self.partials, self.blocks, self.cache, self.warnings))
+        return (BlockResult, (self.partials, self.blocks, self.cache, self.warnings, self.trace))
 
 
 _lock = threading.Lock()

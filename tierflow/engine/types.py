@@ -10,7 +10,9 @@ plugs in the same way.
 
 A :class:`Callback` sees a compute start, every task finish, and the compute finish;
 the progress bar is one (:mod:`tierflow.engine.progress`). Callbacks are called on the
-thread that called ``compute``, one at a time, so they need no lock.
+thread that called ``compute``, one at a time, so they need no lock. A callback that is
+also a :class:`Tracer` (the profiler, :mod:`tierflow.engine.profile`) follows each task
+where it runs: its worker, its start and end, what happened inside it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "TaskExecutor",
     "TaskFinished",
     "TaskMemory",
+    "Tracer",
 ]
 
 Done = Callable[[Any, "BaseException | None"], None]
@@ -231,6 +234,28 @@ class Callback(Protocol):
     def task_done(self, event: TaskFinished) -> None: ...
 
     def finish(self, event: ComputeFinished) -> None: ...
+
+
+@runtime_checkable
+class Tracer(Protocol):
+    """A callback that follows every task where it runs (the profiler).
+
+    The scheduler looks for one among a compute's callbacks; with none, it does nothing
+    more per task. ``wrap(index, task, fn)`` is called on the scheduler's thread when
+    task ``index`` is submitted to run in this process, and returns what runs instead
+    of ``fn`` (on a worker: it must be thread-safe and call ``fn`` with the same
+    arguments). ``landed(index, task, outcome)`` is called, on the thread that received
+    it, for a block task another process ran: ``outcome`` is ``(BlockResult, seconds)``
+    as the executor reported it (the result's ``trace`` names the worker and what
+    happened in the task). ``spilled(index, nbytes)``: the scheduler moved the held
+    result of task ``index`` to the SSD.
+    """
+
+    def wrap(self, index: int, task: Task, fn: Callable[..., Any]) -> Callable[..., Any]: ...
+
+    def landed(self, index: int, task: Task, outcome: Any) -> None: ...
+
+    def spilled(self, index: int, nbytes: int) -> None: ...
 
 
 def callback_list(callbacks: Any) -> Sequence[Any]:

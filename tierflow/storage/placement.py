@@ -39,7 +39,7 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from ..config import MB, format_bytes
-from ..system import budget, device_budget, devices, pressure
+from ..system import budget, device_budget, devices, pressure, tally
 from ..system.types import Level
 from . import gpu, spill
 from .types import RAM, SSD, GpuBackend, Placement
@@ -328,6 +328,8 @@ def _on_host(shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.nd
     record = spill.spill_file_of(m)
     assert record is not None
     _register(m, Placement(shape, dtype, nbytes, SSD, record.path), spill_file=record)
+    tally.add("spills")  # counted in the running task's profile, if any
+    tally.add("spilled_bytes", nbytes)
     return m
 
 
