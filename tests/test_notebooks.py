@@ -9,6 +9,8 @@ notebooks carry no outputs.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 from pathlib import Path
@@ -110,6 +112,21 @@ def test_explore_notebook_runs_in_a_kernel_and_shows_tables_widgets_and_right_va
     text = "".join(o.text for o in argmax.outputs if o.output_type == "stream")
     found, planted = text.split("(the spike was planted at row ")
     assert found.removeprefix("row ").strip() == planted.split(")")[0]
+    # The profile: a picture of the task stream and memory (a PNG with pixels that are
+    # not background), with its summary table, and the summary's figures.
+    profile_cell = nb.cells[_cell(nb, "with tw.profile() as p:")]
+    (view,) = [
+        o.data["text/html"] for o in profile_cell.outputs if "text/html" in o.get("data", {})
+    ]
+    assert "tierflow-profile" in view and "<table" in view
+    picture = base64.b64decode(view.split("data:image/png;base64,")[1].split("'")[0].split('"')[0])
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(io.BytesIO(picture), format="png")
+    assert pixels.shape[0] > 200 and pixels.shape[1] > 400
+    assert (pixels[..., :3] < 0.9).any(axis=-1).mean() > 0.02  # drawn, not a blank image
+    summary = nb.cells[_cell(nb, "p.summary()")]
+    assert any(o.get("data") for o in summary.outputs)
     # memory.status() as a table; everything made in TMPDIR is gone.
     status = nb.cells[_cell(nb, "memory.status()")]
     assert any("<table" in o.get("data", {}).get("text/html", "") for o in status.outputs)
