@@ -23,6 +23,7 @@ from .engine.compute import compute, persist, to_npy
 from .engine.dask_arrays import from_dask
 from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.functions import concatenate, stack, where
+from .engine.sorting import sort_rows, topk
 from .engine.types import Callback
 from .errors import TierflowError
 
@@ -52,8 +53,10 @@ __all__ = [
     "from_zarr",
     "memory",
     "persist",
+    "sort_rows",
     "stack",
     "to_npy",
+    "topk",
     "use_executor",
     "where",
 ]

@@ -358,3 +358,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
 }
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype
+
+from . import sorting  # noqa: E402 -- its module imports the Array, as this one does
+
+FUNCTIONS.update(sorting.FUNCTIONS)

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..operators import elementwise as ew
 from ..operators import fused, reductions, torch_ops
-from . import graph, offload
+from . import external_sort, graph, offload
 from .graph import Chunked, Node
 from .ops import MapBlocks
 from .program import (
@@ -245,6 +245,8 @@ class Lowering:
             return FilterStep(node, self.step(node.inputs[0]), mask)
         if isinstance(node, graph.Concat):
             return ConcatStep(node, [self.step(i) for i in node.inputs])
+        if isinstance(node, external_sort.SortedRows):
+            return external_sort.MergeStep(node, self.values[node.inputs[0].ident])
         raise TypeError(f"cannot lower {node!r}")
 
     def _fusable(self, node: Node) -> bool:

@@ -1,0 +1,164 @@
+"""Sorting kernels on blocks in memory: keys, stable orders, and the split and merge of
+sorted runs. The engine's external sort (:mod:`tierflow.engine.external_sort`) runs on
+these; they know nothing about files.
+
+Order. Every order here is NumPy's ``kind="stable"`` order: NaN after every number
+(all NaN equal), ``-0.0`` equal to ``0.0``, ties in their original order. A descending
+order is the ascending order of a *descending key* (:func:`descending_key`): ``-x`` for
+floats (NaN stays NaN, so it stays last, as pandas puts it), ``~x`` for integers and
+booleans (exact, no overflow); ties keep their original order there too.
+
+Sorting by several columns (:func:`row_key`) packs each row's key columns into one
+fixed-width byte string that compares as the columns compare, left to right: each
+column becomes an unsigned integer in the same order (floats by their bits, the sign
+folded in, NaN and ``-0.0`` made canonical first), written big-endian. NumPy compares
+and sorts such strings bytewise, so one stable argsort gives ``np.lexsort``'s order.
+
+Runs. A *run* is a block sorted by its key. :func:`split_at` finds, in ``k`` runs (in
+row order), how many elements of each come before global rank ``r`` of their stable
+merge (ties broken by run, then by position); :func:`merge_order` orders the
+concatenated slices of the runs between two such splits. Output rows ``[a, b)`` of a
+sort are then the merge of ``run_i[split_i(a):split_i(b)]`` alone, so every output
+block is made independently of the others::
+
+    run 0:  1 3 3 | 7 8 9          split_at(runs, 4) = [3, 1, 0]
+    run 1:  3 | 5 6                 the 4 first of the merge: 1 3 3 3 (run 0's 3s first)
+    run 2:  | 8 9
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "check_sortable",
+    "descending_key",
+    "merge_order",
+    "ordered_bytes",
+    "row_key",
+    "split_at",
+    "stable_order",
+]
+
+_KINDS = "biuf"
+
+
+def check_sortable(dtype: np.dtype, what: str) -> None:
+    """Raise TypeError unless ``dtype`` is a boolean, integer or float dtype."""
+    if np.dtype(dtype).kind not in _KINDS:
+        raise TypeError(
+            f"{what} sorts booleans, integers and floats, not {np.dtype(dtype)}; "
+            "compute() first and sort with NumPy"
+        )
+
+
+def descending_key(values: np.ndarray) -> np.ndarray:
+    """A key whose ascending order is ``values``' descending order, NaN still last.
+
+    >>> descending_key(np.array([1.0, np.nan, -2.0]))
+    array([-1., nan,  2.])
+    """
+    kind = values.dtype.kind
+    if kind == "f":
+        return np.negative(values)
+    if kind == "b":
+        return np.logical_not(values)
+    return np.invert(values)
+
+
+def ordered_bytes(values: np.ndarray) -> np.ndarray:
+    """``values`` (1-D) as ``[n, itemsize]`` big-endian bytes that compare bytewise as
+    the values compare in NumPy's sort order (NaN last, ``-0.0 == 0.0``)."""
+    kind = values.dtype.kind
+    size = values.dtype.itemsize
+    unsigned = np.dtype(f"u{size}")
+    if kind == "b":
+        bits = values.view(np.uint8)
+    elif kind == "u":
+        bits = values
+    elif kind == "i":
+        bits = values.view(unsigned) ^ unsigned.type(1 << (8 * size - 1))
+    else:
+        # Canonical NaN (positive, so it goes last) and +0.0 for -0.0 (adding 0.0 does it).
+        canonical = np.where(np.isnan(values), values.dtype.type(np.nan), values + 0.0)
+        raw = canonical.astype(values.dtype, copy=False).view(unsigned)
+        sign = unsigned.type(1 << (8 * size - 1))
+        bits = np.where(raw & sign, ~raw, raw | sign)
+    big = np.ascontiguousarray(bits, dtype=unsigned.newbyteorder(">"))
+    return big.view(np.uint8).reshape(len(values), size)
+
+
+def row_key(columns: Sequence[np.ndarray], descending: bool = False) -> np.ndarray:
+    """One sortable key per row from the key columns (1-D, equal lengths), the first
+    column deciding first: the column itself (a contiguous copy) when there is one,
+    else the packed byte strings of the module docstring. ``descending`` reverses
+    every column's order (NaN still last)."""
+    cols = [descending_key(c) if descending else c for c in columns]
+    if len(cols) == 1:
+        return np.ascontiguousarray(cols[0])
+    parts = [ordered_bytes(c) for c in cols]
+    joined = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    return joined.view(f"S{joined.shape[1]}").reshape(len(joined))
+
+
+def stable_order(keys: np.ndarray, axis: int = -1) -> np.ndarray:
+    """The stable ascending order of ``keys`` (NaN last), as NumPy's argsort gives it."""
+    return np.argsort(keys, axis=axis, kind="stable")
+
+
+def _search(run: np.ndarray, value: np.ndarray, side: str) -> int:
+    return int(np.searchsorted(run, value, side=side))  # type: ignore[call-overload]
+
+
+def split_at(runs: Sequence[np.ndarray], rank: int) -> list[int]:
+    """For sorted 1-D ``runs`` (in row order), how many elements of each come before
+    global rank ``rank`` of their stable merge (ties by run, then position).
+
+    Searches for the key at that rank: a pivot is the weighted median of the middle
+    keys of the ranges still possible, so each round removes at least a quarter of
+    them; a round costs two binary searches per run. Keys at the rank that tie are
+    taken in run order, which is what keeps the merge stable.
+
+    >>> split_at([np.array([1, 3, 3, 7, 8, 9]), np.array([3, 5, 6]), np.array([8, 9])], 4)
+    [3, 1, 0]
+    """
+    lengths = [len(r) for r in runs]
+    total = sum(lengths)
+    if rank <= 0:
+        return [0] * len(runs)
+    if rank >= total:
+        return lengths
+    dtype = runs[0].dtype
+    lo = [0] * len(runs)
+    hi = list(lengths)
+    while True:
+        live = [i for i in range(len(runs)) if hi[i] > lo[i]]
+        mids = np.asarray([runs[i][(lo[i] + hi[i]) // 2] for i in live], dtype=dtype)
+        weights = np.asarray([hi[i] - lo[i] for i in live])
+        order = stable_order(mids)
+        cumulative = np.cumsum(weights[order])
+        pivot = mids[order[int(np.searchsorted(cumulative, (cumulative[-1] + 1) // 2))]]
+        left = [_search(r, pivot, "left") for r in runs]
+        right = [_search(r, pivot, "right") for r in runs]
+        below, through = sum(left), sum(right)
+        if through <= rank:  # the key at the rank is above the pivot
+            lo = [max(a, b) for a, b in zip(lo, right, strict=True)]
+        elif below > rank:  # below the pivot
+            hi = [min(a, b) for a, b in zip(hi, left, strict=True)]
+        else:  # the pivot: take rank - below of its ties, in run order
+            wanted = rank - below
+            out = []
+            for a, b in zip(left, right, strict=True):
+                take = min(b - a, wanted)
+                out.append(a + take)
+                wanted -= take
+            return out
+
+
+def merge_order(pieces: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The concatenated key slices ``pieces`` (each sorted, in run order) and the stable
+    order that merges them: ties keep run order, then position."""
+    keys = np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+    return keys, stable_order(keys)
