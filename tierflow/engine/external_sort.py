@@ -29,11 +29,11 @@ the slices it merges (as many rows) and their order; the runs themselves are on 
 SSD, and their pages leave the process with the mapping after each block. The planner
 cuts blocks that would not fit (``temp_bytes`` and :meth:`MergeStep.memory`).
 
-Files. The run files of one sorted array belong to its :class:`RunFiles`, which the
-plan opens when its compute starts and closes when it ends, whatever happened
-(:meth:`tierflow.engine.plan.Plan.close`): success, an error, ``KeyboardInterrupt``.
-Closing deletes them. Run files are written by the process that runs the pass, so the
-sort runs on the driver's threads (``executor="threads"`` or ``"serial"``).
+Files. The run files of one sorted array go to the folder of its :class:`RunFiles`,
+which the plan opens when its compute starts and closes when it ends, whatever
+happened (:meth:`tierflow.engine.plan.Plan.close`): success, an error,
+``KeyboardInterrupt``. Closing removes the folder. Worker processes write their runs
+into the same folder (they get it with the program).
 
 Kinds of sort (:class:`Sorting`): ``"values"`` sorts every column by itself
 (``np.sort``: the run stores its columns sorted, column-major, so a column is
@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
+import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,41 +139,53 @@ class Runs:
 
 
 class RunFiles:
-    """The run files of one sorted array, deleted when its last compute ends.
+    """The run files of one sorted array: a folder of their own, removed when the last
+    compute using them ends.
 
     :meth:`open` and :meth:`close` count the computes using it (a plan opens it when its
-    compute starts, closes it when it ends); the last close deletes every file written.
-    :meth:`write` runs on workers; the lock guards the list of files."""
+    compute starts, closes it when it ends). The first open makes the folder, under this
+    process's spill folder (so the files of a process that crashed go with that folder,
+    :func:`tierflow.storage.spill.clean_stale`); the last close removes it with every
+    file in it. It pickles as its folder: runs written by worker processes go there
+    too. :meth:`write` runs on workers; the lock guards the counts and the folder."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str | None = None) -> None:
         self._lock = threading.Lock()
         self._records: list[spill.SpillFile] = []
         self._users = 0
+        self.folder = folder
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}  # files belong to the process that wrote them
+        return {"folder": self.folder}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(state["folder"])  # type: ignore[misc]
 
     def open(self) -> None:
         with self._lock:
             self._users += 1
+            if self.folder is None:
+                folder = os.path.join(spill.process_dir(), f"sort-{secrets.token_hex(8)}")
+                os.mkdir(folder, 0o700)
+                self.folder = folder
 
     def close(self) -> None:
-        """Delete every run file once no compute uses them (takes the lock)."""
+        """Remove the folder and every run file once no compute uses them."""
         with self._lock:
             self._users = max(0, self._users - 1)
             if self._users:
                 return
             records, self._records = self._records, []
+            folder, self.folder = self.folder, None
         for record in records:
             record.delete()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
-    def live(self) -> int:
-        """Run files written and not yet deleted."""
-        with self._lock:
-            return sum(not r.deleted for r in self._records)
+    def live(self) -> list[str]:
+        """The run files there are now."""
+        folder = self.folder
+        return sorted(os.listdir(folder)) if folder is not None and os.path.isdir(folder) else []
 
     def write(self, length: int, arrays: dict[str, np.ndarray]) -> Run:
         """A new run file holding ``arrays`` (each C-contiguous), one after the other."""
@@ -180,7 +194,7 @@ class RunFiles:
         for name, a in arrays.items():
             parts.append((name, offset, a.dtype.str, tuple(a.shape)))
             offset += -(-a.nbytes // _ALIGN) * _ALIGN
-        record = spill.create(max(offset, 1))
+        record = spill.create(max(offset, 1), self.folder)
         with self._lock:
             self._records.append(record)
         fd = os.open(record.path, os.O_WRONLY | os.O_CLOEXEC)

@@ -113,23 +113,37 @@ def _sort_rows_now(values: np.ndarray, by: tuple[int, ...], descending: bool) ->
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` largest of each column of ``values`` (``[rows, columns]``), largest
-    first, NaN after every number."""
+    """The first ``k`` rows of each column of ``values`` (``[rows, columns]``) in the
+    stable descending order: largest first, NaN after every number, equal values in
+    their order in ``values``.
+
+    ``np.partition`` finds each column's ``k``-th key; the keys below it and the first
+    of those equal to it (by position, which is what keeps ``-0.0`` and ``0.0`` in
+    their order) are the ``k`` kept, then sorted."""
     key = kernels.descending_key(values)
     if values.shape[0] > k:
-        picked = np.argpartition(key, k - 1, axis=0)[:k]
-        values = np.take_along_axis(values, picked, axis=0)
-        key = np.take_along_axis(key, picked, axis=0)
+        kth = np.partition(key, k - 1, axis=0)[k - 1]
+        below, equal = key < kth, key == kth
+        if key.dtype.kind == "f":
+            nan = np.isnan(kth)
+            below |= nan & ~np.isnan(key)
+            equal |= nan & np.isnan(key)
+        wanted = k - below.sum(axis=0)
+        kept = below | (equal & (np.cumsum(equal, axis=0) <= wanted))
+        width = values.shape[1]
+        values = values.T[kept.T].reshape(width, k).T
+        key = key.T[kept.T].reshape(width, k).T
     return np.take_along_axis(values, kernels.stable_order(key, axis=0), axis=0)
 
 
 class TopK:
-    """The reduction behind :func:`topk`: each partial holds the ``k`` largest values of
-    each column so far (fewer while fewer rows were seen)."""
+    """The reduction behind :func:`topk`: each partial holds the first ``k`` of each
+    column so far in the stable descending order (fewer while fewer rows were seen);
+    partials combine in row order, which keeps equal values in their order."""
 
     n_inputs = 1
     row_independent = False
-    commutative = True
+    commutative = False
 
     def __init__(self, k: int, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
         self.k = k
@@ -196,14 +210,16 @@ def topk(x: Any, k: int, axis: int = 0) -> Array:
     """The ``k`` largest values of each column of ``x``, largest first.
 
     Returns a lazy array of shape ``[k, *x.shape[1:]]`` and ``x``'s dtype: row ``i`` holds
-    the ``i``-th largest value of each column (ties are equal values, so their order
-    does not show). NaN counts as smaller than every number: it appears only in a
+    the ``i``-th largest value of each column, i.e. the first ``k`` rows of each column
+    sorted descending, stably (equal values, such as ``0.0`` and ``-0.0``, in their
+    order in ``x``). NaN counts as smaller than every number: it appears only in a
     column with fewer than ``k`` numbers. Values only; for the rows they come from,
     ``np.argsort`` or ``tw.sort_rows(x, by=c, descending=True)[:k]``. ``k`` above the
     number of rows raises ValueError (when the rows are known after a mask, at compute).
 
     One pass, as a reduction: each block keeps its ``k`` largest per column
-    (``np.argpartition``), merged as blocks finish; memory ``k`` rows per partial.
+    (``np.partition``), merged in row order as blocks finish; memory ``k`` rows per
+    partial.
 
     >>> import tierflow as tw
     >>> tw.topk(np.array([[1, 9], [5, 2], [3, 4]]), 2).compute().tolist()
