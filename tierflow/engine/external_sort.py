@@ -250,7 +250,8 @@ class SortRuns:
         how = self.how
         if how.mode == "values":
             columns = _columns(block)
-            columns.sort(axis=1, kind="stable")
+            for row in columns:
+                row[:] = sorting.sort_stable(row)
             return {"keys": columns}
         if how.mode == "indices":
             columns = _columns(block)
@@ -258,7 +259,7 @@ class SortRuns:
             return {"keys": np.take_along_axis(columns, order, axis=1), "index": order}
         key = _row_key(block, how)
         order = sorting.stable_order(key)
-        return {"keys": key[order], "rows": np.ascontiguousarray(block[order])}
+        return {"keys": np.take(key, order), "rows": np.take(block, order, axis=0)}
 
     def chunk(self, block: np.ndarray, row_offset: int = 0) -> list[Run] | None:
         if block.shape[0] == 0:
@@ -285,8 +286,10 @@ class SortRuns:
             return 2 * block  # the column-major copy, and the sort's merge buffer
         if self.how.mode == "indices":
             return 2 * block + 2 * rows * math.prod(self.row_shape) * _INDEX.itemsize
+        # The key, its order-preserving integers and their temporaries, the packed
+        # keys and positions (operators.sorting.stable_order), the sorted rows.
         key = rows * _key_itemsize(self.dtype, self.how)
-        return 3 * key + rows * _INDEX.itemsize + block
+        return 6 * key + 2 * rows * _INDEX.itemsize + block
 
     def partial_bytes(self) -> int:
         return 4096
@@ -398,10 +401,11 @@ class MergeStep(Step):
         if node.how.mode == "rows":
             key = rows * _key_itemsize(dtype, node.how)
             slices = block_bytes(rows, node.row_shape, dtype) + key
-            temps = slices + rows * _INDEX.itemsize
+            temps = slices + 5 * key + 2 * rows * _INDEX.itemsize
         elif node.how.mode == "values":
             slices = cells * dtype.itemsize
-            temps = 3 * rows * dtype.itemsize  # one column: its slices, sorted, merge buffer
+            # One column at a time: its slices, their order (as in SortRuns), sorted.
+            temps = 7 * rows * dtype.itemsize + 2 * rows * _INDEX.itemsize
         else:
             slices = cells * (dtype.itemsize + _INDEX.itemsize)
             temps = rows * (dtype.itemsize + 3 * _INDEX.itemsize)
@@ -428,9 +432,7 @@ def merge(runs: Runs, node: SortedRows, a: int, b: int) -> np.ndarray:
         lo, hi = sorting.split_at(keys, a), sorting.split_at(keys, b)
         pieces = [k[i:j] for k, i, j in zip(keys, lo, hi, strict=True)]
         if how.mode == "values":
-            merged = np.concatenate(pieces) if len(pieces) > 1 else np.array(pieces[0])
-            merged.sort(kind="stable")
-            out[:, c] = merged
+            out[:, c] = sorting.sort_stable(np.concatenate(pieces))
             continue
         _, order = sorting.merge_order(pieces)
         index = np.concatenate(

@@ -37,7 +37,9 @@ __all__ = [
     "descending_key",
     "merge_order",
     "ordered_bytes",
+    "ordered_uint",
     "row_key",
+    "sort_stable",
     "split_at",
     "stable_order",
 ]
@@ -68,26 +70,31 @@ def descending_key(values: np.ndarray) -> np.ndarray:
     return np.invert(values)
 
 
-def ordered_bytes(values: np.ndarray) -> np.ndarray:
-    """``values`` (1-D) as ``[n, itemsize]`` big-endian bytes that compare bytewise as
-    the values compare in NumPy's sort order (NaN last, ``-0.0 == 0.0``)."""
+def ordered_uint(values: np.ndarray) -> np.ndarray:
+    """``values`` as unsigned integers of the same size that compare as the values compare
+    in NumPy's sort order (NaN last, all NaN equal, ``-0.0 == 0.0``)."""
     kind = values.dtype.kind
     size = values.dtype.itemsize
     unsigned = np.dtype(f"u{size}")
     if kind == "b":
-        bits = values.view(np.uint8)
-    elif kind == "u":
-        bits = values
-    elif kind == "i":
-        bits = values.view(unsigned) ^ unsigned.type(1 << (8 * size - 1))
-    else:
-        # Canonical NaN (positive, so it goes last) and +0.0 for -0.0 (adding 0.0 does it).
-        canonical = np.where(np.isnan(values), values.dtype.type(np.nan), values + 0.0)
-        raw = canonical.astype(values.dtype, copy=False).view(unsigned)
-        sign = unsigned.type(1 << (8 * size - 1))
-        bits = np.where(raw & sign, ~raw, raw | sign)
-    big = np.ascontiguousarray(bits, dtype=unsigned.newbyteorder(">"))
-    return big.view(np.uint8).reshape(len(values), size)
+        return values.view(np.uint8)
+    if kind == "u":
+        return values
+    sign = unsigned.type(1 << (8 * size - 1))
+    if kind == "i":
+        return values.view(unsigned) ^ sign
+    # Canonical NaN (positive, so it goes last) and +0.0 for -0.0 (adding 0.0 does it).
+    canonical = np.where(np.isnan(values), values.dtype.type(np.nan), values + 0.0)
+    raw = canonical.astype(values.dtype, copy=False).view(unsigned)
+    return np.where(raw & sign, ~raw, raw | sign)
+
+
+def ordered_bytes(values: np.ndarray) -> np.ndarray:
+    """``values`` (1-D) as ``[n, itemsize]`` big-endian bytes that compare bytewise as
+    the values compare in NumPy's sort order (:func:`ordered_uint`)."""
+    bits = ordered_uint(values)
+    big = np.ascontiguousarray(bits, dtype=bits.dtype.newbyteorder(">"))
+    return big.view(np.uint8).reshape(len(values), values.dtype.itemsize)
 
 
 def row_key(columns: Sequence[np.ndarray], descending: bool = False) -> np.ndarray:
@@ -104,8 +111,36 @@ def row_key(columns: Sequence[np.ndarray], descending: bool = False) -> np.ndarr
 
 
 def stable_order(keys: np.ndarray, axis: int = -1) -> np.ndarray:
-    """The stable ascending order of ``keys`` (NaN last), as NumPy's argsort gives it."""
-    return np.argsort(keys, axis=axis, kind="stable")
+    """The stable ascending order of ``keys`` (NaN last), as NumPy's
+    ``argsort(kind="stable")`` gives it.
+
+    Numeric keys of up to 4 bytes take a faster way to the same order: each key, as an
+    order-preserving unsigned integer (:func:`ordered_uint`), goes in the high half of a
+    ``uint64`` and its position in the low half; the keys are then unique, so NumPy's
+    fastest (unstable, vectorised) sort gives the stable order, about 10x faster than a
+    stable argsort."""
+    if keys.dtype.kind not in _KINDS or keys.dtype.itemsize > 4 or keys.shape[axis] >= 1 << 32:
+        return np.argsort(keys, axis=axis, kind="stable")
+    if keys.ndim != 1:
+        moved = np.moveaxis(keys, axis, -1)
+        out = np.empty(moved.shape, np.intp)
+        for index in np.ndindex(moved.shape[:-1]):
+            out[index] = stable_order(moved[index])
+        return np.moveaxis(out, -1, axis)
+    packed = ordered_uint(keys).astype(np.uint64) << np.uint64(32)
+    packed |= np.arange(len(keys), dtype=np.uint64)
+    packed.sort()
+    packed &= np.uint64(0xFFFFFFFF)
+    return packed.view(np.intp)
+
+
+def sort_stable(values: np.ndarray) -> np.ndarray:
+    """``np.sort(values, kind="stable")`` of a 1-D array: for booleans and integers any
+    sort gives the same values (the fastest runs); for floats the stable order decides
+    where ``-0.0`` and ``0.0`` (and NaNs of different bits) go, so it is kept."""
+    if values.dtype.kind in "biu":
+        return np.sort(values)
+    return np.take(values, stable_order(values))
 
 
 def _search(run: np.ndarray, value: np.ndarray, side: str) -> int:
