@@ -340,6 +340,8 @@ def test_what_sorting_refuses_says_what_to_do() -> None:
     x = tw.from_array(np.zeros((10, 3)), rows=4)
     with pytest.raises(TypeError, match=r"order=\.\.\.\) sorts structured arrays"):
         np.sort(x, axis=0, order="a")
+    with pytest.raises(ValueError, match=r"sort kind must be one of .* \(got 'bogus'\)"):
+        np.argsort(x, axis=0, kind="bogus")
     with pytest.raises(TypeError, match=r"sorts booleans, integers and floats, not complex128"):
         np.sort(x.astype(complex), axis=0)
     with pytest.raises(IndexError, match=r"key column 3 is out of range for 3 columns"):

@@ -35,7 +35,10 @@ def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
     if kwargs.get("order") is not None:
         raise TypeError(f"np.{name}(..., order=...) sorts structured arrays; lazy arrays are not")
     if kwargs.get("kind") not in _KINDS:
-        raise ValueError(f"np.{name}: unknown kind {kwargs['kind']!r}; use one of {_KINDS[1:]}")
+        raise ValueError(
+            "sort kind must be one of 'quicksort', 'mergesort', 'heapsort' or 'stable' "
+            f"(got {kwargs['kind']!r})"
+        )
     unknown = set(kwargs) - {"kind", "order", "stable"}
     if unknown:
         raise TypeError(f"np.{name}: unsupported keywords {sorted(unknown)} on lazy arrays")
