@@ -81,8 +81,7 @@ def describe_run(run: ChildRun) -> tuple[float | None, str]:
     anon = max((s.anon for s in window), default=0)
     seconds = float(figures["seconds"])
     return seconds, (
-        f"{seconds:.1f} s, peak RSS {figures['peak_rss'] >> 20} MB "
-        f"(anonymous {anon >> 20} MB)"
+        f"{seconds:.1f} s, peak RSS {figures['peak_rss'] >> 20} MB (anonymous {anon >> 20} MB)"
     )
 
 
@@ -126,33 +125,54 @@ def part_cgroup(src: Path, dst: Path, env: dict[str, str]) -> float | None:
     return seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, default=4.0, help="file size (4: 125M rows of 8)")
-    parser.add_argument("--no-numpy-rows", action="store_true", help="skip NumPy's row sort")
-    args = parser.parse_args()
-    rows = int(ROWS_4GB * args.gb / 4)
+def bench(gb: float, numpy_rows: bool = True) -> dict[str, Any]:
+    """Every part on a file of ``gb`` GB; prints its lines and returns the seconds of
+    each contender (None where it failed or did not run) and the spill files left."""
+    rows = int(ROWS_4GB * gb / 4)
     folder = Path(tempfile.mkdtemp(prefix="bench-sort-", dir="/tmp"))
+    report: dict[str, Any] = {}
     try:
         src = make_npy(folder / "x.npy", rows, WIDTH)
         env = dict(os.environ, TIERFLOW_SPILL_DIR=str(folder / "spill"))
         print(f"file: float32 [{rows:,}, {WIDTH}], {src.stat().st_size / 1e9:.2f} GB")
-        ours = part_cgroup(src, folder / "tw.npy", env)
+        ours = report["tierflow"] = part_cgroup(src, folder / "tw.npy", env)
         left = [f for _, _, files in os.walk(folder / "spill") for f in files]
+        report["left"] = len(left)
         print(f"   spill files left after the sort: {len(left)}")
         (folder / "tw.npy").unlink(missing_ok=True)
         column_s, column = describe_run(run_child("numpy-column", src, folder / "-", env))
+        report["numpy-column"] = column_s
         print(f"2. np.sort(np.load(mmap)[:, 0]), no limit: {column}")
         rows_s = None
-        if not args.no_numpy_rows:
+        if numpy_rows:
             rows_s, text = describe_run(run_child("numpy-rows", src, folder / "np.npy", env))
             print(f"3. a[np.argsort(a[:, 0], kind='stable')] saved, no limit: {text}")
+        report["numpy-rows"] = rows_s
         if ours is not None and column_s is not None:
             print(f"   tierflow / np.sort of the column: {ours / column_s:.1f}x the time")
         if ours is not None and rows_s is not None:
             print(f"   tierflow / NumPy's row sort: {ours / rows_s:.2f}x the time")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return report
+
+
+def test_sort_rows_of_a_file(benchmark: Any) -> None:
+    from cgroups import skip_reason
+
+    benchmark.group = "engine: sorting along the rows"
+    report = benchmark.pedantic(bench, args=(0.05,), rounds=1, iterations=1)
+    if skip_reason() is None:
+        assert report["tierflow"] is not None, "tierflow's sort failed in the cgroup"
+    assert report["left"] == 0 and report["numpy-rows"] is not None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=4.0, help="file size (4: 125M rows of 8)")
+    parser.add_argument("--no-numpy-rows", action="store_true", help="skip NumPy's row sort")
+    args = parser.parse_args()
+    bench(args.gb, not args.no_numpy_rows)
 
 
 if __name__ == "__main__":
