@@ -370,3 +370,13 @@ def test_sorted_runs_are_not_cached(tmp_path: Path) -> None:
     np.testing.assert_allclose(first, a.sum(axis=0))
     np.testing.assert_allclose(again, first)
     assert leftovers() == []
+
+
+def test_an_unusable_spill_folder_fails_the_sort_before_it_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    tw.config.set(spill_dir=str(blocker / "spill"))
+    x = tw.from_array(np.arange(100.0), rows=10)
+    with pytest.raises(tw.errors.SpillError):
+        np.sort(x, axis=0).to_npy(tmp_path / "s.npy")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-folder"]

@@ -133,15 +133,19 @@ class Plan:
         return {o.task for o in self.outputs if isinstance(o, TaskOutput)}
 
     def open(self) -> None:
-        """Open every sink, then the scratch; on a failure the sinks opened are aborted."""
+        """Open every sink, then the scratch; on a failure what was opened is undone."""
+        opened = []
         try:
             for sink in self.sinks:
                 sink.open()
+            for scratch in self.scratch:
+                scratch.open()
+                opened.append(scratch)
         except BaseException:
+            for scratch in opened:
+                scratch.close()
             self.abort()
             raise
-        for scratch in self.scratch:
-            scratch.open()
 
     def close(self) -> None:
         """Close the scratch (its files are deleted): after the compute, whatever happened."""
