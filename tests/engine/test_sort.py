@@ -257,12 +257,14 @@ def test_describe_shows_the_two_passes() -> None:
     assert plan.scratch and leftovers() == []  # planning wrote nothing
 
 
-def test_unknown_row_counts_merge_into_equal_shares() -> None:
+def test_unknown_row_counts_merge_into_equal_shares(tmp_path: Path) -> None:
     a = np.arange(100, 0, -1)
     x = tw.from_array(a, rows=10)
     s = np.sort(x[x % 3 != 0], axis=0)  # 67 rows in 10 blocks of unknown size
     assert s.shape == (None,) and s.nblocks == 10
     same(s.compute(), np.sort(a[a % 3 != 0]))
+    s.to_npy(tmp_path / "s.npy")  # appended block by block
+    same(np.load(tmp_path / "s.npy"), np.sort(a[a % 3 != 0]))
     same(np.sort(x[x > 1000], axis=0).compute(), np.zeros(0, a.dtype))
 
 
