@@ -382,3 +382,15 @@ def test_an_unusable_spill_folder_fails_the_sort_before_it_starts(tmp_path: Path
     with pytest.raises(tw.errors.SpillError):
         np.sort(x, axis=0).to_npy(tmp_path / "s.npy")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-folder"]
+
+
+@pytest.mark.executors("threads", "serial")  # the step is read in this process
+def test_runs_sampled_every_few_keys_split_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(external_sort, "SAMPLE_STEP", 3)
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 40, size=(2000, 3)).astype(np.float32)
+    a[rng.random(a.shape) < 0.05] = np.nan
+    x = tw.from_array(a, rows=170)
+    same(np.sort(x, axis=0).compute(), np.sort(a, axis=0, kind="stable"))
+    same(np.argsort(x, axis=0).compute(), np.argsort(a, axis=0, kind="stable"))
+    same(tw.sort_rows(x, by=[1, 0]).compute(), a[np.lexsort((a[:, 0], a[:, 1]))])

@@ -85,3 +85,35 @@ def test_descending_keys_keep_nan_last() -> None:
     assert a[sorting.stable_order(sorting.descending_key(a))].tolist()[:3] == [3.0, 1.0, -2.0]
     i = np.array([np.iinfo(np.int8).min, 0, 127], np.int8)
     assert i[sorting.stable_order(sorting.descending_key(i))].tolist() == [127, 0, -128]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.data())
+def test_split_sampled_is_split_at(data: st.DataObject) -> None:
+    dt = data.draw(st.sampled_from(["float32", "int8", "float64"]))
+    elements = FEW if dt != "int8" else st.integers(-3, 3)
+    runs = [
+        np.sort(data.draw(hnp.arrays(dt, data.draw(st.integers(0, 40)), elements=elements)))
+        for _ in range(data.draw(st.integers(1, 5)))
+    ]
+    step = data.draw(st.integers(1, 6), label="step")
+    samples = [r[::step] for r in runs]
+    for rank in range(sum(len(r) for r in runs) + 1):
+        assert sorting.split_sampled(runs, samples, step, rank) == sorting.split_at(runs, rank)
+
+
+def test_split_sampled_reads_only_windows_near_the_rank() -> None:
+    class Counted(np.ndarray):
+        read = 0
+
+        def __getitem__(self, key):  # type: ignore[no-untyped-def]
+            out = super().__getitem__(key)
+            if isinstance(key, slice):
+                Counted.read += len(range(*key.indices(len(self))))
+            return out
+
+    runs = [np.sort(np.random.default_rng(i).random(100_000)).view(Counted) for i in range(4)]
+    samples = [np.asarray(r)[::100] for r in runs]
+    expected = sorting.split_at([np.asarray(r) for r in runs], 123_456)
+    assert sorting.split_sampled(runs, samples, 100, 123_456) == expected
+    assert 0 < Counted.read <= 4 * 4 * 100

@@ -17,9 +17,11 @@ every row before their first output row is known. They run as two passes of the 
    runs are combined in row order, so run ``i`` holds rows before run ``i + 1``'s.
 2. **Merge.** Output rows ``[a, b)`` are global ranks ``a`` to ``b`` of the stable
    merge. :class:`MergeStep` finds in each run the position of ranks ``a`` and ``b``
-   (:func:`~tierflow.operators.sorting.split_at`: a selection across the runs, ties by
-   run then position, which keeps the sort stable), reads only those slices from the
-   memory-mapped run files and merges them. Output blocks are independent: they run
+   (:func:`~tierflow.operators.sorting.split_sampled`: a selection across the runs,
+   ties by run then position, which keeps the sort stable; every
+   :data:`SAMPLE_STEP`-th key of each run, kept in memory with the run, narrows it to
+   a few pages of each run), reads only those slices from the memory-mapped run files
+   and merges them. Output blocks are independent: they run
    on every worker, and a ``.npy`` output is written block by block. A block of unknown
    size (the input came through a mask) holds an equal share of the rows, known once the
    runs are: ranks ``[j * n // blocks, (j + 1) * n // blocks)``.
@@ -50,7 +52,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,9 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes: where each array of a run file starts
+# Every SAMPLE_STEP-th key of a run is kept in memory (4 KB of float32 keys a step): a
+# 125M-row sort keeps 0.5 MB of them, and reads about 3 steps of each run per split.
+SAMPLE_STEP = 1024
 _INDEX = np.dtype(np.int64)
 
 
@@ -109,11 +114,30 @@ class Sorting:
 @dataclass(frozen=True)
 class Run:
     """One sorted block in a spill file: ``length`` rows, and its arrays as ``(name,
-    offset, dtype, shape)`` (bytes from the file's start)."""
+    offset, dtype, shape)`` (bytes from the file's start). ``samples`` holds every
+    :data:`SAMPLE_STEP`-th key, in memory (``[columns, ...]`` for the column sorts):
+    what narrows the search for a rank to a few pages of each run."""
 
     path: str
     length: int
     parts: tuple[tuple[str, int, str, tuple[int, ...]], ...]
+    samples: np.ndarray = field(compare=False)
+
+    def read(self, name: str, start: int, stop: int, column: int | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` of array ``name`` (of row ``column`` of a column-major
+        one), read from the file into a new array; with ``column`` the array is 2-D."""
+        _, offset, dtype_str, shape = next(p for p in self.parts if p[0] == name)
+        dtype = np.dtype(dtype_str)
+        if column is None:
+            row = math.prod(shape[1:]) * dtype.itemsize
+            out = np.empty((stop - start, *shape[1:]), dtype)
+            where = offset + start * row
+        else:
+            out = np.empty(stop - start, dtype)
+            where = offset + (column * shape[1] + start) * dtype.itemsize
+        if out.nbytes:
+            _pread(self.path, out, where)
+        return out
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The run's arrays, memory-mapped read-only (unmapped when they are dropped)."""
@@ -123,6 +147,24 @@ class Run:
             else np.empty(shape, np.dtype(dtype))
             for name, offset, dtype, shape in self.parts
         }
+
+
+def _pread(path: str, out: np.ndarray, where: int) -> None:
+    """Fill ``out`` with the bytes of ``path`` from ``where``, then drop them from the
+    page cache: a run's slice is read once, and a read (unlike a fault through a
+    mapping) is one request the disk serves at its streaming speed."""
+    data = out.reshape(-1).view(np.uint8).data
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < out.nbytes:
+            got = os.preadv(fd, [data[done:]], where + done)
+            if got <= 0:
+                raise OSError(f"the run file {path} ended {out.nbytes - done} bytes early")
+            done += got
+        os.posix_fadvise(fd, where, out.nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -187,7 +229,7 @@ class RunFiles:
         folder = self.folder
         return sorted(os.listdir(folder)) if folder is not None and os.path.isdir(folder) else []
 
-    def write(self, length: int, arrays: dict[str, np.ndarray]) -> Run:
+    def write(self, length: int, arrays: dict[str, np.ndarray], samples: np.ndarray) -> Run:
         """A new run file holding ``arrays`` (each C-contiguous), one after the other."""
         parts = []
         offset = 0
@@ -206,7 +248,7 @@ class RunFiles:
                     done += os.pwritev(fd, [data[done:]], start + done)
         finally:
             os.close(fd)
-        return Run(record.path, length, tuple(parts))
+        return Run(record.path, length, tuple(parts), samples)
 
 
 # -- pass 1: sorted runs -----------------------------------------------------------------
@@ -264,7 +306,9 @@ class SortRuns:
     def chunk(self, block: np.ndarray, row_offset: int = 0) -> list[Run] | None:
         if block.shape[0] == 0:
             return None
-        return [self.files.write(block.shape[0], self.sorted_block(block))]
+        arrays = self.sorted_block(block)
+        samples = np.array(arrays["keys"][..., ::SAMPLE_STEP])
+        return [self.files.write(block.shape[0], arrays, samples)]
 
     def combine(self, a: list[Run] | None, b: list[Run] | None) -> list[Run] | None:
         if a is None:
@@ -419,27 +463,43 @@ def merge(runs: Runs, node: SortedRows, a: int, b: int) -> np.ndarray:
     if rows == 0 or not runs.runs:
         return np.empty((rows, *row_shape), dtype)
     opened = runs.opened()
+    each = list(zip(runs.runs, runs.starts, strict=True))
     if how.mode == "rows":
         keys = [o["keys"] for o in opened]
-        lo, hi = sorting.split_at(keys, a), sorting.split_at(keys, b)
-        _, order = sorting.merge_order([k[i:j] for k, i, j in zip(keys, lo, hi, strict=True)])
-        picked = [o["rows"][i:j] for o, i, j in zip(opened, lo, hi, strict=True)]
+        lo, hi = _splits(runs, keys, None, a, b)
+        pieces = [r.read("keys", i, j) for (r, _), i, j in zip(each, lo, hi, strict=True)]
+        _, order = sorting.merge_order(pieces)
+        picked = [r.read("rows", i, j) for (r, _), i, j in zip(each, lo, hi, strict=True)]
         return np.take(np.concatenate(picked), order, axis=0)
     width = math.prod(row_shape)
     out = np.empty((rows, width), dtype)
     for c in range(width):
         keys = [o["keys"][c] for o in opened]
-        lo, hi = sorting.split_at(keys, a), sorting.split_at(keys, b)
-        pieces = [k[i:j] for k, i, j in zip(keys, lo, hi, strict=True)]
+        lo, hi = _splits(runs, keys, c, a, b)
+        pieces = [r.read("keys", i, j, c) for (r, _), i, j in zip(each, lo, hi, strict=True)]
         if how.mode == "values":
             out[:, c] = sorting.sort_stable(np.concatenate(pieces))
             continue
         _, order = sorting.merge_order(pieces)
         index = np.concatenate(
             [
-                o["index"][c][i:j] + start
-                for o, i, j, start in zip(opened, lo, hi, runs.starts, strict=True)
+                r.read("index", i, j, c) + start
+                for (r, start), i, j in zip(each, lo, hi, strict=True)
             ]
         )
         out[:, c] = index[order]
     return out.reshape(rows, *row_shape)
+
+
+def _splits(
+    runs: Runs, keys: list[np.ndarray], column: int | None, a: int, b: int
+) -> tuple[list[int], list[int]]:
+    """Where ranks ``a`` and ``b`` fall in each run (of ``column`` of the column sorts)."""
+    samples = [r.samples if column is None else r.samples[column] for r in runs.runs]
+
+    def read(i: int, start: int, stop: int) -> np.ndarray:
+        return runs.runs[i].read("keys", start, stop, column)
+
+    lo = sorting.split_sampled(keys, samples, SAMPLE_STEP, a, read)
+    hi = sorting.split_sampled(keys, samples, SAMPLE_STEP, b, read)
+    return lo, hi

@@ -28,7 +28,7 @@ block is made independently of the others::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,6 +41,7 @@ __all__ = [
     "row_key",
     "sort_stable",
     "split_at",
+    "split_sampled",
     "stable_order",
 ]
 
@@ -190,6 +191,95 @@ def split_at(runs: Sequence[np.ndarray], rank: int) -> list[int]:
                 out.append(a + take)
                 wanted -= take
             return out
+
+
+def split_sampled(
+    runs: Sequence[np.ndarray],
+    samples: Sequence[np.ndarray],
+    step: int,
+    rank: int,
+    read: Callable[[int, int, int], np.ndarray] | None = None,
+) -> list[int]:
+    """:func:`split_at`, narrowed first by samples held in memory.
+
+    ``samples[i]`` is ``runs[i][::step]``. From the samples alone, without reading the
+    runs, it finds two keys that bracket the key at ``rank``, and so a window in each run
+    outside of which the split cannot lie (a run's positions between two samples hold
+    keys between them). Only the windows are read: about ``3 x step`` keys per run,
+    contiguous, by ``read(i, a, b)`` (``runs[i][a:b]`` when not given). Small windows are
+    merged by one stable sort; windows too wide for that (many keys equal to the one at
+    the rank) go to :func:`split_at`'s binary searches in ``runs``.
+
+    >>> runs = [np.arange(0, 20, 2), np.arange(1, 20, 2)]
+    >>> split_sampled(runs, [r[::4] for r in runs], 4, 7)
+    [4, 3]
+    """
+    lengths = [len(r) for r in runs]
+    total = sum(lengths)
+    if rank <= 0:
+        return [0] * len(runs)
+    if rank >= total:
+        return lengths
+    merged = np.sort(np.concatenate(samples))
+
+    def below_at_most(v: np.ndarray) -> int:  # keys < v: at most this many
+        return sum(
+            min(n, step * _search(s, v, "left")) for s, n in zip(samples, lengths, strict=True)
+        )
+
+    def through_at_least(v: np.ndarray) -> int:  # keys <= v: at least this many
+        counts = (_search(s, v, "right") for s in samples)
+        return sum(step * (c - 1) + 1 for c in counts if c)
+
+    low = _last(merged, lambda v: below_at_most(v) <= rank)
+    high = _first(merged, lambda v: through_at_least(v) > rank)
+    lo, hi = [], []
+    for s, n in zip(samples, lengths, strict=True):
+        c = 0 if low is None else _search(s, low, "left")
+        start = step * (c - 1) + 1 if c else 0
+        stop = n if high is None else min(n, step * _search(s, high, "right"))
+        lo.append(min(start, stop))
+        hi.append(stop)
+    wanted = rank - sum(lo)
+    width = sum(hi) - sum(lo)
+    if width > 8 * step * len(runs) + (1 << 16):
+        inner = split_at([r[a:b] for r, a, b in zip(runs, lo, hi, strict=True)], wanted)
+    else:
+        if read is None:
+            windows = [np.asarray(r[a:b]) for r, a, b in zip(runs, lo, hi, strict=True)]
+        else:
+            windows = [read(i, a, b) for i, (a, b) in enumerate(zip(lo, hi, strict=True))]
+        keys = np.concatenate(windows)
+        which = np.repeat(np.arange(len(runs)), [len(w) for w in windows])
+        counts = np.bincount(which[stable_order(keys)[:wanted]], minlength=len(runs))
+        inner = [int(c) for c in counts]
+    return [a + b for a, b in zip(lo, inner, strict=True)]
+
+
+def _last(values: np.ndarray, ok: Callable[[np.ndarray], bool]) -> np.ndarray | None:
+    """The last of sorted ``values`` for which the monotone ``ok`` holds (True, then
+    False along ``values``), or None."""
+    a, b = 0, len(values)  # ok holds before a, fails from b
+    while a < b:
+        m = (a + b) // 2
+        if ok(values[m]):
+            a = m + 1
+        else:
+            b = m
+    return values[a - 1] if a else None
+
+
+def _first(values: np.ndarray, ok: Callable[[np.ndarray], bool]) -> np.ndarray | None:
+    """The first of sorted ``values`` for which the monotone ``ok`` holds (False, then
+    True along ``values``), or None."""
+    a, b = 0, len(values)
+    while a < b:
+        m = (a + b) // 2
+        if ok(values[m]):
+            b = m
+        else:
+            a = m + 1
+    return values[a] if a < len(values) else None
 
 
 def merge_order(pieces: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
