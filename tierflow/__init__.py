@@ -26,6 +26,7 @@ from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_ex
 from .engine.frequencies import value_counts
 from .engine.functions import concatenate, stack, where
 from .engine.profile import Profile, last_profile, profile
+from .engine.sorting import sort_rows, topk
 from .engine.types import Callback
 from .errors import TierflowError
 
@@ -59,8 +60,10 @@ __all__ = [
     "memory",
     "persist",
     "profile",
+    "sort_rows",
     "stack",
     "to_npy",
+    "topk",
     "use_executor",
     "value_counts",
     "where",

@@ -1253,8 +1253,10 @@ class Array:
         ``cumsum``, ``cumprod``, ``nancumsum``, ``nancumprod``, ``diff``, along a trailing
         axis: lazy, one block at a time (also as ``np.sort(x, axis=1)`` and so on).
 
-        Along the rows (axis 0) every row is needed at once, which a chunked array does
-        not have: that raises ValueError. ``out=`` is not supported."""
+        ``sort`` and ``argsort`` along the rows (axis 0, or None for a 1-D array) are an
+        external merge sort (:mod:`tierflow.engine.sorting`). The others need every row
+        at once along axis 0, which a chunked array does not have: that raises
+        ValueError. ``out=`` is not supported."""
         function = ops.ALONG_AXIS.get(name)
         if function is None:
             raise ValueError(f"along() runs one of {', '.join(ops.ALONG_AXIS)}, not {name!r}")
@@ -1266,6 +1268,8 @@ class Array:
         if isinstance(node, Value):
             return _value_apply(function, node, name=name, axis=axis, **kwargs)
         assert isinstance(node, Chunked)
+        if axis is None and name in ("sort", "argsort") and self.ndim == 1:
+            axis = 0  # the flattened array is the array
         if axis is None:
             raise ValueError(
                 f"np.{name}(x, axis=None) works on the flattened array, which runs along the "
@@ -1275,6 +1279,10 @@ class Array:
         if not -self.ndim <= k < self.ndim:
             raise np.exceptions.AxisError(k, self.ndim)
         k %= self.ndim
+        if k == 0 and name in ("sort", "argsort"):
+            from . import sorting
+
+            return sorting.along_rows(node, name, kwargs)
         if k == 0:
             raise ValueError(
                 f"np.{name} along axis 0 needs every row at once, and a lazy array is cut "

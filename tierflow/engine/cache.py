@@ -658,6 +658,8 @@ def _cacheable(node: Node) -> bool:
     # to save. A source that computes its rows (from_dask) is kept like any result.
     if isinstance(node, graph.Source):
         return bool(node.reader.computes)
+    if not getattr(node, "cacheable", True):  # an external sort's runs: files of one compute
+        return False
     return not isinstance(node, graph.Const)
 
 

@@ -144,6 +144,8 @@ def _run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedul
         except BaseException:
             plan.abort()
             raise
+        finally:
+            plan.close()
     finally:
         if owned:
             chosen.shutdown()

@@ -445,3 +445,7 @@ FUNCTIONS.update(products.FUNCTIONS)
 from . import rowwise  # noqa: E402 -- it builds on this module's functions
 
 FUNCTIONS.update(rowwise.FUNCTIONS)
+
+from . import sorting  # noqa: E402 -- its module imports the Array, as this one does
+
+FUNCTIONS.update(sorting.FUNCTIONS)

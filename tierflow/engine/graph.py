@@ -194,10 +194,13 @@ class Value(Node):
 
 def placeholder(node: Node) -> Any:
     """A zero value with ``node``'s dtype and shape (unknown rows count as 1), standing
-    in for the value while dtypes and shapes are worked out."""
+    in for the value while dtypes and shapes are worked out. None for a value without a
+    dtype (the runs of an external sort, :mod:`tierflow.engine.external_sort`)."""
+    if node.dtype is None:
+        return None
     shape = tuple(1 if n is None else n for n in node.shape)
     if not shape:
-        return node.dtype.type(0)  # type: ignore[union-attr]
+        return node.dtype.type(0)
     return np.zeros(shape, node.dtype)
 
 

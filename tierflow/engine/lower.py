@@ -43,7 +43,7 @@ import numpy as np
 
 from ..operators import elementwise as ew
 from ..operators import fused, reductions, torch_ops
-from . import callsites, graph, offload
+from . import callsites, external_sort, graph, offload
 from .graph import Chunked, Node
 from .ops import MapBlocks
 from .program import (
@@ -279,6 +279,9 @@ class Lowering:
             return ConcatStep(node, [self.step(i) for i in node.inputs])
         if isinstance(node, graph.Counted):
             return CountedStep(node, self.step(node.inputs[0]))
+
+        if isinstance(node, external_sort.SortedRows):
+            return external_sort.MergeStep(node, self.values[node.inputs[0].ident])
         raise TypeError(f"cannot lower {node!r}")
 
     def _fusable(self, node: Node) -> bool:

@@ -57,7 +57,7 @@ from ..errors import OutOfMemoryError
 from ..operators.types import block_bytes
 from ..storage import oom
 from ..system import device_budget, devices
-from . import float_errors, graph, offload
+from . import external_sort, float_errors, graph, offload
 from .graph import Chunked, Node
 from .lower import lower_pass
 from .ops import MapBlocks
@@ -128,6 +128,9 @@ class Plan:
     # The index of the first task of each stage (tasks are numbered stage by stage;
     # values computed from values after the last stage count in a stage of their own).
     stage_starts: list[int] = field(default_factory=list)
+    # Files that live for one compute (an external sort's runs): open() when it starts,
+    # close() when it ends, however it ends (see tierflow.engine.external_sort).
+    scratch: list[Any] = field(default_factory=list)
 
     def add(self, task: Task) -> int:
         self.tasks.append(task)
@@ -138,13 +141,24 @@ class Plan:
         return {o.task for o in self.outputs if isinstance(o, TaskOutput)}
 
     def open(self) -> None:
-        """Open every sink; on a failure the ones opened are aborted."""
+        """Open every sink, then the scratch; on a failure what was opened is undone."""
+        opened = []
         try:
             for sink in self.sinks:
                 sink.open()
+            for scratch in self.scratch:
+                scratch.open()
+                opened.append(scratch)
         except BaseException:
+            for scratch in opened:
+                scratch.close()
             self.abort()
             raise
+
+    def close(self) -> None:
+        """Close the scratch (its files are deleted): after the compute, whatever happened."""
+        for scratch in self.scratch:
+            scratch.close()
 
     def abort(self) -> None:
         """Free outputs and remove temporary files (sinks not opened do nothing, and
@@ -305,6 +319,9 @@ class Planner:
         for node in self.nodes_by_key.values():
             if isinstance(node, graph.Source):
                 node.reader.check()
+            scratch = getattr(node, "scratch", None)
+            if scratch is not None:
+                self.plan.scratch.append(scratch)
 
     def stages(self) -> None:
         """The stage of each chunked node and reduction, and when each value is known."""
@@ -788,6 +805,8 @@ def upper_rows(node: Chunked, j: int) -> int:
     if isinstance(node, graph.Concat):
         k, jj = node.block_table[j]
         return upper_rows(node.inputs[k], jj)  # type: ignore[arg-type]
+    if isinstance(node, external_sort.SortedRows):  # equal shares of the rows
+        return node.share(upper_rows)
     source = node.inputs[0]
     assert isinstance(source, Chunked)
     scale = 1

@@ -277,8 +277,11 @@ def _no_room(folder: str, nbytes: int, code: int) -> SpillError:
     )
 
 
-def create(nbytes: int) -> SpillFile:
+def create(nbytes: int, folder: str | None = None) -> SpillFile:
     """Create a spill file of ``nbytes`` (> 0) bytes, every block reserved, not mapped.
+
+    In ``folder`` when given (an existing folder under this or another tierflow
+    process's spill folder, which its owner removes), else in :func:`process_dir`.
 
     Raises :class:`~tierflow.errors.SpillError`: no room (ENOSPC, EDQUOT, EFBIG, or
     ``nbytes`` above the free space), a filesystem that cannot reserve space, or a
@@ -286,7 +289,7 @@ def create(nbytes: int) -> SpillFile:
     """
     if nbytes <= 0:
         raise ValueError(f"a spill file needs a positive size, got {nbytes} bytes")
-    folder = process_dir()
+    folder = process_dir() if folder is None else folder
     free = free_bytes(folder)
     if free is not None and nbytes > free:
         raise _no_room(folder, nbytes, errno.ENOSPC)
