@@ -346,11 +346,24 @@ def test_unique_refuses_what_it_cannot_do_lazily(tmp_path: Path) -> None:
         np.unique(x, axis=2)
     with pytest.raises(TypeError, match="equal_nan=False"):
         np.unique(x, equal_nan=False)
-    with pytest.raises(ValueError, match=r"return_index=True.*unknown.*persist\(\)"):
-        np.unique(x[x[:, 0] > 3], return_index=True)
     nan_rows = tw.from_array(np.array([[np.nan, 1.0], [np.nan, 1.0]]), rows=1)
     with pytest.raises(ValueError, match="rows of this block hold a NaN"):
         np.unique(nan_rows, axis=0, return_inverse=True)[1].compute(progress=False)
+
+
+def test_first_indices_after_a_mask_count_the_rows_first() -> None:
+    a = np.random.default_rng(3).integers(0, 6, (60, 3)).astype(np.float64)
+    x = tw.from_array(a, rows=7)
+    kept = a[a[:, 1] > 1]
+    masked = x[x[:, 1] > 1]
+    for axis, got_from, want_from in ((None, masked[:, 0], kept[:, 0]), (0, masked, kept)):
+        got = tw.compute(
+            *np.unique(got_from, return_index=True, return_counts=True, axis=axis),
+            progress=False,
+        )
+        want = np.unique(want_from, return_index=True, return_counts=True, axis=axis)
+        for g, w in zip(got, want, strict=True):
+            same(g, w)
 
 
 def test_value_counts_of_rows_and_of_an_in_memory_value() -> None:

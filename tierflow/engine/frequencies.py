@@ -26,11 +26,12 @@ in value order.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from ..operators.types import block_bytes
 from ..storage import placement, spill
 from ..system import budget
 from . import distinct, graph
-from .array import Array, _describe_shape, _value_apply, _wrap, from_array
+from .array import Array, _deferred, _describe_shape, _value_apply, _wrap, from_array
 from .graph import Chunked, Value
 from .specs import _ReduceSpec, _Spec
 
@@ -474,13 +475,17 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
             "is not supported on lazy arrays; compute() first"
         )
     spec = UniqueSpec(rows, bool(return_counts), bool(return_index))
+    table: graph.Node = graph.Reduce(spec, (node,))
     if spec.needs_offset and node.n_rows is None:
-        raise ValueError(
-            "np.unique(..., return_index=True) over the rows of an array whose row count is "
-            "unknown (after a boolean mask) needs each block's first row; persist() the "
-            "array first"
-        )
-    table = graph.Reduce(spec, (node,))
+        # First indices need each block's first row: known once the rows are counted.
+        table = _deferred(
+            [node],
+            functools.partial(_counted_table, spec, node),
+            (table.dtype, table.shape),
+            table.label(),
+            ("unique", spec.rows, spec.counts),
+            rows=False,
+        )._node
     values = _field_of(table, "value", "unique values")
     out: list[Array] = [values]
     if return_index:
@@ -492,6 +497,14 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
     if return_counts:
         out.append(_field_of(table, "count", "unique counts"))
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _counted_table(
+    spec: UniqueSpec, node: Chunked, lookup: Callable[[graph.Node], graph.Node]
+) -> graph.Node:
+    counted = lookup(node)
+    assert isinstance(counted, Chunked)
+    return graph.Reduce(spec, (counted,))
 
 
 def _nth_unique(value: np.ndarray, n: int, **kwargs: Any) -> Any:
