@@ -73,8 +73,8 @@ each sub-block of its expression and folds once per block.
 A float32 (or float16) block whose var/std result is float32 (or float16) takes a
 narrower road when it comes whole and holds at least 65536 values (a smaller block
 would spend more on the road's fixed costs than it saves; :func:`_narrow_moments`):
-deviations from a float32 shift are taken in float32, pieces of 65536 elements at a
-time; ``np.einsum`` sums their squares four rows of lanes at a time in float32 (the
+deviations from a float32 shift are taken in float32, pieces of 2**18 elements (1 MiB)
+at a time; ``np.einsum`` sums their squares four rows of lanes at a time in float32 (the
 deviations themselves 16 rows at a time), and those partial sums add up in float64.
 The shift of a column is its mean over the block's first 16384 values where that mean
 is more than two standard deviations from zero, and zero elsewhere (then the data are
@@ -97,7 +97,10 @@ block puts the first rows' mean 1.7 standard deviations off, and is not summed t
 A float32 mean taken from these partials (``tw.compute(x.mean(0), x.std(0))``, see
 :meth:`_Mean.derive_from`) is within 5e-11 standard deviations of the float64
 mean. Measured on float32 ``[1M, 8]`` (one thread, the same machine, shared): 3.3-4.3
-GB/s against the float64 road's 0.9-1.3 and the column sum's 5-6.
+GB/s against the float64 road's 0.9-1.3 and the column sum's 5-6. The pieces are 1 MiB,
+not the 256 KiB that fits L2 best on one thread: each piece costs a few NumPy calls
+under the GIL, and with two worker threads pieces of 2**16 elements left the second
+thread waiting (2 threads 3.0 GB/s against 1 thread 2.8; with 2**18, 5.1 GB/s).
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ _LANES_MIN_ELEMENTS = 4096  # below this many elements a block reduces faster as
 _CHUNK_BYTES = 1 << 20  # float64 scratch per sub-block inside var/std, argmin, count_nonzero
 _MOMENT_ELEMENTS = 16384  # float64 deviations per piece in var/std (with squares 256 KiB)
 _ITER_BYTES = 64 * 1024  # NumPy's casting buffers in a reduction with a dtype
-_NARROW_ELEMENTS = 65536  # float32 deviations per piece in float32 var/std (256 KiB)
+_NARROW_ELEMENTS = 1 << 18  # float32 deviations per piece in float32 var/std (1 MiB)
+_NARROW_MIN = 65536  # values a block needs to take the float32 var/std road
 _NARROW_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
 _NARROW_TERMS = 4  # float32 squares per partial sum in float32 var/std, before float64
 _NARROW_SUM_TERMS = 16  # float32 deviations per partial sum there (module docstring)
@@ -723,7 +727,7 @@ class _Moments(RowReduction):
         return _MomentLanes(row_elements, fold, self.core_shape)
 
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
-        if self._narrow and block.flags.c_contiguous and block.size >= _NARROW_ELEMENTS:
+        if self._narrow and block.flags.c_contiguous and block.size >= _NARROW_MIN:
             found = _narrow_moments(block, self.core_shape)
             if found is not None:
                 return found
