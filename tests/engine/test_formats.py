@@ -282,6 +282,19 @@ def test_zarr_chunks_decoded_straight_into_blocks_match_zarrs_own_reads(
     np.testing.assert_array_equal(x[1000:].compute(executor="serial"), data[1000:])  # last chunk
 
 
+def test_a_format_2_array_without_a_fill_value_reads_missing_chunks_as_zarr_does(
+    tmp_path: Path,
+) -> None:
+    z = zarr.create_array(
+        store=str(tmp_path / "v2.zarr"), shape=(30, 2), chunks=(10, 2), dtype="i4",
+        zarr_format=2, fill_value=None,
+    )  # fmt: skip
+    z[:10] = 5
+    x = tw.from_zarr(tmp_path / "v2.zarr")
+    assert x._node.reader.decoder is not None
+    np.testing.assert_array_equal(x.compute(executor="serial"), z[:])
+
+
 def test_a_chunk_bigger_than_the_budget_asks_for_smaller_chunks(tmp_path: Path) -> None:
     from tierflow import config
     from tierflow.errors import OutOfMemoryError

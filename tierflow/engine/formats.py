@@ -154,7 +154,8 @@ class ZarrReader(Reader):
         self.metadata = json.dumps(array.metadata.to_dict(), sort_keys=True, default=str)
         self.decoder = _direct_decoder(array) if not self.reads_ahead else None
         self.reads_into = self.decoder is not None
-        self.fill = array.fill_value
+        # Format 2 may say no fill value (None): zarr then reads a missing chunk as zeros.
+        self.fill = array.fill_value if array.fill_value is not None else 0
         self.label = f"from_zarr({os.path.basename(self.url.rstrip('/'))!r})"
         self._local = threading.local()
 
@@ -273,7 +274,7 @@ class ZarrReader(Reader):
                 continue
             try:
                 if hi - lo == rows:  # the whole chunk: decoded in place
-                    chunk = _decode_into(codec, raw, out[lo - a : hi - a])
+                    _decode_into(codec, raw, out[lo - a : hi - a])
                 else:  # the array's last chunk, stored whole: its first rows
                     chunk = np.empty((rows, *self.row_shape), self.dtype)
                     _decode_into(codec, raw, chunk)
