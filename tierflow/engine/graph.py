@@ -663,7 +663,27 @@ class Counted(Chunked):
         return "counted rows"
 
 
-class DeferredRows(Chunked):
+class _Deferred:
+    """What the two deferred nodes share: ``make`` travels by value, and ``what`` and
+    the token name the operation."""
+
+    make: Callable[[list[Node]], Node]
+    what: str
+    token: str
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["make"] = portable.by_value(self.make)
+        return state
+
+    def params(self) -> str:
+        return self.token
+
+    def label(self) -> str:
+        return self.what
+
+
+class DeferredRows(_Deferred, Chunked):
     """An operation that needs the row count of an input whose rows are unknown until
     computed (``x[m][::-1]``, ``x[m][[3, 0]]``, ``x[m] + y``): ``make(inputs)`` builds it
     once the inputs' rows are counted (inputs of known rows in place of the unknown
@@ -692,19 +712,8 @@ class DeferredRows(Chunked):
         ident = self.ident
         self.origin = ("deferred", self if ident.startswith("id:") else ident)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["make"] = portable.by_value(self.make)
-        return state
 
-    def params(self) -> str:
-        return self.token
-
-    def label(self) -> str:
-        return self.what
-
-
-class DeferredValue(Value):
+class DeferredValue(_Deferred, Value):
     """A value (``x[m][-1]``, ``x[m].argmax(0)``, ``w @ x[m]``) that needs the row count
     of an input whose rows are unknown until computed: as :class:`DeferredRows`, with
     the value's dtype and shape known now."""
@@ -723,17 +732,6 @@ class DeferredValue(Value):
         self.what = what
         self.raw_token = token
         self.token = identity.token((what, token))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["make"] = portable.by_value(self.make)
-        return state
-
-    def params(self) -> str:
-        return self.token
-
-    def label(self) -> str:
-        return self.what
 
 
 Deferred = DeferredRows | DeferredValue
