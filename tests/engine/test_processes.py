@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -25,6 +27,9 @@ from tierflow.engine.executors import ProcessExecutor, WorkerDied, make_executor
 from tierflow.engine.executors.processes import TRIES
 from tierflow.engine.types import RowRange
 from tierflow.errors import BlockError, PortabilityError
+from tierflow.system import processes
+
+from common import wait_for
 
 pytestmark = pytest.mark.executors("processes")
 
@@ -328,3 +333,126 @@ def test_a_result_that_cannot_come_back_is_refused_clearly() -> None:
     r = x.reduction(lambda b: _Locked(), lambda a, b: a, lambda p: 0.0, dtype=np.float64, shape=())
     with pytest.raises(PortabilityError, match="result cannot be sent back from a worker"):
         r.compute()
+
+
+# -- no outcome lost: computes sharing the pool, deaths the pipes do not show ----------
+
+
+def _holds_block_0(folder: str) -> object:
+    """A function that, on block 0 the first time, says so (``held``) and waits for
+    ``release``; every other block runs at once."""
+
+    def work(block: np.ndarray) -> np.ndarray:
+        if block[0, 0] == 0 and not os.path.exists(os.path.join(folder, "held")):
+            Path(folder, "held").touch()
+            wait_for(lambda: os.path.exists(os.path.join(folder, "release")), 60, "release")
+        return block * 2
+
+    return work
+
+
+def _in_thread(fn: Callable[[], np.ndarray]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` on a daemon thread; its result or error lands in the dict."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_failing_compute_cancels_only_its_own_tasks_with_the_clusters_alive(
+    tmp_path: Path, dask_client: Any, ray_runtime: Any
+) -> None:
+    # Two computes share the pool. Cancelling the one that fails once killed every
+    # busy worker and dropped the other's tasks with them: that compute waited forever
+    # (the driver in the scheduler's inbox, the new workers idle), and so did every
+    # later compute on the pool. The Dask and Ray runtimes run alongside, as in the suite.
+    x = tw.from_array(np.arange(200.0).reshape(200, 1), rows=10)
+    good = x.map_blocks(_holds_block_0(str(tmp_path)), dtype=np.float64, row_shape=(1,))
+    thread, out = _in_thread(lambda: good.compute(executor="processes", workers=2, progress=False))
+    wait_for(lambda: (tmp_path / "held").exists(), 60, "block 0 to be held")
+    with pytest.raises(BlockError, match="block 3 is bad"):
+        (x * 10).map_blocks(_fails_on_block_3).compute(workers=2, progress=False)
+    (tmp_path / "release").touch()
+    thread.join(60)
+    assert not thread.is_alive(), "the compute that shared the pool never finished"
+    assert "error" not in out, out.get("error")
+    np.testing.assert_array_equal(out["result"], np.arange(200.0).reshape(200, 1) * 2)
+    # And the pool serves the next compute.
+    np.testing.assert_array_equal(x.map_blocks(_double).compute(workers=2), x.compute() * 2)
+
+
+def _kills_block_0(block: np.ndarray) -> np.ndarray:
+    if block[0, 0] == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return block * 2
+
+
+def test_a_death_counts_against_the_task_running_not_those_queued_behind_it(
+    tmp_path: Path,
+) -> None:
+    # One worker: the other compute's tasks queue behind the killer's on it. Each
+    # death once counted against every task queued there, so after three deaths a
+    # task that never ran failed with WorkerDied.
+    x = tw.from_array(np.arange(200.0).reshape(200, 1), rows=10)
+    good = x.map_blocks(_holds_block_0(str(tmp_path)), dtype=np.float64, row_shape=(1,))
+    thread, out = _in_thread(lambda: good.compute(executor="processes", workers=1, progress=False))
+    wait_for(lambda: (tmp_path / "held").exists(), 60, "block 0 to be held")
+    killer = x.map_blocks(_kills_block_0, dtype=np.float64, row_shape=(1,))
+    bad, bad_out = _in_thread(
+        lambda: killer.compute(executor="processes", workers=1, progress=False)
+    )
+    (tmp_path / "release").touch()
+    for t in (bad, thread):
+        t.join(120)
+        assert not t.is_alive()
+    assert isinstance(bad_out.get("error"), WorkerDied)
+    assert "block 0" in str(bad_out["error"])
+    assert "error" not in out, out.get("error")
+    np.testing.assert_array_equal(out["result"], np.arange(200.0).reshape(200, 1) * 2)
+
+
+def _dies_leaving_a_child(folder: str) -> object:
+    """A function that, the first time, starts a process that inherits the worker's
+    descriptors (so the worker's pipe and sentinel outlive it) and then kills the
+    worker."""
+
+    def work(block: np.ndarray) -> np.ndarray:
+        if block[0, 0] == 0 and not os.path.exists(os.path.join(folder, "child")):
+            release = os.path.join(folder, "release")
+            child = subprocess.Popen(
+                [sys.executable, "-c", _WAIT_FOR_FILE, release], close_fds=False
+            )
+            Path(folder, "child").write_text(str(child.pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return block * 2
+
+    return work
+
+
+_WAIT_FOR_FILE = (
+    "import os, sys, time\n"
+    "for _ in range(1200):\n"
+    "    if os.path.exists(sys.argv[1]): break\n"
+    "    time.sleep(0.1)\n"
+)
+
+
+def test_a_worker_whose_pipes_outlive_it_is_still_seen_to_die(tmp_path: Path) -> None:
+    # The worker's death closes neither its pipe nor its sentinel (a process it
+    # started holds both): only its pid tells. The task is sent again and the compute
+    # finishes while that process still runs.
+    x = tw.from_array(np.arange(40.0).reshape(40, 1), rows=10)
+    y = x.map_blocks(_dies_leaving_a_child(str(tmp_path)), dtype=np.float64, row_shape=(1,))
+    try:
+        np.testing.assert_array_equal(y.compute(workers=2), x.compute() * 2)
+        child = int((tmp_path / "child").read_text())
+        assert processes.start_time(child) is not None  # still running, pipes held
+    finally:
+        (tmp_path / "release").touch()

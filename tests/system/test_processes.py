@@ -13,6 +13,8 @@ import pytest
 from tierflow.system import processes
 from tierflow.system.processes import UNKNOWN, may_be_running, start_time, token
 
+from common import wait_for
+
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
 
@@ -41,6 +43,22 @@ def test_a_gone_process_has_no_start_time_and_is_not_running(gone_pid: int) -> N
     assert start_time(gone_pid) is None
     assert not may_be_running(gone_pid, 12345)
     assert not may_be_running(gone_pid, UNKNOWN)
+
+
+def test_a_zombie_is_not_running_though_its_pid_still_answers_a_signal() -> None:
+    child = subprocess.Popen(["true"])  # exits at once; not reaped until wait()
+    try:
+        wait_for(lambda: _state(child.pid) == "Z", 10, "the child to exit")
+        os.kill(child.pid, 0)  # the pid is still there...
+        assert start_time(child.pid) is None  # ...but nothing runs under it
+        assert not may_be_running(child.pid, UNKNOWN)
+    finally:
+        child.wait()
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
 
 
 def test_a_reused_pid_with_another_start_time_is_not_the_same_process() -> None:

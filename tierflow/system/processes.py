@@ -12,9 +12,14 @@ clock ticks per second), so a token written one way is compared correctly the ot
 
 Three answers, and only one of them lets a caller delete anything::
 
-    start_time(pid)   None      no process has that pid (gone)
+    start_time(pid)   None      no process runs with that pid (gone, or a zombie)
                       UNKNOWN   a process has that pid, but its start cannot be read
                       int > 0   its start time
+
+A zombie (a process that has exited and waits for its parent to collect its status) runs
+no code and holds no file open, so it counts as gone: the pid still answers a signal 0
+until its parent reaps it, which a check that a killed process has ended must not take
+for life.
 
 :func:`may_be_running` is False only for "gone" or "a known start that differs from
 the recorded one": when in doubt, a file is kept. Pids compare only within one pid
@@ -42,18 +47,27 @@ def _ticks_per_second() -> int:
         return 100
 
 
+_ENDED = (b"Z", b"X")  # /proc states of a process that has exited: zombie, dead
+
+
 def _from_proc(pid: int) -> int | None:
-    """Start time from ``/proc/<pid>/stat``; raises OSError when it cannot be read."""
+    """Start time from ``/proc/<pid>/stat`` (None for a zombie); raises OSError when it
+    cannot be read."""
     with open(f"{_PROC}/{pid}/stat", "rb") as f:
         stat = f.read()
     # The command name (field 2) is in parentheses and may hold spaces or ')'.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in _ENDED:
+        return None
+    return int(fields[19])
 
 
 def _from_psutil(pid: int) -> int | None:
     """Start time from psutil, in clock ticks since boot like ``/proc``."""
     try:
         process = psutil.Process(pid)
+        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
         since_boot = process.create_time() - psutil.boot_time()
     except psutil.NoSuchProcess:
         return None
@@ -76,7 +90,7 @@ def _exists(pid: int) -> bool:
 def start_time(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot.
 
-    None when no process has that pid; :data:`UNKNOWN` when one has, but its start time
+    None when no process runs with that pid (none has it, or it is a zombie); :data:`UNKNOWN` when one has, but its start time
     cannot be read (``/proc`` mounted with ``hidepid``, psutil denied). Never raises.
     """
     if pid <= 0:

@@ -23,8 +23,11 @@ cancelling kills the workers that were running its tasks (they are started afres
 the next compute), so nothing keeps running.
 
 A worker that dies while running a task (killed by the kernel's OOM killer, a
-``SIGKILL``, a crash in native code) is replaced and its tasks are sent again, up to
-:data:`TRIES` times each; then the task fails with :class:`WorkerDied`.
+``SIGKILL``, a crash in native code) is replaced and its tasks are sent again. The death
+counts against the task it was running, not against those queued behind it: after
+:data:`TRIES` deaths a task fails with :class:`WorkerDied`. Several computes may share
+the pool (threads of one process); one that fails or is interrupted cancels only its own
+tasks. How no outcome is ever lost is in :class:`_Pool`'s docstring.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -44,6 +48,7 @@ import traceback
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from time import perf_counter
 from typing import Any
 
@@ -52,6 +57,7 @@ import cloudpickle
 from ... import config
 from ...errors import PortabilityError, TierflowError
 from ...system import budget as budget_module
+from ...system import processes
 from .. import tasks as tasks_module
 from ..types import Done
 from .local import ThreadExecutor, default_workers, mark_running_tasks
@@ -64,6 +70,7 @@ TRIES = 3  # times a task is sent before the deaths of its workers fail it
 RUNTIME_KEEP = 64  # programs a worker keeps, least recently used dropped first
 KNOWN_PROGRAMS = 32  # programs the driver counts on a worker having (fewer: a margin)
 _SETTINGS = ("spill_dir", "store_dir", "proc_root")  # passed on to workers as they are
+SWEEP_SECONDS = 0.5  # how often the pids of the workers are checked for a death unseen
 
 
 class WorkerDied(TierflowError, RuntimeError):
@@ -168,15 +175,25 @@ class _Worker:
         with _main_left_behind():
             self.process.start()
         there.close()
+        # Its start time, so that a death is seen from the pid alone (see _Pool.sweep).
+        self.start = processes.start_time(self.process.pid or 0) or processes.UNKNOWN
         self.ready = False  # it has said it is running
         self.conn = here
         # Hashes of the programs it holds, least recently used first: the worker's
         # runtime keeps more (RUNTIME_KEEP) in the same order, so all of these are there.
         self.programs: OrderedDict[str, None] = OrderedDict()
         self.settings: tuple[tuple[str, Any], ...] | None = None
+        # Tasks sent and not answered, in the order sent: the worker runs them in that
+        # order, so the first is the one running.
         self.inflight: dict[int, _Pending] = {}
         self.send_lock = threading.Lock()
         self.retired = False  # killed on purpose (a cancelled compute), not to be mourned
+        self.mourned = False  # its death has been dealt with (guarded by the pool's lock)
+
+    def has_ended(self) -> bool:
+        """Whether the process has exited (a zombie counts), however its end is seen."""
+        pid = self.process.pid
+        return pid is None or not processes.may_be_running(pid, self.start)
 
     def kill(self) -> None:
         self.retired = True
@@ -217,20 +234,57 @@ def _main_left_behind() -> Any:
             main.__dict__.update(saved)
 
 
-class _Pending:
-    __slots__ = ("desc", "done", "tries")
+class _Owner:
+    """The compute a task belongs to (one per :class:`ProcessExecutor`); once cancelled,
+    its tasks are dropped wherever they are met."""
 
-    def __init__(self, desc: tasks_module.BlockTask, done: Done) -> None:
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
+class _Pending:
+    """A task in the pool: what to run, whom to tell, whose it is, and how many times a
+    worker died while running it."""
+
+    __slots__ = ("deaths", "desc", "done", "owner")
+
+    def __init__(self, desc: tasks_module.BlockTask, done: Done, owner: _Owner) -> None:
         self.desc = desc
         self.done = done
-        self.tries = 0
+        self.owner = owner  # the executor (one compute) that submitted it
+        self.deaths = 0
+
+
+def _died(how: str, pending: _Pending) -> WorkerDied:
+    return WorkerDied(
+        f"a worker process died ({how}) each of the {pending.deaths} times it ran block "
+        f"{pending.desc.index}; the operator may crash the process, or the machine runs "
+        "out of memory (the kernel's OOM killer): lower the RAM budget or the block size, "
+        "or run with executor='threads' to see the error"
+    )
 
 
 class _Pool:
-    """``size`` spawned workers and the thread that receives their replies.
+    """``size`` spawned workers, the thread that receives their replies, and the thread
+    that sends again the tasks of workers that died.
 
-    ``_lock`` guards ``_workers`` and every worker's ``inflight``; a worker's
-    ``send_lock`` orders the messages sent to it."""
+    No outcome is lost. Every task sent is in exactly one worker's ``inflight`` until
+    its reply comes, its worker's death sends it again (or fails it), or its own compute
+    cancels it. A death is seen three ways, whichever comes first: the process's
+    sentinel, the end of its pipe, and a sweep of the workers' pids every
+    :data:`SWEEP_SECONDS` (a worker's pipe or sentinel can outlive it: a process it
+    started keeps them open). The receiving thread never sends (a worker blocked on a
+    full pipe would wait for it) and never dies of an error; resends go through the
+    resending thread.
+
+    A death is charged to the task the worker was running (the first sent); the tasks
+    queued behind it are sent again uncharged. Cancelling a compute kills only the
+    workers holding its tasks and sends the other computes' tasks there again.
+
+    ``_lock`` guards ``_workers``, every worker's ``inflight`` and ``mourned``; a
+    worker's ``send_lock`` orders the messages sent to it."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -240,8 +294,9 @@ class _Pool:
         self._numbers = itertools.count()
         self._tids = itertools.count()
         self._wake_r, self._wake_w = self._context.Pipe(duplex=False)
+        self._resends: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.shipped = 0  # programs sent to workers (each once per worker)
 
     # -- workers ----------------------------------------------------------------------
@@ -252,11 +307,14 @@ class _Pool:
         while len(self._workers) < self.size:
             self._workers.append(_Worker(self._context, next(self._numbers)))
             started = True
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._receive, name="tierflow-process-results", daemon=True
-            )
-            self._thread.start()
+        if not self._threads:
+            for target, name in (
+                (self._receive, "tierflow-process-results"),
+                (self._resend_loop, "tierflow-process-resends"),
+            ):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
         elif started:
             self._wake_w.send_bytes(b"w")
 
@@ -266,18 +324,19 @@ class _Pool:
 
     # -- sending ----------------------------------------------------------------------
 
-    def submit(self, desc: tasks_module.BlockTask, done: Done) -> None:
-        self._send(_Pending(desc, done))
-
-    def _send(self, pending: _Pending) -> None:
+    def submit(self, desc: tasks_module.BlockTask, done: Done, owner: _Owner) -> None:
         if self._closed:
             raise RuntimeError("the process pool was shut down")
+        self._send(_Pending(desc, done, owner))
+
+    def _send(self, pending: _Pending) -> None:
+        """Send ``pending`` to the least busy worker. A task that cannot be pickled
+        fails; one whose worker died on the way is the death's to send again."""
         tid = next(self._tids)
         with self._lock:
             self._fill()
             worker = min(self._workers, key=lambda w: len(w.inflight))
             worker.inflight[tid] = pending
-        pending.tries += 1
         desc = pending.desc
         settings = self._settings()
         with worker.send_lock:
@@ -287,9 +346,22 @@ class _Pool:
                 data = tasks_module.program_bytes(desc.program)
             changed = settings if settings != worker.settings else None
             try:
-                worker.conn.send((tid, desc, data, changed))
-            except (OSError, ValueError, TypeError):
-                return  # it died (or was closed): the receiving thread sends it again
+                message = ForkingPickler.dumps((tid, desc, data, changed))
+            except Exception as exc:
+                with self._lock:
+                    worker.inflight.pop(tid, None)
+                pending.done(
+                    None,
+                    PortabilityError(
+                        f"block {desc.index}'s task cannot be sent to a worker process: "
+                        f"{type(exc).__name__}: {exc}. Run it with executor='threads'"
+                    ),
+                )
+                return
+            try:
+                worker.conn.send_bytes(message)
+            except (OSError, ValueError):
+                return  # it died (or was closed): its death sends the task again
             known[desc.program] = None
             known.move_to_end(desc.program)
             while len(known) > KNOWN_PROGRAMS:
@@ -298,26 +370,61 @@ class _Pool:
             if data is not None:
                 self.shipped += 1
 
+    def _resend_loop(self) -> None:
+        """The resending thread: the tasks of dead workers go out again from here."""
+        while True:
+            pending = self._resends.get()
+            if pending is None:
+                return
+            if pending.owner.cancelled:
+                continue
+            try:
+                if self._closed:
+                    raise RuntimeError("the process pool was shut down")
+                self._send(pending)
+            except BaseException as exc:
+                pending.done(None, exc)
+
     # -- receiving --------------------------------------------------------------------
 
     def _receive(self) -> None:
         """The receiving thread: replies to ``done``, dead workers replaced."""
+        next_sweep = perf_counter() + SWEEP_SECONDS
         while not self._closed:
-            with self._lock:
-                workers = list(self._workers)
-            by_conn = {w.conn: w for w in workers}
-            by_sentinel = {w.process.sentinel: w for w in workers}
-            ready = multiprocessing.connection.wait(
-                [self._wake_r, *by_conn, *by_sentinel], timeout=1.0
-            )
-            for item in ready:
-                if item is self._wake_r:
-                    with contextlib.suppress(EOFError, OSError):
-                        self._wake_r.recv_bytes()
-                elif item in by_conn:
-                    self._reply(by_conn[item])
-                else:
-                    self._mourn(by_sentinel[item])
+            try:
+                self._receive_once()
+                if perf_counter() >= next_sweep:
+                    next_sweep = perf_counter() + SWEEP_SECONDS
+                    self.sweep()
+            except Exception:  # a connection closed under it, say: never give up
+                log.debug("the process pool's receiving thread met an error", exc_info=True)
+                threading.Event().wait(0.05)
+
+    def _receive_once(self) -> None:
+        with self._lock:
+            workers = [w for w in self._workers if not w.mourned]
+        by_conn = {w.conn: w for w in workers if not w.conn.closed}
+        by_sentinel = {w.process.sentinel: w for w in workers}
+        ready = multiprocessing.connection.wait(
+            [self._wake_r, *by_conn, *by_sentinel], timeout=SWEEP_SECONDS
+        )
+        for item in ready:
+            if item is self._wake_r:
+                with contextlib.suppress(EOFError, OSError):
+                    self._wake_r.recv_bytes()
+            elif item in by_conn:
+                self._reply(by_conn[item])
+            else:
+                self._mourn(by_sentinel[item], exited=True)
+
+    def sweep(self) -> None:
+        """Mourn every worker whose process has ended though neither its sentinel nor its
+        pipe said so."""
+        with self._lock:
+            workers = [w for w in self._workers if not w.mourned]
+        for worker in workers:
+            if worker.has_ended():
+                self._mourn(worker, exited=False)
 
     def _reply(self, worker: _Worker) -> None:
         try:
@@ -334,8 +441,8 @@ class _Pool:
         with self._lock:
             pending = worker.inflight.pop(tid, None) if tid is not None else None
             if pending is None and tid is None and worker.inflight:
-                # Which task it was is lost with the reply: fail the oldest.
-                pending = worker.inflight.pop(min(worker.inflight))
+                # Which task it was is lost with the reply: fail the one it was running.
+                pending = worker.inflight.pop(next(iter(worker.inflight)))
         if pending is None:
             return  # cancelled meanwhile
         if message[0] == "ok":
@@ -348,24 +455,37 @@ class _Pool:
         else:
             pending.done(None, _unwire_error(message[2], message[3]))
 
-    def _mourn(self, worker: _Worker) -> None:
-        """``worker`` died: replace it, send its tasks again or fail them."""
-        worker.process.join(timeout=10)
+    def _mourn(self, worker: _Worker, *, exited: bool) -> None:
+        """``worker`` died: replace it, send its tasks again or fail them. ``exited``:
+        its sentinel says the process is gone (else the sweep found it ended)."""
         with self._lock:
+            if worker.mourned:
+                return
+            worker.mourned = True
             if worker in self._workers:
                 self._workers.remove(worker)
             orphans = list(worker.inflight.values())
             worker.inflight.clear()
             if orphans and not self._closed:
                 self._fill()
+        # The exit status; a sentinel held open by a process the worker started never
+        # comes, so the sweep waits for it only a moment.
+        worker.process.join(timeout=10 if exited else 1)
+        code = worker.process.exitcode
         with contextlib.suppress(Exception):
             worker.conn.close()
-        if worker.retired:
-            return
-        code = worker.process.exitcode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        log.warning("tierflow worker %s died (%s)", worker.process.name, how)
-        for pending in orphans:
+        how = (
+            "exit status unknown"
+            if code is None
+            else f"signal {-code}"
+            if code < 0
+            else f"exit status {code}"
+        )
+        if not worker.retired:
+            log.warning("tierflow worker %s died (%s)", worker.process.name, how)
+        for k, pending in enumerate(orphans):
+            if pending.owner.cancelled:
+                continue
             if not worker.ready:
                 pending.done(
                     None,
@@ -374,36 +494,42 @@ class _Pool:
                         "process's standard error. Run with executor='threads' meanwhile"
                     ),
                 )
-            elif pending.tries >= TRIES:
-                pending.done(
-                    None,
-                    WorkerDied(
-                        f"a worker process died ({how}) each of the {pending.tries} times it "
-                        f"ran block {pending.desc.index}; the operator may crash the "
-                        "process, or the machine runs out of memory (the kernel's OOM "
-                        "killer): lower the RAM budget or the block size, or run with "
-                        "executor='threads' to see the error"
-                    ),
-                )
+                continue
+            if k == 0 and not worker.retired:
+                pending.deaths += 1  # the task it was running
+            if pending.deaths >= TRIES:
+                pending.done(None, _died(how, pending))
             else:
-                self._send(pending)
+                self._resends.put(pending)
 
     # -- stopping ---------------------------------------------------------------------
 
-    def cancel(self) -> None:
-        """Drop every task in flight and kill the workers running them."""
+    def cancel(self, owner: _Owner) -> None:
+        """Drop the tasks of ``owner`` (one compute) and kill the workers holding them,
+        so that none of them runs on; the other computes' tasks on those workers are
+        sent again."""
+        owner.cancelled = True
         with self._lock:
-            busy = [w for w in self._workers if w.inflight]
-            for w in busy:
+            doomed = [
+                w for w in self._workers if any(p.owner is owner for p in w.inflight.values())
+            ]
+            others: list[_Pending] = []
+            for w in doomed:
+                others.extend(p for p in w.inflight.values() if p.owner is not owner)
                 w.inflight.clear()
                 self._workers.remove(w)
-        for w in busy:
+        for w in doomed:
             w.kill()
+        for pending in others:
+            self._resends.put(pending)
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             workers, self._workers = self._workers, []
+            left = [p for w in workers for p in w.inflight.values()]
+            for w in workers:
+                w.inflight.clear()
         for w in workers:
             with contextlib.suppress(Exception), w.send_lock:
                 w.conn.send(None)
@@ -411,10 +537,13 @@ class _Pool:
             w.process.join(timeout=5)
             if w.process.is_alive():
                 w.kill()
+        for pending in left:
+            pending.done(None, RuntimeError("the process pool was shut down"))
+        self._resends.put(None)
         with contextlib.suppress(Exception):
             self._wake_w.send_bytes(b"x")
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
     def pids(self) -> list[int]:
         with self._lock:
@@ -455,16 +584,17 @@ class ProcessExecutor:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self._local = ThreadExecutor(1, prefix="tierflow-driver")
         self._pool = _pool(self.workers)
+        self._owner = _Owner()
 
     def submit(self, fn: Callable[[], Any], done: Done) -> None:
         self._local.submit(fn, done)
 
     def submit_task(self, desc: tasks_module.BlockTask, done: Done) -> None:
-        self._pool.submit(desc, done)
+        self._pool.submit(desc, done, self._owner)
 
     def shutdown(self, *, cancel: bool = False) -> None:
         if cancel:
-            self._pool.cancel()
+            self._pool.cancel(self._owner)
         self._local.shutdown(cancel=cancel)
 
     @property
