@@ -393,6 +393,44 @@ def test_a_file_that_appears_during_a_to_npy_is_not_replaced(tmp_path: Path) -> 
     assert target.read_bytes() == b"theirs" and hidden(tmp_path) == []
 
 
+@pytest.mark.executors("threads")
+def test_a_link_at_the_destination_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    tw.from_array(ONES).to_npy(tmp_path / "data" / "a.npy")
+    tw.from_array(ONES).to_zarr(tmp_path / "data" / "a.zarr")
+    for name in ("a.npy", "a.zarr"):
+        (tmp_path / name).symlink_to(tmp_path / "data" / name)
+    tw.from_array(ONES * 5).to_npy(tmp_path / "a.npy", overwrite=True)
+    tw.from_array(ONES * 5).to_zarr(tmp_path / "a.zarr", overwrite=True)
+    assert (tmp_path / "a.npy").is_symlink() and (tmp_path / "a.zarr").is_symlink()
+    np.testing.assert_array_equal(np.load(tmp_path / "data" / "a.npy"), ONES * 5)
+    np.testing.assert_array_equal(tw.from_zarr(tmp_path / "data" / "a.zarr").compute(), ONES * 5)
+    assert hidden(tmp_path) == [] and hidden(tmp_path / "data") == []
+
+
+@pytest.mark.executors("threads")
+def test_without_renameat2_the_same_rules_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(destination, "_renameat2", None)  # an older kernel or libc
+    tw.from_array(ONES).to_zarr(tmp_path / "a.zarr")
+    tw.from_array(ONES * 2).to_zarr(tmp_path / "a.zarr", overwrite=True)  # two renames
+    np.testing.assert_array_equal(tw.from_zarr(tmp_path / "a.zarr").compute(), ONES * 2)
+    tw.from_array(ONES).to_npy(tmp_path / "a.npy")
+    with pytest.raises(DestinationExistsError):
+        tw.from_array(ONES).to_npy(tmp_path / "a.npy")
+    target = tmp_path / "b.npy"
+
+    def someone_else_writes(block: np.ndarray) -> np.ndarray:
+        target.write_bytes(b"theirs")
+        return block
+
+    x = tw.from_array(ONES).map_blocks(someone_else_writes, dtype=np.float32, row_shape=(2,))
+    with pytest.raises(DestinationExistsError, match="appeared while"):
+        x.to_npy(target)  # a hard link refuses it, as renameat2 would
+    assert target.read_bytes() == b"theirs" and hidden(tmp_path) == []
+
+
 # -- unfinished Zarr arrays: refused on read, finished by the same to_zarr -------------
 
 

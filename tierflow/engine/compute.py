@@ -21,7 +21,7 @@ import numpy as np
 from ..system import budget as budget_module
 from . import blocksize, counting, graph, scheduler
 from . import cache as cache_module
-from .destination import check_npy, install_file, sweep_temps, temp_file
+from .destination import check_npy, install_file, local_path, sweep_temps, temp_file
 from .executors import default_is_set, make_executor
 from .graph import Chunked
 from .offload import check
@@ -281,7 +281,7 @@ def to_npy(
     _check_options("to_npy", options, "fsync", "overwrite")
     node = array._node
     if not isinstance(node, Chunked):
-        target = os.path.abspath(os.fspath(path))
+        target = local_path(path)
         check_npy(target, overwrite)
         (value,) = compute(array, **options)
         _save_atomic(np.asarray(value), target, fsync=fsync, overwrite=overwrite)

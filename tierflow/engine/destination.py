@@ -70,6 +70,7 @@ __all__ = [
     "claim_zarr",
     "inspect_zarr",
     "install_file",
+    "local_path",
     "own_key",
     "remove_zarr",
     "swap_zarr",
@@ -149,6 +150,13 @@ def sweep_temps(folder: str) -> list[str]:
                 _remove_local(entry.path, keys)
                 removed.append(entry.path)
     return removed
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """The absolute path a sink writes for ``path``, links resolved: a link to a file or
+    a folder is written through (the output replaces what it points to, and the link
+    stays), as ``np.save`` writes through one."""
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
 
 
 # -- renames that never replace by accident --------------------------------------------
@@ -285,7 +293,7 @@ def _fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
 def _local_keys(root: str) -> list[str] | None:
     """Every file under the folder ``root`` as a ``/``-separated key (a link to a folder
     counts as one key); None if ``root`` is not a folder."""
-    if not os.path.isdir(root) or os.path.islink(root):
+    if not os.path.isdir(root):
         return None
     keys: list[str] = []
     for folder, dirs, files in os.walk(root):
@@ -429,11 +437,11 @@ def claim_zarr(url: str, options: dict[str, Any], *, overwrite: bool, key: str |
 def temp_zarr_url(url: str) -> str:
     """A new temporary place next to ``url`` named for this process: a folder it creates
     (mode as the umask gives folders), or a prefix in object storage."""
-    parent, base = url.rstrip("/").rsplit("/", 1)
-    prefix = f".{base}.tf{processes.token()}-"
     if _is_url(url):
-        return f"{parent}/{prefix}{secrets.token_hex(6)}.tmp"
-    folder = tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent)
+        parent, base = url.rstrip("/").rsplit("/", 1)
+        return f"{parent}/.{base}.tf{processes.token()}-{secrets.token_hex(6)}.tmp"
+    parent, base = os.path.split(url.rstrip("/"))
+    folder = tempfile.mkdtemp(prefix=f".{base}.tf{processes.token()}-", suffix=".tmp", dir=parent)
     os.chmod(folder, 0o777 & ~_umask())
     return folder
 

@@ -56,6 +56,7 @@ from .destination import (
     claim_zarr,
     inspect_zarr,
     install_file,
+    local_path,
     remove_zarr,
     swap_zarr,
     sweep_temps,
@@ -263,7 +264,7 @@ class NpySink:
         overwrite: bool = False,
     ) -> None:
         self.node = node
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = local_path(path)
         self.known = node.n_rows is not None
         self.fsync = fsync
         self.overwrite = overwrite
@@ -452,7 +453,7 @@ def _zarr_url(path_or_url: str | os.PathLike[str]) -> str:
     text = os.fspath(path_or_url)
     if text.startswith("file://"):
         text = text[len("file://") :]
-    return text if "://" in text else os.path.abspath(text)
+    return text if "://" in text else local_path(text)
 
 
 class ZarrSink:
@@ -571,7 +572,7 @@ class ZarrSink:
         self.claim()
         local = "://" not in self.url
         if local:
-            sweep_temps(os.path.dirname(self.url.rstrip("/")) or "/")
+            sweep_temps(os.path.dirname(self.url))
         if self.mode == "resume":
             found = inspect_zarr(self.url, self.storage_options)
             remove_zarr(self.url, self.storage_options, list(found.keys))
