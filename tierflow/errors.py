@@ -12,6 +12,8 @@ __all__ = [
     "BlockError",
     "ConfigError",
     "DependencyError",
+    "DestinationExistsError",
+    "IncompleteError",
     "OutOfMemoryError",
     "SharedMemoryError",
     "SourceError",
@@ -51,6 +53,18 @@ class OutOfMemoryError(TierflowError, MemoryError):
 
 class SourceError(TierflowError, ValueError):
     """A file cannot be read as rows: bad ``.npy`` header, wrong size, unsupported layout."""
+
+
+class IncompleteError(SourceError):
+    """A Zarr array that a ``to_zarr`` left unfinished (marked ``complete: false``): the
+    chunks it never wrote would read as the fill value. The message says how many are
+    missing and how to finish the array."""
+
+
+class DestinationExistsError(TierflowError, FileExistsError):
+    """A sink's destination holds something it may not replace: anything, without
+    ``overwrite=True``; with it, anything that is not that sink's own kind of output
+    (a file that is not ``.npy``, a folder holding more than one Zarr array)."""
 
 
 class PortabilityError(TierflowError, TypeError):

@@ -78,15 +78,16 @@ def child_main(kind: str, path: str, out: str, rounds: int) -> None:
     m = Measure()
     m.start()
     x = tw.from_npy(path)
+    # The calibration writes the same file up to three times: each run replaces it.
     if kind == "read":
-        x.to_npy(out, cache=False, progress=False)
+        x.to_npy(out, cache=False, progress=False, overwrite=True)
     elif kind == "nocache":
         x.map_blocks(work, dtype=np.float32, row_shape=(WIDTH,)).to_npy(
-            out, cache=False, progress=False
+            out, cache=False, progress=False, overwrite=True
         )
     else:  # "cached": first, second, killed and resumed runs
         x.map_blocks(work, dtype=np.float32, row_shape=(WIDTH,)).to_npy(
-            out, cache=True, progress=False
+            out, cache=True, progress=False, overwrite=True
         )
     m.stop(blocks=x.nblocks)
     info = tw.cache_info().get("cache")

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierflow as tw
+from tierflow.errors import DestinationExistsError
 
 from common import examples
 
@@ -173,7 +174,7 @@ def test_in_memory_operands_broadcast_and_align(a: np.ndarray, x: tw.Array) -> N
 
 
 def test_to_npy_into_a_folder_is_refused_at_once(tmp_path: Path, x: tw.Array) -> None:
-    with pytest.raises(IsADirectoryError, match="it is a folder"):
+    with pytest.raises(DestinationExistsError, match="is a folder"):
         x.to_npy(tmp_path)
     assert list(tmp_path.iterdir()) == []
 

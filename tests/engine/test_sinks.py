@@ -79,7 +79,7 @@ def test_to_npy_streams_known_and_unknown_row_counts(tmp_path: Path) -> None:
 def test_to_npy_writes_over_its_own_source_safely(tmp_path: Path) -> None:
     path = tmp_path / "a.npy"
     np.save(path, np.arange(1000.0))
-    (tw.from_npy(path, rows=100) + 1).to_npy(path)
+    (tw.from_npy(path, rows=100) + 1).to_npy(path, overwrite=True)
     np.testing.assert_array_equal(np.load(path), np.arange(1000.0) + 1)
 
 
@@ -88,7 +88,8 @@ def test_a_failing_to_npy_leaves_no_file_and_no_temporary(
     tmp_path: Path, unknown_rows: bool
 ) -> None:
     target = tmp_path / "out.npy"
-    target.write_bytes(b"old contents")
+    np.save(target, np.arange(3))
+    old = target.read_bytes()
 
     def fails_late(b: np.ndarray) -> np.ndarray:
         if b[0, 0] >= 600:
@@ -100,8 +101,8 @@ def test_a_failing_to_npy_leaves_no_file_and_no_temporary(
     if unknown_rows:
         y = y[y[:, 1] > 0]
     with pytest.raises(BlockError, match="disk of doom"):
-        y.to_npy(target)
-    assert target.read_bytes() == b"old contents"
+        y.to_npy(target, overwrite=True)
+    assert target.read_bytes() == old
     assert leftovers(tmp_path) == []
 
 

@@ -122,6 +122,7 @@ def from_zarr(
     rows: int | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    allow_incomplete: bool = False,
 ) -> Array:
     """A lazy array over a Zarr array (format 3 or 2; needs zarr: ``pip install
     'tierflow[zarr]'``), in blocks of whole chunks along axis 0.
@@ -136,10 +137,15 @@ def from_zarr(
     naming its key. An array whose objects changed after this call is refused at the
     next compute; its cache key follows the store URL, the metadata and the objects'
     sizes and times (or ETags).
+
+    An array that a ``to_zarr`` left unfinished (it failed or was killed: marked
+    ``tierflow: {"complete": false}``) raises :class:`~tierflow.errors.IncompleteError`,
+    which counts the chunks not stored and says how to finish it, unless
+    ``allow_incomplete=True`` (its missing chunks then read as the fill value).
     """
     from .formats import ZarrReader
 
-    reader = ZarrReader(path_or_url, storage_options)
+    reader = ZarrReader(path_or_url, storage_options, allow_incomplete=allow_incomplete)
     n_rows = int(reader.n_rows or 0)
     unit = reader.chunk_rows
     step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, n_rows)
@@ -731,6 +737,13 @@ class Array:
         temporary file. Space for the whole file is reserved before anything is
         computed (a full disk fails at once, with the numbers). Options as
         :meth:`compute`, plus ``fsync=True`` to make the file durable before the rename.
+
+        A ``path`` that exists is refused with
+        :class:`~tierflow.errors.DestinationExistsError` before anything is computed,
+        unless ``overwrite=True``; even then only a ``.npy`` file is replaced (never a
+        folder or another kind of file), and only by the rename at the end, so the old
+        file is there until the new one is complete and may be this array's own
+        source.
         With ``cache=`` every block is also kept in the cache as it is written: a run
         that was killed, run again, computes only the blocks it had not finished and
         writes the same bytes; the killed run's temporary file is removed.
@@ -748,14 +761,23 @@ class Array:
         per shard, a whole number of chunks; default none. ``compressors``: as zarr's
         ``create_array`` takes them (default zarr's). ``storage_options``: the
         filesystem's options for a URL. Chunks (or shards) must divide the blocks: the
-        error says which row does not. An array already at the place is replaced.
+        error says which row does not.
 
-        The array carries the attribute ``tierflow: {"complete": false}`` until its
-        last block is in; a run that fails or is killed leaves it so, with no torn chunk
-        (each chunk is written whole, under a temporary name on a local disk). With
-        ``cache=``, a run again computes only the blocks it had not finished. Arrays of
-        unknown row counts (after a mask) are written too, growing as blocks arrive.
-        Other options as :meth:`compute`.
+        A destination that holds anything is refused with
+        :class:`~tierflow.errors.DestinationExistsError` before anything is computed,
+        unless ``overwrite=True``. Even then only a Zarr array alone in its folder (or
+        prefix) is replaced, its metadata and chunks and nothing else, and only once the
+        new array is complete: it is written beside the old one and swapped in at the
+        end, so the old array may be this array's own source.
+
+        The array carries the attribute ``tierflow: {"complete": false, ...}`` until
+        its last block is in; a run that fails or is killed leaves it so, with no torn
+        chunk (each chunk is written whole, under a temporary name on a local disk), and
+        ``tw.from_zarr`` refuses it. The same ``to_zarr`` run again finishes it (no
+        ``overwrite=True`` needed for its own unfinished array); with ``cache=`` it
+        computes only the blocks it had not finished. Arrays of unknown row counts
+        (after a mask) are written too, growing as blocks arrive. Other options as
+        :meth:`compute`.
         """
         from .compute import to_zarr
 

@@ -21,13 +21,14 @@ import numpy as np
 from ..system import budget as budget_module
 from . import blocksize, counting, graph, scheduler
 from . import cache as cache_module
+from .destination import check_npy, install_file, local_path, sweep_temps, temp_file
 from .executors import default_is_set, make_executor
 from .graph import Chunked
 from .offload import check
 from .plan import Target, build_plan, describe
 from .profile import recorder_for
 from .progress import progress_callbacks
-from .sinks import ArraySink, NpySink, ZarrSink, sweep_temps, temp_file
+from .sinks import ArraySink, NpySink, ZarrSink
 from .sources import ArrayReader
 from .types import Executor, callback_list
 
@@ -269,18 +270,27 @@ def persist(array: Any, *, device: str | None = None, **options: Any) -> Any:
 
 
 def to_npy(
-    array: Any, path: str | os.PathLike[str], *, fsync: bool = False, **options: Any
+    array: Any,
+    path: str | os.PathLike[str],
+    *,
+    fsync: bool = False,
+    overwrite: bool = False,
+    **options: Any,
 ) -> None:
     """Write ``array`` to the ``.npy`` file ``path``, streaming (see ``Array.to_npy``)."""
-    _check_options("to_npy", options, "fsync")
+    _check_options("to_npy", options, "fsync", "overwrite")
     node = array._node
     if not isinstance(node, Chunked):
+        target = local_path(path)
+        check_npy(target, overwrite)
         (value,) = compute(array, **options)
-        _save_atomic(np.asarray(value), os.fspath(path), fsync)
+        _save_atomic(np.asarray(value), target, fsync=fsync, overwrite=overwrite)
         return
     if options.get("device") is not None:
         options["device"] = check(options["device"])
-    _run([Target(node, NpySink(node, path, fsync=fsync))], RunOptions(**options))
+    sink = NpySink(node, path, fsync=fsync, overwrite=overwrite)
+    sink.claim()
+    _run([Target(node, sink)], RunOptions(**options))
 
 
 def to_zarr(  # noqa: PLR0913 -- public: the array's layout and the store's options
@@ -291,10 +301,13 @@ def to_zarr(  # noqa: PLR0913 -- public: the array's layout and the store's opti
     shards: Any = None,
     compressors: Any = "auto",
     storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
     **options: Any,
 ) -> None:
     """Write ``array`` to a Zarr array at ``path_or_url`` (see ``Array.to_zarr``)."""
-    _check_options("to_zarr", options, "chunks", "shards", "compressors", "storage_options")
+    _check_options(
+        "to_zarr", options, "chunks", "shards", "compressors", "storage_options", "overwrite"
+    )
     node = array._node
     if not isinstance(node, Chunked):
         raise TypeError(
@@ -310,12 +323,15 @@ def to_zarr(  # noqa: PLR0913 -- public: the array's layout and the store's opti
         shards=shards,
         compressors=compressors,
         storage_options=storage_options,
+        overwrite=overwrite,
     )
+    sink.claim()
     _run([Target(node, sink)], RunOptions(**options))
 
 
-def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:
-    path = os.path.abspath(path)
+def _save_atomic(value: np.ndarray, path: str, *, fsync: bool, overwrite: bool) -> None:
+    """``np.save`` to ``path`` by way of a temporary file, renamed into place as the
+    destination rules allow (:func:`~tierflow.engine.destination.install_file`)."""
     sweep_temps(os.path.dirname(path))
     fd, tmp = temp_file(path)
     try:
@@ -324,7 +340,7 @@ def _save_atomic(value: np.ndarray, path: str, fsync: bool) -> None:
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        install_file(tmp, path, overwrite)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

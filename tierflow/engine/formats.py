@@ -10,7 +10,9 @@ refused at the next compute (:meth:`check`), as ``.npy`` files are.
   sharded array) along axis 0, the chunks along the other axes read together; zarr
   reads and decompresses them in the process that runs the task. A chunk that was never
   written reads as the fill value; a chunk that cannot be decoded raises ``SourceError``
-  naming its key. Its identity is the store URL, the array's metadata, and every stored
+  naming its key. An array a ``to_zarr`` left unfinished (marked ``tierflow: {"complete":
+  false}``) is refused with ``IncompleteError``, counting the chunks not stored, unless
+  the caller allows it. Its identity is the store URL, the array's metadata, and every stored
   object's size and modification time (or ETag, in object storage).
 * :class:`Hdf5Reader`: rows ``a:b`` of one dataset, read with ``read_direct`` into the
   block the engine lends (a pooled one, or the sink's own; h5py decompresses chunked,
@@ -40,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SourceError, missing_dependency
+from ..errors import IncompleteError, SourceError, missing_dependency
+from .destination import chunk_key
 from .sources import Reader, check_identity, file_stat
 
 __all__ = ["Hdf5Reader", "ParquetReader", "ZarrReader", "parquet_paths"]
@@ -125,7 +128,13 @@ class ZarrReader(Reader):
     file_backed = False
     makes_blocks = True
 
-    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None,
+        *,
+        allow_incomplete: bool = False,
+    ) -> None:
         _zarr()
         text = os.fspath(url)
         if text.startswith("file://"):
@@ -135,8 +144,13 @@ class ZarrReader(Reader):
         if self.url.startswith("s3://") and "config_kwargs" not in self.storage_options:
             self.storage_options["config_kwargs"] = dict(S3_TIMEOUTS)
         # Listed first: an unreachable store fails here, before zarr's asynchronous reads.
-        self.objects = self._objects()
+        root, listing = self._listing()
+        self.objects = _digest(listing)
         array = self._open()
+        mark = array.attrs.get("tierflow")
+        if isinstance(mark, dict) and mark.get("complete") is False and not allow_incomplete:
+            keys = [name[len(root) :].lstrip("/") for name in listing]
+            raise self._incomplete(array, keys)
         self.dtype = np.dtype(array.dtype)
         if self.dtype.hasobject or self.dtype.kind in "OSUV":
             raise SourceError(
@@ -172,8 +186,9 @@ class ZarrReader(Reader):
                 raise _unreachable_error(self.url, exc) from None
             raise SourceError(f"{self.url} is not a readable Zarr array: {exc}") from None
 
-    def _objects(self) -> str:
-        """A digest of every stored object's key, size and modification time or ETag."""
+    def _listing(self) -> tuple[str, dict[str, dict[str, Any]]]:
+        """The array's root path and every stored object under it, by path: size, time
+        or ETag."""
         import fsspec
 
         try:
@@ -183,12 +198,29 @@ class ZarrReader(Reader):
             if _unreachable(exc):
                 raise _unreachable_error(self.url, exc) from None
             raise SourceError(f"{self.url}: listing the array's objects failed: {exc}") from None
-        digest = hashlib.sha256()
-        for name in sorted(found):
-            info = found[name]
-            when = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
-            digest.update(f"{name}\0{info.get('size')}\0{when}\n".encode())
-        return digest.hexdigest()
+        return root.rstrip("/"), dict(found)
+
+    def _objects(self) -> str:
+        """A digest of every stored object's key, size and modification time or ETag."""
+        return _digest(self._listing()[1])
+
+    def _incomplete(self, array: Any, keys: list[str]) -> IncompleteError:
+        """The error for an array a ``to_zarr`` left unfinished, with the count of the
+        stored objects (chunks, or shards) it lacks."""
+        unit = array.shards if getattr(array, "shards", None) else array.chunks
+        what = "shards" if getattr(array, "shards", None) else "chunks"
+        expected = math.prod(-(-int(n) // int(u)) for n, u in zip(array.shape, unit, strict=True))
+        stored = sum(1 for key in keys if chunk_key(key))
+        fill = array.fill_value if array.fill_value is not None else 0
+        return IncompleteError(
+            f"{self.url} is marked incomplete (tierflow: complete false): a to_zarr that "
+            f"failed or was killed left it with {stored} of its {expected} {what} stored, "
+            f"so {expected - stored} are missing (a {what[:-1]} that is only the fill "
+            f"value is not stored either) and would read as {fill}. Run the same to_zarr "
+            "again to finish it: it replaces this array, and with the same cache= computes "
+            "only the blocks not cached (another compute needs overwrite=True). Or read it "
+            "as it is with tw.from_zarr(..., allow_incomplete=True)"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -327,6 +359,16 @@ class ZarrReader(Reader):
             if os.path.exists(path):
                 return [path]
         return []
+
+
+def _digest(listing: dict[str, dict[str, Any]]) -> str:
+    """A digest of the stored objects' keys, sizes and modification times or ETags."""
+    digest = hashlib.sha256()
+    for name in sorted(listing):
+        info = listing[name]
+        when = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+        digest.update(f"{name}\0{info.get('size')}\0{when}\n".encode())
+    return digest.hexdigest()
 
 
 def _direct_decoder(array: Any) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""Where results go: an array in the tiers (``compute``, ``persist``) or a ``.npy`` file.
+"""Where results go: an array in the tiers (``compute``, ``persist``), a ``.npy`` file
+(``to_npy``) or a Zarr array (``to_zarr``).
 
 Known row counts: every block task writes its rows straight into the destination —
 the output array's rows (a fused kernel writes there with ``out=``, no copy), or a
@@ -9,15 +10,20 @@ assembled once every block's size is known).
 
 Outputs of ``compute`` are allocated with ``memory.array``: RAM while they fit the
 budget, else a spill file; a spilled output's finished blocks are written back and
-dropped from RAM as they are done. ``to_npy`` writes under a temporary name in the
-target's folder (``.name.tf<pid>-<start>-XXXX.tmp``, its mode following the umask as
-``np.save``'s files do), reserves the whole file first when its size is known (after a
-``statvfs`` check, so a disk too small fails before any work and without filling up for
-a moment, with the true free space in the message), starts the write-back of blocks
-once ``budget / 8`` bytes are dirty, or at once under memory pressure
-(``sync_file_range``), so dirty pages stay bounded without making a machine with room
-wait for the disk, and renames the file into place at the end. :meth:`abort` removes
-the temporary file; nothing is ever written under the final name but by the rename.
+dropped from RAM as they are done.
+
+What a file sink may replace at its destination, and how its output takes the place,
+is :mod:`tierflow.engine.destination`'s: an existing destination is refused unless
+``overwrite=True``, and then only the sink's own kind of output is replaced, once the
+new one is complete. ``to_npy`` writes under a temporary name in the target's folder
+(``.name.tf<pid>-<start>-XXXX.tmp``, its mode following the umask as ``np.save``'s files
+do), reserves the whole file first when its size is known (after a ``statvfs`` check, so
+a disk too small fails before any work and without filling up for a moment, with the
+true free space in the message), starts the write-back of blocks once ``budget / 8``
+bytes are dirty, or at once under memory pressure (``sync_file_range``), so dirty pages
+stay bounded without making a machine with room wait for the disk, and renames the file
+into place at the end. :meth:`abort` removes the temporary file; nothing is ever written
+under the final name but by the rename.
 
 A process killed while writing (SIGKILL, a machine that lost power) cannot remove its
 temporary file. Its name holds the writer's pid and start time
@@ -33,9 +39,7 @@ import ctypes
 import errno
 import math
 import os
-import re
 import struct
-import tempfile
 import threading
 from typing import Any
 
@@ -45,8 +49,20 @@ from numpy.lib.format import dtype_to_descr
 from ..config import format_bytes
 from ..storage import pages, placement, spill
 from ..system import budget as budget_module
-from ..system import pressure, processes
+from ..system import pressure
 from ..system.types import Level
+from .destination import (
+    check_npy,
+    claim_zarr,
+    inspect_zarr,
+    install_file,
+    local_path,
+    remove_zarr,
+    swap_zarr,
+    sweep_temps,
+    temp_file,
+    temp_zarr_url,
+)
 from .graph import Chunked
 
 __all__ = [
@@ -67,58 +83,6 @@ _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
 KICK_SHARE = 8  # start write-back once budget / 8 bytes are dirty ...
 KICK_MIN = 64 << 20  # ... but not in pieces smaller than 64 MB
 _TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})
-# .<target name>.tf<pid>-<start time>-<mkstemp's random part>.tmp
-_TEMP_RE = re.compile(r"\..+\.tf(\d+)-(\d+)-[A-Za-z0-9_]+\.tmp")
-
-
-def _umask() -> int:
-    """This process's umask, read without setting it: ``os.umask`` can only read it by
-    setting it, which for a moment changes the mode of every other thread's new files."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def temp_file(path: str) -> tuple[int, str]:
-    """A new temporary file next to ``path`` named for this process: ``(fd, name)``.
-
-    Its mode follows the umask, as a file ``np.save`` creates does (0644 under umask
-    022), since it is renamed to be the output: ``mkstemp`` alone makes it 0600.
-    """
-    folder, base = os.path.split(path)
-    fd, name = tempfile.mkstemp(prefix=f".{base}.tf{processes.token()}-", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-    except BaseException:
-        os.close(fd)
-        os.unlink(name)
-        raise
-    return fd, name
-
-
-def sweep_temps(folder: str) -> list[str]:
-    """Remove temporary ``.npy`` files in ``folder`` whose writer is gone (see the module
-    docstring); the paths removed. A file whose writer may still run is kept, and
-    nothing that does not follow the temporary name's pattern is touched."""
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _TEMP_RE.fullmatch(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
-            continue
-        if processes.may_be_running(int(match.group(1)), int(match.group(2))):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(entry.path)
-            removed.append(entry.path)
-    return removed
 
 
 def npy_header(dtype: np.dtype, shape: tuple[int, ...], length: int | None = None) -> bytes:
@@ -291,11 +255,19 @@ class NpySink:
 
     appends = True  # unknown row counts: blocks appended in row order
 
-    def __init__(self, node: Chunked, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        node: Chunked,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        overwrite: bool = False,
+    ) -> None:
         self.node = node
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = local_path(path)
         self.known = node.n_rows is not None
         self.fsync = fsync
+        self.overwrite = overwrite
         self.dtype: np.dtype = node.dtype  # type: ignore[assignment]
         self.row_shape = node.row_shape
         self.row_nbytes = self.dtype.itemsize * math.prod(self.row_shape)
@@ -312,13 +284,18 @@ class NpySink:
         self._kicked: list[tuple[int, int]] = []
         self._kick_bytes = max(KICK_MIN, budget_module.budget_bytes() // KICK_SHARE)
 
-    def open(self) -> None:
-        """Create the temporary file, reserve it (known size) and write the header."""
+    def claim(self) -> None:
+        """Refuse a destination this sink may not write (see
+        :mod:`tierflow.engine.destination`), before anything is computed."""
         folder = os.path.dirname(self.path)
         if not os.path.isdir(folder):
             raise FileNotFoundError(errno.ENOENT, f"cannot write {self.path}: no folder {folder}")
-        if os.path.isdir(self.path):
-            raise IsADirectoryError(errno.EISDIR, f"cannot write {self.path}: it is a folder")
+        check_npy(self.path, self.overwrite)
+
+    def open(self) -> None:
+        """Create the temporary file, reserve it (known size) and write the header."""
+        folder = os.path.dirname(self.path)
+        self.claim()
         if self.dtype.hasobject:
             raise TypeError(f"cannot write {self.dtype} values to a .npy file without pickling")
         sweep_temps(folder)
@@ -424,7 +401,7 @@ class NpySink:
             os.fsync(self.fd)
         os.close(self.fd)
         self.fd = None
-        os.replace(self.tmp, self.path)
+        install_file(self.tmp, self.path, self.overwrite)
         self.tmp = None
 
     def abort(self) -> None:
@@ -476,17 +453,22 @@ def _zarr_url(path_or_url: str | os.PathLike[str]) -> str:
     text = os.fspath(path_or_url)
     if text.startswith("file://"):
         text = text[len("file://") :]
-    return text if "://" in text else os.path.abspath(text)
+    return text if "://" in text else local_path(text)
 
 
 class ZarrSink:
     """The result of ``to_zarr``: a Zarr array, written in whole chunks (or shards).
 
     The array is created at :meth:`open` with the attribute ``tierflow: {"complete":
-    false}``, set to true by :meth:`commit` once the last block is in; a run that fails
-    or is killed leaves it marked incomplete, with no torn chunk (each chunk is one
-    object, written whole: zarr's local store writes a temporary file and renames it, an
-    object store puts it at once). Known rows: each block task writes its rows, whole
+    false, "key": ...}`` (the compute's key, when it has one that names its inputs'
+    contents), set to ``complete: true`` by :meth:`commit` once the last block is in; a
+    run that fails or is killed leaves it marked incomplete, with no torn chunk (each
+    chunk is one object, written whole: zarr's local store writes a temporary file and
+    renames it, an object store puts it at once). Where it is written follows
+    :func:`~tierflow.engine.destination.claim_zarr`: in place where nothing was (or
+    where this compute's own incomplete array was, its keys removed first), beside the
+    destination and swapped in at :meth:`commit` where an array is replaced
+    (``overwrite=True``). Known rows: each block task writes its rows, whole
     chunks, where it runs (:meth:`place`); :attr:`align` makes the planner cut tasks on
     chunk edges. Unknown rows (after a mask): blocks are appended in row order, whole
     chunks written as they fill, the array resized as it grows.
@@ -503,6 +485,7 @@ class ZarrSink:
         shards: Any = None,
         compressors: Any = "auto",
         storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> None:
         try:
             import zarr  # noqa: F401
@@ -536,6 +519,13 @@ class ZarrSink:
                     f"rows= a multiple of {self.align}"
                 )
         self.compressors = compressors
+        self.overwrite = overwrite
+        # The compute's key, recorded in the array's mark: a run of the same compute
+        # finishes an array it left incomplete. A key that names an object of this
+        # process only (a big in-memory array) is not recorded.
+        self.key: str | None = None if node.ident.startswith("id:") else node.ident
+        self.mode = ""  # how claim() found the destination: "new", "resume", "replace"
+        self.write_url = self.url  # where the array is written: the url, or a temporary
         self.array: Any = None
         self._scratch = _Scratch(self.dtype, self.row_shape)
         self._tail: list[np.ndarray] = []  # appended rows not yet a whole object
@@ -566,28 +556,51 @@ class ZarrSink:
             rows = min(rows, max(1, self.node.n_rows or 1))
         return (rows, *self.row_shape)
 
+    def claim(self) -> None:
+        """Refuse a destination this sink may not write (see
+        :mod:`tierflow.engine.destination`), before anything is computed; remember how
+        it will be written."""
+        self.mode = claim_zarr(
+            self.url, self.storage_options, overwrite=self.overwrite, key=self.key
+        )
+
     def open(self) -> None:
-        """Create the array, marked incomplete (an array already there is replaced)."""
+        """Create the array, marked incomplete: at the destination, or beside it when an
+        array there is replaced (see :meth:`claim`)."""
         import zarr
 
+        self.claim()
+        local = "://" not in self.url
+        if local:
+            sweep_temps(os.path.dirname(self.url))
+        if self.mode == "resume":
+            found = inspect_zarr(self.url, self.storage_options)
+            remove_zarr(self.url, self.storage_options, list(found.keys))
+        self.write_url = temp_zarr_url(self.url) if self.mode == "replace" else self.url
+        mark: dict[str, Any] = {"complete": False}
+        if self.key is not None:
+            mark["key"] = self.key
         options: dict[str, Any] = {}
-        if "://" in self.url:
+        if not local:
             options["storage_options"] = self.storage_options
-        self.array = zarr.create_array(
-            store=self.url,
-            shape=(self.node.n_rows or 0, *self.row_shape),
-            dtype=self.dtype,
-            chunks=self.chunks,
-            shards=self.shards,
-            compressors=self.compressors,
-            attributes={"tierflow": {"complete": False}},
-            overwrite=True,
-            **options,
-        )
+        try:
+            self.array = zarr.create_array(
+                store=self.write_url,
+                shape=(self.node.n_rows or 0, *self.row_shape),
+                dtype=self.dtype,
+                chunks=self.chunks,
+                shards=self.shards,
+                compressors=self.compressors,
+                attributes={"tierflow": mark},
+                **options,
+            )
+        except BaseException:
+            self.abort()
+            raise
 
     def place(self) -> ZarrRows | None:
         """Where another process writes known rows: the array, by URL."""
-        return ZarrRows(self.url, self.storage_options) if self.known else None
+        return ZarrRows(self.write_url, self.storage_options) if self.known else None
 
     def task_bytes(self, rows: int) -> int:
         """The block a task writes from, and the encoder's copy of it."""
@@ -622,15 +635,24 @@ class ZarrSink:
         self._tail_rows = len(rest)
 
     def commit(self, n_rows: int | None = None) -> None:
-        """Write what is left and mark the array complete."""
+        """Write what is left, mark the array complete, and swap it into the place of
+        the array it replaces (if any)."""
         self._scratch.clear()
         if not self.known and self._tail_rows:
             self._flush(whole=False)
         attributes = dict(self.array.attrs.asdict())
-        attributes["tierflow"] = {"complete": True}
+        attributes["tierflow"] = {**attributes.get("tierflow", {}), "complete": True}
         self.array.update_attributes(attributes)
+        if self.write_url != self.url:
+            swap_zarr(self.write_url, self.url, self.storage_options)
+            self.write_url = self.url
 
     def abort(self) -> None:
-        """Leave the array as it is, marked incomplete (no chunk is torn)."""
+        """Leave an array written in place as it is, marked incomplete (no chunk is
+        torn); remove one written beside the destination (the destination is as it
+        was)."""
         self._scratch.clear()
         self._tail = []
+        if self.write_url != self.url:
+            remove_zarr(self.write_url, self.storage_options)
+            self.write_url = self.url
