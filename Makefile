@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-test
 DSTAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fuzz bench clean
+.PHONY: demo test lint fuzz stress bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,15 @@ lint: $(STAMP)
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m hypothesis --timeout=3600
 
+# The tests that race (clusters, worker processes, computes at once) STRESS_RUNS times in
+# a row, each run under a watchdog that prints every thread's stack before it kills a hung
+# run (tests/stress.py); stops at the first failure, the logs in .stress/.
+STRESS_RUNS ?= 20
+stress: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PY) tests/stress.py --runs $(STRESS_RUNS)
+
 bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -q --benchmark-enable -o python_files="bench_*.py"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .stress

@@ -25,6 +25,7 @@ import pytest
 
 import tierflow as tw
 from tierflow.engine.executors import ClusterExecutor, DaskExecutor, RayExecutor
+from tierflow.system import processes
 
 from common import IdleCluster, wait_for
 
@@ -137,8 +138,8 @@ def _kill_victim(folder: Path) -> threading.Thread:
         victim = folder / "victim"
         _wait_for(lambda: victim.exists() and victim.read_text(), "a victim")
         pid = int(victim.read_text())
-        (folder / "killed").touch()
         os.kill(pid, signal.SIGKILL)
+        (folder / "killed").touch()  # after the kill: the victim must not see it and go on
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -169,8 +170,9 @@ def test_a_worker_killed_mid_compute_has_its_tasks_sent_again(
             out = np.load(folder / "out.npy")
         killer.join()
         victim = int((folder / "victim").read_text())
-        with pytest.raises(ProcessLookupError):
-            os.kill(victim, 0)
+        # Killed: a zombie until its parent (Ray's raylet, Dask's nanny) reaps it, and
+        # a zombie runs nothing, though its pid still answers a signal 0.
+        _wait_for(lambda victim=victim: not _alive(victim), f"worker {victim} to end")
         assert executor.resent > before, run
         assert _same_bytes(out, expected)
     assert (tmp_path / "to_npy" / "out.npy").read_bytes() == _npy_bytes(expected, tmp_path)
@@ -483,11 +485,8 @@ def test_ctrl_c_cancels_the_cluster_tasks_and_leaves_no_file(
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    return processes.start_time(pid) is not None
 
 
 # -- the cache, progress and callbacks -------------------------------------------------

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import itertools
 import logging
 import multiprocessing
@@ -115,6 +116,10 @@ def _unwire_error(data: bytes | None, text: str) -> BaseException:
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """A worker's loop: receive ``(tid, desc, program bytes, settings)``, run, reply."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A crash in native code, or a SIGABRT sent to see where a worker hangs, prints
+    # every thread's stack on the worker's standard error.
+    with contextlib.suppress(Exception):
+        faulthandler.enable(all_threads=True)
     mark_running_tasks()  # a compute started inside a task runs serially, here
     runtime = tasks_module.Runtime(RUNTIME_KEEP)
     conn.send(("ready", None))
