@@ -207,7 +207,7 @@ def test_feature_extraction_without_torch_says_so_and_exits_0(tmp_path: Path) ->
         cwd=tmp_path,
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
-    check_output(result, (r"^this example needs torch, .*pip install 'tierflow\[torch\]'",))
+    check_output(result, (r"^this example needs torch, .*pip install -e '.*\[torch\]' ",))
     assert files_under(tmp_path) == []
 
 

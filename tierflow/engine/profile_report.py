@@ -166,7 +166,7 @@ def _matplotlib() -> Any:
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError:
-        raise missing_dependency("matplotlib", "plot", "profile pictures") from None
+        raise missing_dependency("matplotlib", "plot", "a profile picture") from None
     return matplotlib, Figure
 
 
