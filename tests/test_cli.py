@@ -300,3 +300,56 @@ def test_profile_returns_the_scripts_exit_status_and_still_writes_the_report(
     assert (Path(str(tmp_path)) / "job.profile.html").exists()
     assert main(["profile", str(Path(str(tmp_path)) / "missing.py")]) == 2
     assert "no script at" in capsys.readouterr().err
+
+
+def test_profile_without_a_script_asks_for_the_script_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["profile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tierflow profile [-h] script [args ...]\n")
+    assert err.rstrip().endswith("the following arguments are required: script")
+    assert main(["profile", "--help"]) == 0
+    assert "its arguments (optional)" in capsys.readouterr().out
+
+
+FAILING = """
+import numpy as np
+import tierflow as tw
+
+
+def broken(n):
+    raise ValueError(f"no rows in {n}")
+
+
+tw.from_array(np.ones((4, 2))).sum().compute()
+broken(3)
+"""
+
+
+def test_a_failing_script_shows_its_traceback_from_the_script_down(tmp_path: object) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text(FAILING)
+    done = run_cli("profile", str(script))
+    direct = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == direct.returncode == 1
+    traceback_lines = done.stderr.split("\ntierflow: profile of")[0]
+    assert traceback_lines == direct.stderr.rstrip("\n")
+    assert traceback_lines.splitlines()[1] == f'  File "{script}", line 11, in <module>'
+    assert "tierflow: profile of 1 compute(s)" in done.stderr
+    assert (Path(str(tmp_path)) / "job.profile.html").exists()
+
+
+def test_a_script_that_exits_with_a_message_prints_it(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text("import sys\nsys.exit('no input given')\n")
+    assert main(["profile", str(script)]) == 1
+    assert capsys.readouterr().err.startswith("no input given\n")

@@ -22,7 +22,9 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 from . import __version__
@@ -83,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     profile_parser = commands.add_parser(
         "profile",
         help="run a Python script with every compute profiled; write script.profile.html",
+        usage="tierflow profile [-h] script [args ...]",
         description=(
             "Run SCRIPT as python would (its arguments after it), recording every compute "
             "it runs on this thread into one profile, and write the report next to it as "
@@ -90,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     profile_parser.add_argument("script", help="the Python script to run")
-    profile_parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    script_args = profile_parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="its arguments (optional)"
+    )
+    # argparse counts a REMAINDER positional as required; a script may take none.
+    script_args.required = False
     profile_parser.set_defaults(run=profile)
     return parser
 
@@ -207,7 +214,8 @@ def profile(args: argparse.Namespace) -> int:
     """``tierflow profile script.py [args]``: run the script as ``__main__`` with
     ``sys.argv`` set to it and its arguments, inside one ``tw.profile()``; write the
     report to ``script.profile.html`` beside it (also when the script fails) and say
-    where on stderr. Returns the script's exit status (1 when it raised)."""
+    where on stderr. Returns the script's exit status: 1 when it raised, after the
+    traceback from the script's own frames down, as python prints it (130 for Ctrl-C)."""
     import runpy
 
     from .engine.profile import Profile
@@ -227,6 +235,11 @@ def profile(args: argparse.Namespace) -> int:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # sys.exit("message"), as python shows it
+    except BaseException as exc:  # what python prints for it, from the script down
+        traceback.print_exception(type(exc), exc, _from_script(exc.__traceback__, script))
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         written = recorded.save(report)
@@ -236,6 +249,15 @@ def profile(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """``tb`` from the first frame of ``script`` on: the frames of this command and of
+    runpy above it are not the user's (all of ``tb`` if the script has none)."""
+    frame = tb
+    while frame is not None and frame.tb_frame.f_code.co_filename != script:
+        frame = frame.tb_next
+    return tb if frame is None else frame
 
 
 def _jsonable(value: Any) -> Any:
