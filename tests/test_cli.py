@@ -353,3 +353,20 @@ def test_a_script_that_exits_with_a_message_prints_it(
     script.write_text("import sys\nsys.exit('no input given')\n")
     assert main(["profile", str(script)]) == 1
     assert capsys.readouterr().err.startswith("no input given\n")
+
+
+def test_status_warns_on_stderr_when_nothing_can_spill(tmp_path: object) -> None:
+    from pathlib import Path
+
+    blocker = Path(str(tmp_path)) / "a-file"
+    blocker.write_text("not a folder")
+    env = {**os.environ, "TIERFLOW_SPILL_DIR": str(blocker / "spill")}
+    done = run_cli("status", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"| SSD: cannot write {blocker}/spill ({blocker} is not a folder)" in done.stdout
+    assert done.stderr == (
+        f"tierflow: warning: spill files cannot be made in {blocker}/spill ({blocker} is not "
+        "a folder). tierflow has no other place to spill: an array or a block that does not "
+        "fit the RAM budget raises SpillError. Point TIERFLOW_SPILL_DIR (setting spill_dir) "
+        "at a writable folder on a local disk\n"
+    )

@@ -16,6 +16,7 @@ command or option, or a malformed ``TIERFLOW_*`` setting.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
@@ -23,7 +24,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -168,9 +170,28 @@ def watch(interval: float, as_json: bool = False) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Warnings as ``tierflow: warning: ...`` lines on stderr, each message once (a
+    status that cannot spill, every second of ``--watch``)."""
+
+    def show(message: Warning | str, *_: object, **__: object) -> None:
+        print(f"tierflow: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("once")
+        warnings.showwarning = show
+        yield
+
+
 def status(args: argparse.Namespace) -> int:
     """``tierflow status [--json] [--watch [--interval S]]``: print the machine as
-    tierflow sees it."""
+    tierflow sees it; what it warns of (a spill folder it cannot write) on stderr."""
+    with _warnings_as_lines():
+        return _status(args)
+
+
+def _status(args: argparse.Namespace) -> int:
     if args.watch:
         return watch(args.interval, args.json)
     report = _report()
