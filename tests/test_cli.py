@@ -370,3 +370,28 @@ def test_status_warns_on_stderr_when_nothing_can_spill(tmp_path: object) -> None
         "fit the RAM budget raises SpillError. Point TIERFLOW_SPILL_DIR (setting spill_dir) "
         "at a writable folder on a local disk\n"
     )
+
+
+def test_profile_without_matplotlib_writes_the_report_and_says_why_it_has_no_picture(
+    tmp_path: object,
+) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text(SCRIPT)
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from tierflow.cli import main\n"
+        f"sys.exit(main(['profile', {str(script)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = Path(str(tmp_path)) / "job.profile.html"
+    assert (
+        f"tierflow: warning: the profile at {report} has no picture: a profile picture needs "
+        "the optional package 'matplotlib': pip install -e " in done.stderr
+    )
+    assert f"written to {report}" in done.stderr
+    text = report.read_text()
+    assert "data:image/png" not in text and "No picture: " in text
+    assert "compute 1: sum()" in text

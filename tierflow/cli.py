@@ -263,7 +263,8 @@ def profile(args: argparse.Namespace) -> int:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-        written = recorded.save(report)
+        with _warnings_as_lines():  # a report without its picture says why
+            written = recorded.save(report)
         print(
             f"tierflow: profile of {len(recorded.computes)} compute(s), "
             f"{len(recorded.tasks)} tasks written to {written}",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 import tierflow as tw
 from tierflow.engine import halving
 from tierflow.engine.profile import ComputeRecord, Profile, Sample, TaskRecord, tier_of
+from tierflow.errors import install_command
 from tierflow.system import budget
 
 ROWS, COLS, BLOCK = 40_000, 4, 5_000
@@ -328,3 +331,23 @@ def test_save_writes_one_html_file_that_fetches_nothing(tmp_path: Path) -> None:
     assert text.count("data:image/png;base64,") == 1
     assert "made up" in text  # the compute's plan section
     assert [p.name for p in tmp_path.iterdir()] == ["run.html"]  # no temporary left
+
+
+@pytest.mark.executors("serial")
+def test_save_without_matplotlib_writes_the_figures_and_says_why_there_is_no_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    with pytest.warns(UserWarning) as caught:
+        path = made_up().save(tmp_path / "run.html")
+    reason = f"a profile picture needs the optional package 'matplotlib': {install_command('plot')}"
+    (warning,) = caught
+    assert str(warning.message) == f"the profile at {path} has no picture: {reason}"
+    assert warning.filename == __file__  # the line that saved
+    text = Path(path).read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    assert "data:image/png" not in text
+    assert f"No picture: {html.escape(reason)}" in text
+    assert "<th style='text-align:left;padding-right:1em'>peak RSS</th>" in text  # figures
+    assert "made up" in text  # the plans
+    assert [p.name for p in tmp_path.iterdir()] == ["run.html"]
