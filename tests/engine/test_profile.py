@@ -163,6 +163,19 @@ def test_samples_come_every_interval_with_memory_by_tier_budget_and_level(
     assert p.summary().peak_rss == max(s.rss for s in p.samples)
 
 
+@pytest.mark.executors("threads", "serial", "processes")
+def test_a_compute_shorter_than_a_sample_still_shows_what_it_held(data: np.ndarray) -> None:
+    x = tw.from_array(data, rows=BLOCK)
+    with Profile(interval=3600) as p:  # no sample falls inside the compute
+        tw.compute(x.mean(axis=0), x.std(axis=0))
+    (record,) = p.computes
+    # Samples at the start, at the compute's end and at the stop: the one at the end
+    # holds the most admitted during the compute.
+    assert len(p.samples) == 3
+    assert p.samples[1].ram >= record.peak_bytes > 0
+    assert p.summary().peak_held["RAM"] >= record.peak_bytes
+
+
 @pytest.mark.executors("serial")
 def test_a_sample_takes_the_recorded_pressure_level(monkeypatch: pytest.MonkeyPatch) -> None:
     from tierflow.engine import profile as profile_module
