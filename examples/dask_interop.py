@@ -8,7 +8,7 @@ written in plain Python over every row, moves to tierflow with
 ``tw.from_dask(d).map_blocks(f).to_dask()``, and the rest stays in dask. The chunks
 line up (one tierflow block per dask row chunk), the result matches dask alone, and
 after a boolean mask (chunk sizes dask does not know) tierflow still reads the rows.
-Needs the ``dask`` extra (``pip install 'tierflow[dask]'``).
+Needs the ``dask`` extra (``pip install -e '.[dask]'`` in the tierflow checkout).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import tierflow as tw
+from tierflow.errors import install_command
 
 
 def score(block: np.ndarray) -> np.ndarray:
@@ -71,7 +72,7 @@ def main() -> None:
     try:
         import dask.array
     except ImportError:
-        print("this example needs dask: pip install 'tierflow[dask]'")
+        print(f"this example needs dask: {install_command('dask')}")
         return
     if not args.distributed:
         run(args.rows, lambda a: a.compute(scheduler="threads"))

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 import tierflow as tw
+from tierflow.errors import install_command
 
 SAMPLE_SHAPE = (3, 32, 32)
 EMBEDDING = 64
@@ -97,7 +98,7 @@ def run(n_files: int, folder: str | None) -> None:
         import torch
     except ImportError:
         print(
-            "this example needs torch, an optional extra: pip install 'tierflow[torch]' "
+            f"this example needs torch, an optional extra: {install_command('torch')} "
             "(or see https://pytorch.org for a CUDA build); skipping"
         )
         return

@@ -3,9 +3,10 @@
     python examples/zarr_pipeline.py                          # 256 MB array, 64 MB budget
     python examples/zarr_pipeline.py --size 4GB --budget 1GB  # a bigger run
 
-Needs ``pip install 'tierflow[zarr]'``. It writes a float32 Zarr array (format 3, blosc
-lz4, 65,536-row chunks) several times bigger than the RAM budget into a temporary
-folder (removed at the end, whatever happens), then, with ``import tierflow as tw``:
+Needs the ``zarr`` extra (``pip install -e '.[zarr]'`` in the tierflow checkout). It
+writes a float32 Zarr array (format 3, blosc lz4, 65,536-row chunks) several times
+bigger than the RAM budget into a temporary folder (removed at the end, whatever
+happens), then, with ``import tierflow as tw``:
 
 1. ``tw.from_zarr`` reads the array's metadata only; blocks are whole chunks;
 2. the mean and standard deviation of every column in ONE pass, decompressing each

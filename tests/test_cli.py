@@ -300,3 +300,98 @@ def test_profile_returns_the_scripts_exit_status_and_still_writes_the_report(
     assert (Path(str(tmp_path)) / "job.profile.html").exists()
     assert main(["profile", str(Path(str(tmp_path)) / "missing.py")]) == 2
     assert "no script at" in capsys.readouterr().err
+
+
+def test_profile_without_a_script_asks_for_the_script_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["profile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tierflow profile [-h] script [args ...]\n")
+    assert err.rstrip().endswith("the following arguments are required: script")
+    assert main(["profile", "--help"]) == 0
+    assert "its arguments (optional)" in capsys.readouterr().out
+
+
+FAILING = """
+import numpy as np
+import tierflow as tw
+
+
+def broken(n):
+    raise ValueError(f"no rows in {n}")
+
+
+tw.from_array(np.ones((4, 2))).sum().compute()
+broken(3)
+"""
+
+
+def test_a_failing_script_shows_its_traceback_from_the_script_down(tmp_path: object) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text(FAILING)
+    done = run_cli("profile", str(script))
+    direct = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == direct.returncode == 1
+    traceback_lines = done.stderr.split("\ntierflow: profile of")[0]
+    assert traceback_lines == direct.stderr.rstrip("\n")
+    assert traceback_lines.splitlines()[1] == f'  File "{script}", line 11, in <module>'
+    assert "tierflow: profile of 1 compute(s)" in done.stderr
+    assert (Path(str(tmp_path)) / "job.profile.html").exists()
+
+
+def test_a_script_that_exits_with_a_message_prints_it(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text("import sys\nsys.exit('no input given')\n")
+    assert main(["profile", str(script)]) == 1
+    assert capsys.readouterr().err.startswith("no input given\n")
+
+
+def test_status_warns_on_stderr_when_nothing_can_spill(tmp_path: object) -> None:
+    from pathlib import Path
+
+    blocker = Path(str(tmp_path)) / "a-file"
+    blocker.write_text("not a folder")
+    env = {**os.environ, "TIERFLOW_SPILL_DIR": str(blocker / "spill")}
+    done = run_cli("status", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"| SSD: cannot write {blocker}/spill ({blocker} is not a folder)" in done.stdout
+    assert done.stderr == (
+        f"tierflow: warning: spill files cannot be made in {blocker}/spill ({blocker} is not "
+        "a folder). tierflow has no other place to spill: an array or a block that does not "
+        "fit the RAM budget raises SpillError. Point TIERFLOW_SPILL_DIR (setting spill_dir) "
+        "at a writable folder on a local disk\n"
+    )
+
+
+def test_profile_without_matplotlib_writes_the_report_and_says_why_it_has_no_picture(
+    tmp_path: object,
+) -> None:
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "job.py"
+    script.write_text(SCRIPT)
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from tierflow.cli import main\n"
+        f"sys.exit(main(['profile', {str(script)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = Path(str(tmp_path)) / "job.profile.html"
+    assert (
+        f"tierflow: warning: the profile at {report} has no picture: a profile picture needs "
+        "the optional package 'matplotlib': pip install -e " in done.stderr
+    )
+    assert f"written to {report}" in done.stderr
+    text = report.read_text()
+    assert "data:image/png" not in text and "No picture: " in text
+    assert "compute 1: sum()" in text

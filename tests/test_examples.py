@@ -157,6 +157,14 @@ def test_every_example_has_a_case() -> None:
     assert sorted(CASES) == scripts, "add an entry to CASES for each script in examples/"
 
 
+def test_the_readme_lists_every_example() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    table = readme.split("\n## Examples\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| \[`examples/([^`]+)`\]\(examples/\1\) \| \S", table, re.M)
+    shipped = sorted(p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb"))
+    assert sorted(listed) == shipped, "give each example a row in the README's table"
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=c.marks, id=n.removesuffix(".py")) for n, c in CASES.items()]
 )
@@ -207,7 +215,7 @@ def test_feature_extraction_without_torch_says_so_and_exits_0(tmp_path: Path) ->
         cwd=tmp_path,
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
-    check_output(result, (r"^this example needs torch, .*pip install 'tierflow\[torch\]'",))
+    check_output(result, (r"^this example needs torch, .*pip install -e '.*\[torch\]' ",))
     assert files_under(tmp_path) == []
 
 

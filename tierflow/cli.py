@@ -16,13 +16,17 @@ command or option, or a malformed ``TIERFLOW_*`` setting.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+import warnings
+from collections.abc import Iterator, Sequence
+from types import TracebackType
 from typing import Any
 
 from . import __version__
@@ -83,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     profile_parser = commands.add_parser(
         "profile",
         help="run a Python script with every compute profiled; write script.profile.html",
+        usage="tierflow profile [-h] script [args ...]",
         description=(
             "Run SCRIPT as python would (its arguments after it), recording every compute "
             "it runs on this thread into one profile, and write the report next to it as "
@@ -90,7 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     profile_parser.add_argument("script", help="the Python script to run")
-    profile_parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    script_args = profile_parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="its arguments (optional)"
+    )
+    # argparse counts a REMAINDER positional as required; a script may take none.
+    script_args.required = False
     profile_parser.set_defaults(run=profile)
     return parser
 
@@ -161,9 +170,28 @@ def watch(interval: float, as_json: bool = False) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Warnings as ``tierflow: warning: ...`` lines on stderr, each message once (a
+    status that cannot spill, every second of ``--watch``)."""
+
+    def show(message: Warning | str, *_: object, **__: object) -> None:
+        print(f"tierflow: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("once")
+        warnings.showwarning = show
+        yield
+
+
 def status(args: argparse.Namespace) -> int:
     """``tierflow status [--json] [--watch [--interval S]]``: print the machine as
-    tierflow sees it."""
+    tierflow sees it; what it warns of (a spill folder it cannot write) on stderr."""
+    with _warnings_as_lines():
+        return _status(args)
+
+
+def _status(args: argparse.Namespace) -> int:
     if args.watch:
         return watch(args.interval, args.json)
     report = _report()
@@ -207,7 +235,8 @@ def profile(args: argparse.Namespace) -> int:
     """``tierflow profile script.py [args]``: run the script as ``__main__`` with
     ``sys.argv`` set to it and its arguments, inside one ``tw.profile()``; write the
     report to ``script.profile.html`` beside it (also when the script fails) and say
-    where on stderr. Returns the script's exit status (1 when it raised)."""
+    where on stderr. Returns the script's exit status: 1 when it raised, after the
+    traceback from the script's own frames down, as python prints it (130 for Ctrl-C)."""
     import runpy
 
     from .engine.profile import Profile
@@ -227,15 +256,30 @@ def profile(args: argparse.Namespace) -> int:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # sys.exit("message"), as python shows it
+    except BaseException as exc:  # what python prints for it, from the script down
+        traceback.print_exception(type(exc), exc, _from_script(exc.__traceback__, script))
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-        written = recorded.save(report)
+        with _warnings_as_lines():  # a report without its picture says why
+            written = recorded.save(report)
         print(
             f"tierflow: profile of {len(recorded.computes)} compute(s), "
             f"{len(recorded.tasks)} tasks written to {written}",
             file=sys.stderr,
         )
     return code
+
+
+def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """``tb`` from the first frame of ``script`` on: the frames of this command and of
+    runpy above it are not the user's (all of ``tb`` if the script has none)."""
+    frame = tb
+    while frame is not None and frame.tb_frame.f_code.co_filename != script:
+        frame = frame.tb_next
+    return tb if frame is None else frame
 
 
 def _jsonable(value: Any) -> Any:

@@ -8,6 +8,9 @@ could not work around. Messages say what happened, with the numbers, and what to
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 __all__ = [
     "BlockError",
     "ConfigError",
@@ -20,6 +23,8 @@ __all__ = [
     "SpillError",
     "StoreError",
     "TierflowError",
+    "install_command",
+    "missing_dependency",
 ]
 
 
@@ -89,12 +94,30 @@ class BlockError(TierflowError, RuntimeError):
         return (type(self), self.args, self.__dict__)
 
 
-def missing_dependency(module: str, extra: str, purpose: str) -> DependencyError:
-    """Build the error for an optional import that failed.
+def install_command(extra: str) -> str:
+    """The command that adds the optional packages of ``extra`` to this tierflow.
 
-    >>> str(missing_dependency("tqdm", "progress", "progress bars"))
-    "progress bars need the optional package 'tqdm': pip install 'tierflow[progress]'"
+    tierflow is not on the package index: it is installed from a checkout. When this
+    package is one (its folder's parent holds ``pyproject.toml``, as with ``pip install
+    -e``) the command names that checkout, so it works from any folder::
+
+        pip install -e '/home/ann/tierflow[zarr]'
+
+    Otherwise it says to run ``pip install -e '.[zarr]'`` in a checkout.
+    """
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e {shlex.quote(f'{root}[{extra}]')}"
+    return f"pip install -e '.[{extra}]' in a checkout of tierflow (it is not on the package index)"
+
+
+def missing_dependency(module: str, extra: str, purpose: str) -> DependencyError:
+    """Build the error for an optional import that failed; ``purpose`` is what needs it,
+    the subject of the sentence (``"tw.from_zarr"``, ``"a progress bar"``).
+
+    >>> str(missing_dependency("tqdm", "progress", "a progress bar"))  # doctest: +ELLIPSIS
+    "a progress bar needs the optional package 'tqdm': pip install -e '...[progress]'..."
     """
     return DependencyError(
-        f"{purpose} need the optional package {module!r}: pip install 'tierflow[{extra}]'"
+        f"{purpose} needs the optional package {module!r}: {install_command(extra)}"
     )

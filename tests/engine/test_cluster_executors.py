@@ -20,10 +20,11 @@ import pytest
 
 import tierflow as tw
 from tierflow import config
-from tierflow.engine import halving, tasks
+from tierflow.engine import executors, halving, tasks
 from tierflow.engine.executors import DaskExecutor, RayExecutor, cluster
 from tierflow.engine.executors.dask import RESOURCE
 from tierflow.engine.types import RowRange
+from tierflow.errors import DependencyError, install_command
 
 pytestmark = pytest.mark.executors("threads")  # the executor is passed to each compute
 
@@ -287,6 +288,23 @@ def test_executor_dask_without_a_client_says_how_to_start_one(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr
     assert "refused: executor='dask' found no Dask client: start one first" in result.stdout
     assert "tw.DaskExecutor(client)" in result.stdout
+
+
+@pytest.mark.parametrize(("engine", "module"), [("dask", "distributed"), ("ray", "ray")])
+def test_a_cluster_executor_without_its_package_names_the_extra(
+    engine: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # `import distributed` / `import ray` fails
+    monkeypatch.setattr(executors, "_clusters", {})  # none made earlier in this process
+    x = tw.from_array(np.ones((4, 2)))
+    made = DaskExecutor if engine == "dask" else RayExecutor
+    for call in (made, lambda: x.sum().compute(executor=engine)):
+        with pytest.raises(DependencyError) as info:
+            call()
+        assert str(info.value) == (
+            f"executor='{engine}' needs the optional package '{module}': {install_command(engine)}"
+        )
+        assert isinstance(info.value, ImportError)
 
 
 @pytest.mark.slow  # starts a local Ray

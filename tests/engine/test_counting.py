@@ -338,6 +338,23 @@ def test_bincount_refuses_what_numpy_refuses() -> None:
         np.bincount(x, minlength=-1)
 
 
+def test_bincount_of_a_2d_array_suggests_calls_that_work_lazily() -> None:
+    a = np.array([[0, 3], [1, 1], [5, 2], [2, 2], [0, 0], [7, 1]])
+    x = tw.from_array(a, rows=2)
+    with pytest.raises(ValueError, match=r"object too deep for desired array") as info:
+        np.bincount(x)
+    message = str(info.value)
+    assert "np.bincount(x[:, j])" in message
+    assert "np.unique(x, return_counts=True)" in message
+    assert "reshape" not in message  # x.reshape(-1) is refused on a lazy array
+    # What it suggests runs, and gives NumPy's counts.
+    np.testing.assert_array_equal(np.bincount(x[:, 1]).compute(), np.bincount(a[:, 1]))
+    values, counts = tw.compute(*np.unique(x, return_counts=True))
+    every = np.bincount(a.reshape(-1))
+    np.testing.assert_array_equal(values, np.flatnonzero(every))
+    np.testing.assert_array_equal(counts, every[every > 0])
+
+
 def test_unique_refuses_what_it_cannot_do_lazily(tmp_path: Path) -> None:
     x = tw.from_array(np.arange(12.0).reshape(6, 2), rows=4)
     with pytest.raises(ValueError, match=r"axis=1.*use axis=0 \(unique rows\) or axis=None"):

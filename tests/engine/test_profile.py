@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 import tierflow as tw
 from tierflow.engine import halving
 from tierflow.engine.profile import ComputeRecord, Profile, Sample, TaskRecord, tier_of
+from tierflow.errors import install_command
 from tierflow.system import budget
 
 ROWS, COLS, BLOCK = 40_000, 4, 5_000
@@ -158,6 +161,19 @@ def test_samples_come_every_interval_with_memory_by_tier_budget_and_level(
     assert max(s.ram for s in during) >= data.nbytes // 2
     assert p.summary().peak_held["RAM"] == max(s.ram for s in p.samples)
     assert p.summary().peak_rss == max(s.rss for s in p.samples)
+
+
+@pytest.mark.executors("threads", "serial", "processes")
+def test_a_compute_shorter_than_a_sample_still_shows_what_it_held(data: np.ndarray) -> None:
+    x = tw.from_array(data, rows=BLOCK)
+    with Profile(interval=3600) as p:  # no sample falls inside the compute
+        tw.compute(x.mean(axis=0), x.std(axis=0))
+    (record,) = p.computes
+    # Samples at the start, at the compute's end and at the stop: the one at the end
+    # holds the most admitted during the compute.
+    assert len(p.samples) == 3
+    assert p.samples[1].ram >= record.peak_bytes > 0
+    assert p.summary().peak_held["RAM"] >= record.peak_bytes
 
 
 @pytest.mark.executors("serial")
@@ -328,3 +344,23 @@ def test_save_writes_one_html_file_that_fetches_nothing(tmp_path: Path) -> None:
     assert text.count("data:image/png;base64,") == 1
     assert "made up" in text  # the compute's plan section
     assert [p.name for p in tmp_path.iterdir()] == ["run.html"]  # no temporary left
+
+
+@pytest.mark.executors("serial")
+def test_save_without_matplotlib_writes_the_figures_and_says_why_there_is_no_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    with pytest.warns(UserWarning) as caught:
+        path = made_up().save(tmp_path / "run.html")
+    reason = f"a profile picture needs the optional package 'matplotlib': {install_command('plot')}"
+    (warning,) = caught
+    assert str(warning.message) == f"the profile at {path} has no picture: {reason}"
+    assert warning.filename == __file__  # the line that saved
+    text = Path(path).read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    assert "data:image/png" not in text
+    assert f"No picture: {html.escape(reason)}" in text
+    assert "<th style='text-align:left;padding-right:1em'>peak RSS</th>" in text  # figures
+    assert "made up" in text  # the plans
+    assert [p.name for p in tmp_path.iterdir()] == ["run.html"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
+from tierflow.engine.plan import Target, build_plan
 from tierflow.engine.sources import FileReader
 
 
@@ -43,6 +44,92 @@ def test_mean_and_std_come_from_one_pass(path: str, reads: list[tuple[int, int]]
     np.testing.assert_allclose(mean, a.mean(axis=0), rtol=1e-5)
     np.testing.assert_allclose(std, a.std(axis=0), rtol=1e-5)
     assert top == a.max()
+
+
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
+def test_reductions_over_different_masks_of_one_file_share_each_read(
+    path: str, reads: list[tuple[int, int]]
+) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=700)
+    st, pos = x[x[:, 0] > 3], x[x[:, 1] > 3]
+    deeper = pos[pos[:, 2] < 4]  # a mask of a mask: the same blocks of x
+    std, total, top = tw.compute(st.std(0), pos.sum(0), deeper.max(0))
+    assert sorted(reads) == list(x.blocks)  # every block read exactly once
+    np.testing.assert_allclose(std, a[a[:, 0] > 3].std(0), rtol=1e-5)
+    np.testing.assert_allclose(total, a[a[:, 1] > 3].sum(0), rtol=1e-5)
+    b = a[a[:, 1] > 3]
+    np.testing.assert_array_equal(top, b[b[:, 2] < 4].max(0))
+
+
+def test_results_over_different_masks_run_in_one_pass_on_every_executor(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=700)
+    low, high = x[x[:, 0] < 2], x[x[:, 0] > 4]
+    plan = build_plan(
+        [Target(low.mean(0)._node), Target(high.sum(0)._node), Target(high[:, 1].max()._node)],
+        workers=2,
+        budget=1 << 30,
+    )
+    assert plan.passes == 1
+    mean, total, column = tw.compute(low.mean(0), high.sum(0), high[:, 1])
+    np.testing.assert_allclose(mean, a[a[:, 0] < 2].mean(0), rtol=1e-5)
+    np.testing.assert_allclose(total, a[a[:, 0] > 4].sum(0), rtol=1e-5)
+    np.testing.assert_array_equal(column, a[a[:, 0] > 4][:, 1])
+
+
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
+def test_results_over_an_array_and_over_masks_of_it_share_each_read(
+    path: str, reads: list[tuple[int, int]]
+) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=700)
+    pos = x[x[:, 1] > 3]
+    std, total = tw.compute(x.std(0), pos.sum(0))
+    assert sorted(reads) == list(x.blocks)  # every block read exactly once
+    np.testing.assert_allclose(std, a.std(0), rtol=1e-5)
+    np.testing.assert_allclose(total, a[a[:, 1] > 3].sum(0), rtol=1e-5)
+
+
+@pytest.mark.executors("threads", "serial", "processes", "dask", "ray")
+def test_an_array_and_masks_of_it_in_one_pass_give_numpys_results(
+    path: str, tmp_path: Path
+) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=700)
+    m = x[:, 0] > 3
+    low = x[x[:, 0] < 2]
+    plan = build_plan(
+        [Target(n._node) for n in (x.argmax(0), x.mean(0), x[m].max(0), low.min(0))],
+        workers=2,
+        budget=1 << 30,
+    )
+    assert plan.passes == 1
+    # Row numbers of the array's own blocks, a sink with known rows, one of unknown rows.
+    first, mean, masked_first, smallest, doubled, picked = tw.compute(
+        x.argmax(0), x.mean(0), x[m].argmax(0), low.min(0), x * 2, x[m][:, 2]
+    )
+    np.testing.assert_array_equal(first, a.argmax(0))
+    np.testing.assert_allclose(mean, a.mean(0), rtol=1e-5)
+    np.testing.assert_array_equal(masked_first, a[a[:, 0] > 3].argmax(0))
+    np.testing.assert_array_equal(smallest, a[a[:, 0] < 2].min(0))
+    np.testing.assert_array_equal(doubled, a * 2)
+    np.testing.assert_array_equal(picked, a[a[:, 0] > 3][:, 2])
+    (x - 1).to_npy(tmp_path / "out.npy")  # a file sink joined to nothing: unchanged
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), a - 1)
+
+
+def test_an_array_whose_blocks_must_be_cut_keeps_its_own_pass(path: str) -> None:
+    a = np.load(path)
+    x = tw.from_npy(path, rows=1000)
+    wide = x.map_blocks(lambda b: np.repeat(b, 100, axis=1), dtype=x.dtype, row_shape=(600,))
+    budget = 4 * wide._node.row_shape[0] * 4 * 200  # a task's share holds ~200 wide rows
+    targets = [Target(wide.sum(0)._node), Target(x[x[:, 0] > 3].sum(0)._node)]
+    plan = build_plan(targets, workers=2, budget=budget)
+    assert plan.passes == 2  # cut in pieces, the wide blocks cannot join the masked pass
+    total, masked = tw.compute(wide.sum(0), x[x[:, 0] > 3].sum(0))
+    np.testing.assert_allclose(total, np.repeat(a, 100, axis=1).sum(0), rtol=1e-4)
+    np.testing.assert_allclose(masked, a[a[:, 0] > 3].sum(0), rtol=1e-5)
 
 
 @pytest.mark.executors("threads", "serial")  # observes calls in this process

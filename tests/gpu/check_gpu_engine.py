@@ -273,7 +273,7 @@ def main() -> int:
     try:
         import torch
     except ImportError:
-        print("SKIP torch is not installed: pip install 'tierflow[torch]' with a CUDA build")
+        print("SKIP torch is not installed: pip install -e '.[torch]' with a CUDA build")
         return 0
     if not torch.cuda.is_available():
         print("SKIP torch sees no CUDA device: nothing to check on this machine")

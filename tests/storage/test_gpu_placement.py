@@ -203,5 +203,8 @@ def test_missing_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_torch)
-    with pytest.raises(DependencyError, match=r"pip install 'tierflow\[torch\]'"):
+    with pytest.raises(
+        DependencyError,
+        match=r"^an array on a GPU needs the optional package 'torch': pip install -e '.*\[torch\]'$",
+    ):
         gpu.TorchBackend()

@@ -279,3 +279,27 @@ def test_ledger_wakes_a_waiter_when_a_task_gives_its_bytes_back() -> None:
     assert woke.wait(10)
     thread.join()
     ledger.wait_for_room(60)  # nothing runs: returns at once
+
+
+def test_a_watching_reader_gets_the_most_admitted_between_its_readings() -> None:
+    ledger = budget_module.Ledger()
+    first, second = object(), object()
+    ledger.hold(10)
+    ledger.watch(first)
+    ledger.force(100)  # a task runs and finishes between two readings
+    ledger.finish(100)
+    ledger.watch(second)
+    assert ledger.most_since(first) == 110
+    assert ledger.most_since(first) == 10  # a new interval: only what is held now
+    ledger.admit(30, room=1000)
+    ledger.hold(5)
+    ledger.finish(30)
+    ledger.drop(5)
+    assert ledger.most_since(second) == 45  # each reader its own interval
+    assert ledger.most_since(first) == 45
+    ledger.unwatch(first)
+    ledger.force(500)
+    ledger.finish(500)
+    assert ledger.most_since(first) == 10  # no longer watching: what is admitted now
+    assert ledger.most_since(second) == 510
+    assert ledger.peak == 510

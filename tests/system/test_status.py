@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from tierflow import config, memory
+from tierflow.errors import SpillError
 from tierflow.system import status as status_module
 from tierflow.system.devices import FakeGpus, use_provider
 from tierflow.system.limits import MemoryFigures
@@ -184,6 +186,63 @@ def test_spill_folder_outside_home_is_shown_in_full(
     found = memory.status()
     assert f"| SSD 29 GB free at {elsewhere} |" in str(found)
     assert found.ssd_path == str(elsewhere)
+
+
+def test_a_spill_folder_that_cannot_be_made_is_shown_and_warned_of(
+    machine: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    blocker = tmp_path_factory.mktemp("elsewhere") / "a-file"
+    blocker.write_text("not a folder")
+    config.set(spill_dir=str(blocker / "spill"))
+    with pytest.warns(status_module.SpillFolderWarning) as caught:
+        found = memory.status()
+    assert found.spill_problem == f"{blocker} is not a folder"
+    assert (
+        f"| SSD: cannot write {blocker}/spill ({blocker} is not a folder), nothing can spill |"
+        in str(found)
+    )
+    (warning,) = caught
+    assert str(warning.message) == (
+        f"spill files cannot be made in {blocker}/spill ({blocker} is not a folder). "
+        "tierflow has no other place to spill: an array or a block that does not fit the "
+        "RAM budget raises SpillError. Point TIERFLOW_SPILL_DIR (setting spill_dir) at a "
+        "writable folder on a local disk"
+    )
+    assert warning.filename == __file__  # the caller's line
+    assert json.loads(json.dumps(found.as_dict()))["spill_problem"] == found.spill_problem
+    assert "cannot spill" in found._repr_html_()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_spill_folder_on_a_filesystem_that_makes_no_folders_is_unwritable(
+    machine: SimpleNamespace,
+) -> None:
+    config.set(spill_dir="/proc/tierflow-spill")  # root cannot make a folder there either
+    with pytest.warns(status_module.SpillFolderWarning, match="No such file or directory"):
+        found = memory.status()
+    assert found.spill_problem == "No such file or directory"
+
+
+def test_a_writable_spill_folder_gives_no_warning_and_leaves_nothing_behind(
+    machine: SimpleNamespace,
+) -> None:
+    (machine.home / "spill").mkdir()
+    config.set(spill_dir=str(machine.home / "spill"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = memory.status()
+    assert found.spill_problem is None
+    assert list((machine.home / "spill").iterdir()) == []
+
+
+def test_where_status_says_nothing_can_spill_a_spilling_array_raises(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with config.set(spill_dir=str(blocker / "spill"), ram_budget="1MB"):
+        with pytest.warns(status_module.SpillFolderWarning):
+            assert memory.status().spill_problem is not None
+        with pytest.raises(SpillError, match="cannot create spill files in"):
+            memory.array((1 << 20,), "float64")  # 8 MB, over the budget: a spill file
 
 
 def test_home_prefix_is_only_replaced_at_a_folder_boundary(machine: SimpleNamespace) -> None:

@@ -124,8 +124,8 @@ def from_zarr(
     storage_options: dict[str, Any] | None = None,
     allow_incomplete: bool = False,
 ) -> Array:
-    """A lazy array over a Zarr array (format 3 or 2; needs zarr: ``pip install
-    'tierflow[zarr]'``), in blocks of whole chunks along axis 0.
+    """A lazy array over a Zarr array (format 3 or 2; needs zarr: ``pip install -e
+    '.[zarr]'`` in the checkout), in blocks of whole chunks along axis 0.
 
     ``path_or_url``: a folder, or an fsspec URL (``s3://bucket/x.zarr``; with
     ``storage_options`` for the filesystem, such as ``{"endpoint_url": ...}``; needs
@@ -155,7 +155,7 @@ def from_zarr(
 
 def from_hdf5(path: str | os.PathLike[str], dataset: str, rows: int | None = None) -> Array:
     """A lazy array over dataset ``dataset`` of the HDF5 file ``path`` (needs h5py:
-    ``pip install 'tierflow[hdf5]'``), in blocks of ``rows`` rows.
+    ``pip install -e '.[hdf5]'`` in the checkout), in blocks of ``rows`` rows.
 
     Nothing is read but the dataset's metadata. ``rows`` defaults as in
     :func:`from_npy`, rounded to whole chunks along axis 0 for a chunked dataset (so no
@@ -184,7 +184,7 @@ def from_parquet(
     rows: int | None = None,
 ) -> Array:
     """A lazy ``[rows, columns]`` array of ``dtype`` over numeric columns of Parquet files
-    (needs pyarrow: ``pip install 'tierflow[parquet]'``).
+    (needs pyarrow: ``pip install -e '.[parquet]'`` in the checkout).
 
     ``paths_or_glob``: a file, a glob pattern (files in sorted order) or a list of
     files; their rows follow one another. ``columns``: the columns, in this order
@@ -1672,9 +1672,7 @@ def _device(device: str) -> str | None:
         if not ops.has_torch():
             from ..errors import missing_dependency
 
-            raise missing_dependency(
-                "torch", "torch", f"torch tensors for map_blocks(device={device!r})"
-            )
+            raise missing_dependency("torch", "torch", f"map_blocks(device={device!r})")
         found = devices.gpus()
         index = 0 if text == "cuda" else int(text.split(":", 1)[1])
         if not any(d.index == index for d in found):

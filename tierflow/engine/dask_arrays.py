@@ -72,15 +72,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DaskReader", "from_dask", "to_dask"]
 
-_PURPOSE = "tw.from_dask and Array.to_dask"
 
-
-def _dask_array() -> Any:
-    """``dask.array``, or the error that says which extra to install."""
+def _dask_array(purpose: str) -> Any:
+    """``dask.array``, or the error that says ``purpose`` needs the extra."""
     try:
         import dask.array
     except ImportError:
-        raise missing_dependency("dask", "dask", _PURPOSE) from None
+        raise missing_dependency("dask", "dask", purpose) from None
     return dask.array
 
 
@@ -270,7 +268,7 @@ def from_dask(array: Any) -> Array:
     the same graph. Raises :class:`~tierflow.errors.DependencyError` (an ImportError)
     without dask, TypeError for anything that is not a dask array.
     """
-    da = _dask_array()
+    da = _dask_array("tw.from_dask")
     from .array import Array
 
     if not isinstance(array, da.Array):
@@ -400,7 +398,7 @@ def to_dask(array: Array) -> Any:
     counts (``x[m][::-1]``) needs them counted first (``len(x)``), else ValueError.
     Raises :class:`~tierflow.errors.DependencyError` without dask.
     """
-    da = _dask_array()
+    da = _dask_array("x.to_dask()")
     from dask.highlevelgraph import HighLevelGraph
 
     node = _counted(array._node)

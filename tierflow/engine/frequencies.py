@@ -560,7 +560,8 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
     if node.ndim != 1:
         raise ValueError(
             f"object too deep for desired array: np.bincount counts a 1-D array, got shape "
-            f"{_describe_shape(node.shape)}; pass a column (x[:, j]) or x.reshape(-1)"
+            f"{_describe_shape(node.shape)}; count one column (np.bincount(x[:, j])), or "
+            "every element with np.unique(x, return_counts=True)"
         )
     if np.dtype(node.dtype).kind not in "biu":
         raise TypeError(

@@ -13,8 +13,14 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    and ``std`` of a file in one pass, then the standardised file in a second.
 3. **Passes.** In a stage, results over the same blocks form one *pass*: one task per
    block computes all of them from a single read of that block (see
-   :mod:`tierflow.engine.lower`). Blocks whose projected memory exceeds a worker's
-   share of the budget (``budget / (2 x workers)``) are cut into pieces first.
+   :mod:`tierflow.engine.lower`). Block ``j`` of a mask's result is block ``j`` of the
+   array it masks, so the results over every mask of one array (and masks of those)
+   form one pass too: ``tw.compute(x[m1].std(0), x[m2].sum(0))`` reads each block of
+   ``x`` once (:func:`pass_key`), and the results over ``x`` itself join that pass
+   (their roots compute rows ``bounds[j]:bounds[j + 1]`` of ``x`` for block ``j``:
+   :func:`~tierflow.engine.program.own_request`). Blocks whose projected memory
+   exceeds a worker's share of the budget (``budget / (2 x workers)``) are cut into
+   pieces first; an array whose blocks are cut keeps a pass of its own.
 4. **Tasks**, in depth-first order (the scheduler runs the lowest ready index first)::
 
        stage 0:  [block 0] [block 1] ... [block n]   -> [finish mean] [finish std]
@@ -72,6 +78,7 @@ __all__ = [
     "describe",
     "device_bytes",
     "device_steps",
+    "pass_key",
     "task_device",
 ]
 
@@ -197,8 +204,26 @@ def _value_inputs(roots: list[Node]) -> list[Node]:
     return list(found.values())
 
 
+def pass_key(partition: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What the passes of roots over ``partition`` (a node's
+    :meth:`~tierflow.engine.graph.Chunked.partition`) are grouped by: the partition,
+    except that the blocks of a filter (a mask's result) are keyed by the blocks it
+    filters. Block ``j`` of a filter is computed from block ``j`` of its source, so the
+    results over different masks of one array, in one task per block, read each block
+    of it once."""
+    kind, origin = partition[0], partition[1]
+    if kind != "blocks" or not (isinstance(origin, tuple) and origin[:1] == ("filter",)):
+        return partition
+    below = origin[2]  # the filtered node's partition
+    while below[0] == "blocks" and isinstance(below[1], tuple) and below[1][:1] == ("filter",):
+        below = below[1][2]
+    return ("filtered", below)
+
+
 class _Pass:
-    """One pass: roots over the same blocks, and the tasks that compute them."""
+    """One pass: roots over the same blocks, and the tasks that compute them.
+    ``partition`` is its first root's (roots of a pass keyed by :func:`pass_key` have
+    the same count of blocks)."""
 
     def __init__(self, stage: int, partition: Any) -> None:
         self.stage = stage
@@ -246,10 +271,15 @@ def _requests(p: _Pass, program: Program, task_limit: int) -> list[tuple[Request
                 stop = min(start + step, b)
                 append((RowRange(start, stop), stop - start))
         return out
-    root = p.roots()[0]
-    node = root.inputs[0] if isinstance(root, graph.Reduce) else root
-    assert isinstance(node, Chunked)
-    return [(BlockIndex(j), upper_rows(node, j)) for j in range(p.partition[2])]
+    nodes: dict[str, Chunked] = {}
+    for root in p.roots():  # roots over different masks: the most rows any block has
+        node = root.inputs[0] if isinstance(root, graph.Reduce) else root
+        assert isinstance(node, Chunked)
+        nodes.setdefault(node.ident, node)
+    return [
+        (BlockIndex(j), max(upper_rows(n, j) for n in nodes.values()))
+        for j in range(p.partition[2])
+    ]
 
 
 def _check_fits(p: _Pass, program: Program, budget: int) -> None:
@@ -343,9 +373,10 @@ class Planner:
                 avail[key] = level
 
     def _pass_for(self, s: int, partition: Any) -> _Pass:
-        found = self.pass_of.get((s, partition))
+        key = (s, pass_key(partition))
+        found = self.pass_of.get(key)
         if found is None:
-            found = self.pass_of[(s, partition)] = _Pass(s, partition)
+            found = self.pass_of[key] = _Pass(s, partition)
         return found
 
     def passes(self) -> None:
@@ -393,9 +424,9 @@ class Planner:
         for s in range(n_stages):
             self.plan.stage_starts.append(len(self.plan.tasks))
             add_applies(s)
-            stage_passes = [p for p in self.pass_of.values() if p.stage == s]
-            for p in stage_passes:
-                _PassTasks(self, p, const).add()
+            stage_passes = self._stage_passes(s, const)
+            for built in stage_passes:
+                built.add()
             self.plan.passes += len(stage_passes)
         if len(made) < len(applies):
             self.plan.stage_starts.append(len(self.plan.tasks))
@@ -405,6 +436,32 @@ class Planner:
             if len(made) == before:
                 raise RuntimeError("a value depends on itself")
         self.plan.stages = n_stages
+
+    def _stage_passes(self, s: int, const: dict[str, Any]) -> list[_PassTasks]:
+        """The passes of stage ``s``, built, in the order they were found. A pass over an
+        array's own blocks joins the pass over the blocks its masks cut, so that both
+        read each block once (``tw.compute(x.sum(0), x[m].sum(0))``), when the joined
+        pass's whole blocks fit a task's share of the budget: a pass over masked blocks
+        cannot cut them in pieces, and an array's own pass cuts a block that does not
+        fit (see :func:`_requests`)."""
+        keyed = [(key, p) for (stage, key), p in self.pass_of.items() if stage == s]
+        by_key = dict(keyed)
+        joins: dict[Any, _PassTasks] = {}  # masked pass's key -> the pass joined to it
+        for key, p in keyed:
+            own = by_key.get(key[1]) if key[0] == "filtered" else None
+            if own is None:
+                continue
+            both = _Pass(s, p.partition)
+            both.reduces, both.sinks = [*own.reduces, *p.reduces], [*own.sinks, *p.sinks]
+            joined = _PassTasks(self, both, const)
+            if joined.whole_blocks_fit():
+                joins[key] = joined
+        absorbed = {key[1] for key in joins}
+        return [
+            joins[key] if key in joins else _PassTasks(self, p, const)
+            for key, p in keyed
+            if key not in absorbed
+        ]
 
     def outputs(self) -> None:
         """How each target's result is read, and the plan's name."""
@@ -497,13 +554,17 @@ class _PassTasks:
                 p.sinks, p.reduces, values, planner.cache, planner.device
             )
         _check_fits(p, self.program, planner.budget)
-        task_limit = max(1, planner.budget // (TASKS_PER_WORKER * planner.workers))
-        self.requests = _requests(p, self.program, task_limit)
+        self.task_limit = max(1, planner.budget // (TASKS_PER_WORKER * planner.workers))
+        self.requests = _requests(p, self.program, self.task_limit)
         self.program.name, self.program.count = p.label(), len(self.requests)
         self.prepare: int | None = None
         self.blocks: list[int] = []
         self._memories: dict[int, TaskMemory] = {0: TaskMemory()}
         self._device_needs: dict[int, int] = {}
+
+    def whole_blocks_fit(self) -> bool:
+        """Whether every block task projects at most a task's share of the budget."""
+        return all(self.program.memory(rows).total <= self.task_limit for _, rows in self.requests)
 
     def add(self) -> None:
         self.plan.programs.append(self.program)

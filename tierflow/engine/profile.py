@@ -24,13 +24,15 @@ What is recorded
   memory), spills (arrays it made that went to the SSD, and its result moved there by
   the scheduler), cache hits. A task in another process is timed there; its end is when
   the driver received it, its start that less its duration.
-* Every :data:`INTERVAL` seconds, on a sampler thread (:class:`Sample`): this process's
-  resident memory (:mod:`tierflow.system.resident`: RSS, anonymous, file-backed), what
-  tierflow holds per tier (RAM: arrays of ``memory.array`` and the bytes the
-  schedulers admitted, as the budget counts them; SSD: live spill files; GPU: device
-  tasks' bytes and blocks kept there), the RAM budget, the pressure level as last
-  recorded, and the resident memory of the processes executor's worker processes. Dask
-  and Ray workers are not sampled: only the driver is.
+* Every :data:`INTERVAL` seconds, on a sampler thread, and at the end of every compute
+  (:class:`Sample`): this process's resident memory (:mod:`tierflow.system.resident`:
+  RSS, anonymous, file-backed), what tierflow holds per tier (RAM: arrays of
+  ``memory.array`` and the most bytes the schedulers admitted at once since the
+  previous sample, as the budget counts them, so that a compute shorter than the
+  interval still shows; SSD: live spill files; GPU: device tasks' bytes and blocks kept
+  there), the RAM budget, the pressure level as last recorded, and the resident memory
+  of the processes executor's worker processes. Dask and Ray workers are not sampled:
+  only the driver is.
 * Every compute (:class:`ComputeRecord`): what it computed, its executor and workers,
   its plan (stages, passes, :func:`~tierflow.engine.plan.describe`), its peak, spills,
   halvings and error.
@@ -113,7 +115,8 @@ class Sample:
 
     ``rss``, ``anon`` and ``file``: this process's resident memory
     (:mod:`tierflow.system.resident`); ``ram``, ``ssd``, ``gpu``: what tierflow holds
-    there; ``budget``: the RAM budget; ``level``: the pressure level's name;
+    there (in RAM, what the schedulers admitted is the most at once since the previous
+    sample); ``budget``: the RAM budget; ``level``: the pressure level's name;
     ``workers_rss``: the resident memory of the worker processes of a processes
     executor (0 for others)."""
 
@@ -353,7 +356,7 @@ class Profile:
             mine.rss,
             mine.anon,
             mine.file,
-            placement.ram_held() + ledger.admitted,
+            placement.ram_held() + ledger.most_since(self),
             sum(f.nbytes for f in spill.live_files()),
             gpu,
             budget_module.budget_bytes(),
@@ -382,6 +385,7 @@ class Profile:
             if self._users > 1:
                 return
             self._stop.clear()
+            budget_module.ledger.watch(self)
             self.sample_quietly()
             self._thread = threading.Thread(
                 target=self._sampling, name="tierflow-profile-sampler", daemon=True
@@ -399,6 +403,9 @@ class Profile:
         if thread is not None:
             thread.join()
         self.sample_quietly()
+        with self._lock:
+            if self._users == 0:  # not started again meanwhile
+                budget_module.ledger.unwatch(self)
 
     def __enter__(self) -> Profile:
         self.start()

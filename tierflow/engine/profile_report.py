@@ -22,6 +22,7 @@ import base64
 import html
 import io
 import os
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -166,7 +167,7 @@ def _matplotlib() -> Any:
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError:
-        raise missing_dependency("matplotlib", "plot", "profile pictures") from None
+        raise missing_dependency("matplotlib", "plot", "a profile picture") from None
     return matplotlib, Figure
 
 
@@ -321,19 +322,29 @@ def _img(data: bytes) -> str:
     )
 
 
+def _picture(p: Profile) -> tuple[str, str | None]:
+    """The picture as an inline ``<img>``, and None; without matplotlib, a paragraph that
+    says why there is none, and that reason."""
+    try:
+        return _img(png(p)), None
+    except ImportError as exc:  # no matplotlib: the figures alone, and why
+        reason = str(exc)
+        return f"<p id='tierflow-profile-no-plot'>No picture: {html.escape(reason)}</p>", reason
+
+
 def html_fragment(p: Profile) -> str:
     """The notebook view: the picture (an inline PNG) and the summary table."""
-    try:
-        picture = _img(png(p))
-    except ImportError as exc:  # no matplotlib: the figures alone, and why
-        picture = f"<p>{html.escape(str(exc))}</p>"
+    picture, _ = _picture(p)
     return f"<div class='tierflow-profile'>{picture}{_table(summarize(p).rows())}</div>"
 
 
 def save(p: Profile, path: Any) -> str:
-    """Write ``p`` as one self-contained HTML file at ``path``; its absolute path."""
+    """Write ``p`` as one self-contained HTML file at ``path``; its absolute path.
+
+    Without matplotlib the file has the figures and the plans but no picture; it says
+    why, and so does a :class:`UserWarning`."""
     path = os.path.abspath(os.fspath(path))
-    data = png(p)
+    picture, missing = _picture(p)
     plans = "".join(
         f"<h3>compute {c.number}: {html.escape(c.what)}</h3>"
         f"<p>{html.escape(c.executor)} executor, {c.workers} worker(s), budget "
@@ -345,13 +356,15 @@ def save(p: Profile, path: Any) -> str:
     document = (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>tierflow profile</title>"
         "<style>body{margin:0;font-family:sans-serif;background:#fff;color:#222}"
-        "img{display:block}main{padding:8px 16px}pre{font-size:12px;background:#f6f6f6;"
+        "img{display:block}main,body>p{padding:8px 16px}pre{font-size:12px;background:#f6f6f6;"
         "padding:6px;overflow-x:auto}</style></head><body>"
-        f"{_img(data)}<main><h2>Summary</h2>{_table(summarize(p).rows())}"
+        f"{picture}<main><h2>Summary</h2>{_table(summarize(p).rows())}"
         f"<h2>Plans</h2>{plans}</main></body></html>\n"
     )
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(document)
     os.replace(tmp, path)
+    if missing is not None:
+        warnings.warn(f"the profile at {path} has no picture: {missing}", stacklevel=3)
     return path

@@ -18,7 +18,9 @@ used twice in a block is computed once. Requests are typed:
 * :class:`RowRange` ``(start, stop)``: rows ``start:stop`` of a node whose row counts
   are known (any range can be computed: every step maps rows to rows);
 * :class:`BlockIndex` ``(index)``: block ``index`` of a node whose row counts are
-  unknown until computed (after a mask, files of varying rows).
+  unknown until computed (after a mask, files of varying rows). A pass that joins the
+  results over an array to those over its masks asks by index; a root over the array
+  itself computes that block's rows of it (:func:`own_request`).
 
 In the driver's threads :meth:`Program.run` computes a block and adds the reductions'
 partials to their accumulators. In a worker process :meth:`Program.run_remote` returns
@@ -69,6 +71,7 @@ __all__ = [
     "SharedBlock",
     "SinkRoot",
     "Step",
+    "own_request",
 ]
 
 
@@ -461,6 +464,16 @@ def _block_request(node: Chunked, j: int) -> Request:
     return BlockIndex(j)
 
 
+def own_request(node: Chunked, req: Request) -> Request:
+    """What a root over ``node`` computes for a task's ``req``. A pass over the blocks
+    masks cut asks by index (``BlockIndex(j)``); a root in it over the masked array
+    itself, whose rows are known, computes its block ``j``, rows ``bounds[j]:bounds[j +
+    1]`` (see :func:`tierflow.engine.plan.pass_key`)."""
+    if isinstance(req, BlockIndex) and node.bounds is not None:
+        return RowRange(node.bounds[req.index], node.bounds[req.index + 1])
+    return req
+
+
 class FilterStep(Step):
     node: graph.Filter
 
@@ -829,10 +842,14 @@ class ReduceRoot:
     derived_from: tuple[Any, Any] | None = None
     label: str = field(init=False)
     site: halving.Site = field(init=False)
+    reduced: Chunked = field(init=False)  # the array it reduces: its requests name its rows
 
     def __post_init__(self) -> None:
         if self.chunker is None:
             self.chunker = self.op
+        reduced = self.node.inputs[0]
+        assert isinstance(reduced, Chunked)
+        self.reduced = reduced
         self.label = self.node.label()
         self.site = halving.Site(self.node.ident, self.label)
 
@@ -845,6 +862,7 @@ class ReduceRoot:
 
     def run(self, ctx: Context, req: Request) -> Any:
         """This block's partial result, or :data:`SKIPPED` when it is not needed."""
+        req = own_request(self.reduced, req)
         acc = self.acc
         if acc is not None and acc.complete_through is not None and acc.skip(ctx.index):
             return SKIPPED
@@ -912,7 +930,9 @@ class ReduceRoot:
 
     def cached(self, req: Request) -> bool:
         """Whether this block's partial is in the cache (then it reads no input)."""
-        return self.cache is not None and bool(self.cache.has_partial(req))
+        return self.cache is not None and bool(
+            self.cache.has_partial(own_request(self.reduced, req))
+        )
 
     def memory(self, rows: int) -> TaskMemory:
         return TaskMemory(temps=int(self.chunker.temp_bytes(rows)) + int(self.op.partial_bytes()))
@@ -996,6 +1016,7 @@ class SinkRoot:
         return state
 
     def run(self, ctx: Context, req: Request) -> Any:
+        req = own_request(self.node, req)
         if isinstance(req, RowRange) and self.sink.known:
             a, b = req.start, req.stop
             dest = self.sink.dest(a, b)
@@ -1016,6 +1037,7 @@ class SinkRoot:
         """In a worker: write known rows to the sink's place, else return the block (by
         value, or when ``shared`` is a path stem in the shared folder, as a
         :class:`SharedBlock` file there when it is bigger than :data:`SHARED_MIN`)."""
+        req = own_request(self.node, req)
         place = getattr(self, "place", None)
         if place is not None and isinstance(req, RowRange):
             place.write(req.start, self.step.eval(ctx, req))
@@ -1029,6 +1051,7 @@ class SinkRoot:
         """In the driver: place a block a worker returned; the held block, if any."""
         if isinstance(block, SharedBlock):
             block = block.take()
+        req = own_request(self.node, req)
         if block is None or not (isinstance(req, RowRange) and self.sink.known):
             return block
         a, b = req.start, req.stop
@@ -1195,14 +1218,14 @@ class Program:
         storage to fetch its rows (none for what the cache holds; ``remote``: files
         only, the task runs in another process)."""
         seen = set()
-        roots = [s.step for s in self.sinks] + [
-            i
+        roots = [(s.step, own_request(s.node, req)) for s in self.sinks] + [
+            (i, own_request(r.reduced, req))
             for r in self.reductions
             if not r.cached(req) and not getattr(r.op, "idle", False)
             for i in r.inputs
         ]
-        for root in roots:
-            for reader, a, b in root.sources(req):
+        for root, asked in roots:
+            for reader, a, b in root.sources(asked):
                 if (id(reader), a, b) not in seen and (reader.file_backed or not remote):
                     seen.add((id(reader), a, b))
                     reader.readahead(a, b)

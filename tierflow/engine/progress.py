@@ -88,6 +88,6 @@ def progress_callbacks(progress: bool | None) -> list[Any]:
         _tqdm()
     except ImportError:
         if progress:
-            raise missing_dependency("tqdm", "progress", "progress bars") from None
+            raise missing_dependency("tqdm", "progress", "a progress bar") from None
         return []
     return [ProgressBar(0.0 if progress else DELAY)]

@@ -121,7 +121,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise missing_dependency("torch", "torch", "operators on a GPU") from None
+        raise missing_dependency("torch", "torch", "running operators on a GPU") from None
     return torch
 
 

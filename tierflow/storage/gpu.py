@@ -87,7 +87,7 @@ class TorchBackend:
         try:
             import torch
         except ImportError:
-            raise missing_dependency("torch", "torch", "arrays on a GPU") from None
+            raise missing_dependency("torch", "torch", "an array on a GPU") from None
         self._torch = torch
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any], index: int) -> Any:
@@ -117,7 +117,7 @@ class CupyBackend:
         try:
             import cupy
         except ImportError:
-            raise missing_dependency("cupy", "cupy", "arrays on a GPU") from None
+            raise missing_dependency("cupy", "cupy", "an array on a GPU") from None
         self._cupy = cupy
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any], index: int) -> Any:

@@ -203,7 +203,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise missing_dependency("torch", "torch", "disk-backed torch tensors") from exc
+        raise missing_dependency("torch", "torch", "a disk-backed torch tensor") from exc
     return torch
 
 

@@ -153,6 +153,11 @@ class Ledger:
     of ``held`` (:meth:`hold`, :meth:`drop`). Every method takes ``_lock`` once: a
     scheduler calls two of them per task. ``peak`` is the most ever admitted at once
     (:meth:`reset_peak` starts it again; tests read it).
+
+    A sampler that reads what is admitted now and then misses what a task held between
+    two readings: a compute shorter than the interval would read as nothing. A reader
+    that :meth:`watch` es gets, from :meth:`most_since`, the most admitted at once since
+    its previous reading instead.
     """
 
     def __init__(self) -> None:
@@ -162,6 +167,7 @@ class Ledger:
         self.running = 0  # _lock
         self.held = 0  # _lock
         self.peak = 0  # _lock
+        self._marks: dict[object, int] = {}  # watching reader -> most since it read; _lock
 
     @property
     def admitted(self) -> int:
@@ -177,17 +183,14 @@ class Ledger:
             if total > room and not (alone and self.running == 0):
                 return False
             self.running += nbytes
-            if total > self.peak:
-                self.peak = total
+            self._reached(total)
             return True
 
     def force(self, nbytes: int) -> None:
         """Reserve ``nbytes`` for a task whatever is admitted already."""
         with self._lock:
             self.running += nbytes
-            total = self.running + self.held
-            if total > self.peak:
-                self.peak = total
+            self._reached(self.running + self.held)
 
     def finish(self, nbytes: int) -> None:
         """Give back the ``nbytes`` a finished (or dropped) task reserved."""
@@ -200,9 +203,7 @@ class Ledger:
         """Count ``nbytes`` of a result kept for the tasks that take it."""
         with self._lock:
             self.held += nbytes
-            total = self.running + self.held
-            if total > self.peak:
-                self.peak = total
+            self._reached(self.running + self.held)
 
     def drop(self, nbytes: int) -> None:
         """Stop counting ``nbytes`` of held results (released, or spilled to the SSD)."""
@@ -227,6 +228,38 @@ class Ledger:
         """Start :attr:`peak` again from what is admitted now."""
         with self._lock:
             self.peak = self.running + self.held
+
+    def _reached(self, total: int) -> None:
+        """``total`` bytes are admitted now: raise the peak and the readers' marks.
+        Caller holds ``_lock``."""
+        if total > self.peak:
+            self.peak = total
+        for reader, most in self._marks.items():  # values change, not keys: safe
+            if total > most:
+                self._marks[reader] = total
+
+    def watch(self, reader: object) -> None:
+        """Keep, for ``reader``, the most admitted at once between its readings (until
+        :meth:`unwatch`)."""
+        with self._lock:
+            self._marks[reader] = self.running + self.held
+
+    def unwatch(self, reader: object) -> None:
+        """Stop keeping ``reader``'s mark."""
+        with self._lock:
+            self._marks.pop(reader, None)
+
+    def most_since(self, reader: object) -> int:
+        """The most bytes admitted at once since ``reader``'s previous reading (or its
+        :meth:`watch`), what is admitted now included; the next interval starts now.
+        For a reader that does not watch: what is admitted now."""
+        with self._lock:
+            now = self.running + self.held
+            most = self._marks.get(reader)
+            if most is None:
+                return now
+            self._marks[reader] = now
+            return max(most, now)
 
 
 ledger = Ledger()  # the process's; every scheduler run admits through it

@@ -10,7 +10,11 @@
 - budget: the RAM tierflow's big arrays and blocks may use (:func:`~tierflow.system.budget.budget_bytes`);
 - swap: swap in use on the machine;
 - SSD: free space of the filesystem of the spill folder (``spill_dir`` setting), measured
-  at its nearest existing parent when it is not created yet;
+  at its nearest existing parent when it is not created yet. A spill folder that cannot
+  be written (or created) is shown as such, e.g. ``SSD: cannot write /proc/spill (No
+  such file or directory), nothing can spill``, and :func:`status` warns
+  (:class:`SpillFolderWarning`): tierflow has no other place to spill, so an array or a
+  block that does not fit the RAM budget raises :class:`~tierflow.errors.SpillError`;
 - cores this process may use and the 1-minute load average;
 - each GPU's free and total memory (:func:`tierflow.system.devices.gpus`), and as a
   tier (:mod:`tierflow.system.device_budget`): its budget, what tierflow's running
@@ -25,6 +29,8 @@ from __future__ import annotations
 import html
 import os
 import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +42,13 @@ from . import budget, device_budget, devices, limits
 from .device_budget import DeviceBudget
 from .devices import Device
 
-__all__ = ["Status", "status"]
+__all__ = ["SpillFolderWarning", "Status", "status"]
 
 GB = config.GB
+
+
+class SpillFolderWarning(UserWarning):
+    """The spill folder cannot be written: nothing can spill to the SSD."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,8 @@ class Status:
     ``load_1m`` the 1-minute load average (None where the system has none); ``gpus`` one
     :class:`~tierflow.system.devices.Device` per GPU, and ``gpu_budgets`` one
     :class:`~tierflow.system.device_budget.DeviceBudget` per GPU (its budget, what
-    tierflow holds there, its level).
+    tierflow holds there, its level). ``spill_problem`` says why spill files cannot be
+    made in ``spill_dir`` (None when they can).
     """
 
     ram_free: int
@@ -69,6 +80,13 @@ class Status:
     load_1m: float | None
     gpus: tuple[Device, ...] = ()
     gpu_budgets: tuple[DeviceBudget, ...] = ()
+    spill_problem: str | None = None
+
+    def _ssd_text(self) -> str:
+        where = _home_short(self.spill_dir)
+        if self.spill_problem is not None:
+            return f"SSD: cannot write {where} ({self.spill_problem}), nothing can spill"
+        return f"SSD {_ssd_gb(self.ssd_free)} GB free at {where}"
 
     def _gpu_text(self, d: Device) -> str:
         text = f"{d.id} {d.free / GB:.1f}/{d.total / GB:.1f} GB free"
@@ -88,7 +106,7 @@ class Status:
             f"RAM {self.ram_free / GB:.1f}/{self.ram_usable / GB:.1f} GB free "
             f"(this program {self.rss / GB:.2f} GB, budget {_budget_text(self.budget)})",
             f"swap {self.swap_used / GB:.1f} GB",
-            f"SSD {_ssd_gb(self.ssd_free)} GB free at {_home_short(self.spill_dir)}",
+            self._ssd_text(),
             f"{cores}, load {load}",
             gpus or "no GPU",
         ]
@@ -111,6 +129,7 @@ class Status:
             "ssd_free": self.ssd_free,
             "spill_dir": self.spill_dir,
             "ssd_path": self.ssd_path,
+            "spill_problem": self.spill_problem,
             "cores": self.cores,
             "load_1m": self.load_1m,
             "gpus": [d.as_dict() for d in self.gpus],
@@ -126,7 +145,11 @@ class Status:
             ("this program", f"{self.rss / GB:.2f} GB", "resident set size"),
             ("budget", _budget_text(self.budget), "RAM tierflow's arrays and blocks may use"),
             ("swap used", f"{self.swap_used / GB:.1f} GB", ""),
-            ("SSD free", f"{_ssd_gb(self.ssd_free)} GB", _home_short(self.spill_dir)),
+            (
+                ("SSD free", f"{_ssd_gb(self.ssd_free)} GB", _home_short(self.spill_dir))
+                if self.spill_problem is None
+                else ("SSD", "cannot spill", f"{_home_short(self.spill_dir)}: {self.spill_problem}")
+            ),
             ("CPU", f"{self.cores} cores", f"load {load}"),
         ]
         rows += [(d.id, f"{d.free / GB:.1f} of {d.total / GB:.1f} GB", d.name) for d in self.gpus]
@@ -155,7 +178,9 @@ def status(root: str | None = None) -> Status:
     ``root`` is where ``/proc`` and ``/sys/fs/cgroup`` are read (default: the
     ``proc_root`` setting). Reading the budget fixes the default budget if it was not
     fixed yet (see :func:`~tierflow.system.budget.budget`). Raises ``ConfigError`` for a
-    malformed ``TIERFLOW_RAM_BUDGET``; unreadable system files do not raise.
+    malformed ``TIERFLOW_RAM_BUDGET``; unreadable system files do not raise. Warns
+    (:class:`SpillFolderWarning`) when spill files cannot be made in the spill folder:
+    it tries, making and removing an empty folder where tierflow would make its first.
 
     >>> print(status())  # doctest: +SKIP
     RAM 7.3/7.8 GB free (this program 0.04 GB, budget 5.1 GB) | swap 0.0 GB | ...
@@ -164,6 +189,17 @@ def status(root: str | None = None) -> Status:
     found = devices.gpus()
     spill_dir = os.path.abspath(os.path.expanduser(config.get("spill_dir")))
     ssd_path = _existing_parent(spill_dir)
+    problem = _spill_problem(ssd_path)
+    if problem is not None:
+        warnings.warn(
+            SpillFolderWarning(
+                f"spill files cannot be made in {spill_dir} ({problem}). tierflow has no "
+                "other place to spill: an array or a block that does not fit the RAM budget "
+                "raises SpillError. Point TIERFLOW_SPILL_DIR (setting spill_dir) at a "
+                "writable folder on a local disk"
+            ),
+            stacklevel=2,
+        )
     try:
         load: float | None = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this system
@@ -182,7 +218,22 @@ def status(root: str | None = None) -> Status:
         load_1m=load,
         gpus=tuple(found),
         gpu_budgets=tuple(device_budget.device_budgets(found)),
+        spill_problem=problem,
     )
+
+
+def _spill_problem(existing: str) -> str | None:
+    """Why no folder can be made in ``existing`` (the spill folder, or its nearest
+    existing parent: where tierflow makes its first folder), None when one can. It
+    tries: permissions do not tell root's case, nor a read-only or special filesystem."""
+    if not os.path.isdir(existing):
+        return f"{existing} is not a folder"
+    try:
+        probe = tempfile.mkdtemp(prefix=".tierflow-probe-", dir=existing)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.rmdir(probe)
+    return None
 
 
 def _existing_parent(path: str) -> str:

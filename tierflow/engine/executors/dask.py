@@ -43,7 +43,7 @@ from concurrent.futures import CancelledError
 from time import perf_counter
 from typing import Any
 
-from ...errors import TierflowError
+from ...errors import TierflowError, missing_dependency
 from .cluster import (
     ClusterExecutor,
     Death,
@@ -76,10 +76,8 @@ def current_client() -> Any:
 def _client(client: Any) -> Any:
     try:
         import distributed
-    except ImportError as exc:  # pragma: no cover - the extra is in the test environment
-        raise ImportError(
-            "executor='dask' needs Dask distributed: pip install 'tierflow[dask]'"
-        ) from exc
+    except ImportError:
+        raise missing_dependency("distributed", "dask", "executor='dask'") from None
     if client is not None:
         return client
     try:

@@ -25,6 +25,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 from ... import config
+from ...errors import missing_dependency
 from . import cluster
 from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_pack
 
@@ -36,8 +37,8 @@ log = logging.getLogger("tierflow.engine")
 def _ray() -> Any:
     try:
         import ray
-    except ImportError as exc:  # pragma: no cover - the extra is in the test environment
-        raise ImportError("executor='ray' needs Ray: pip install 'tierflow[ray]'") from exc
+    except ImportError:
+        raise missing_dependency("ray", "ray", "executor='ray'") from None
     return ray
 
 

@@ -498,7 +498,7 @@ def _as_tensor(arr: np.ndarray, meta: Meta) -> Any:
     try:
         import torch
     except ImportError:
-        raise missing_dependency("torch", "torch", "tensors read from a store") from None
+        raise missing_dependency("torch", "torch", "a tensor read from a store") from None
     info = meta.torch or {}
     dtype = getattr(torch, str(info.get("dtype")), None)
     if not isinstance(dtype, torch.dtype):
