@@ -1010,13 +1010,14 @@ class Array:
 
     # -- reductions -------------------------------------------------------------------
 
-    def _reduce(
+    def _reduce(  # noqa: PLR0913 -- NumPy's reduction keywords
         self,
         kind: str,
         axis: Any = None,
         keepdims: bool = False,
         dtype: Any = None,
         ddof: float = 0,
+        initial: Any = np._NoValue,
     ) -> Array:
         node = self._node
         _check_meta(node)
@@ -1026,16 +1027,15 @@ class Array:
                 kwargs["dtype"] = dtype
             if ddof:
                 kwargs["ddof"] = ddof
+            if initial is not np._NoValue:
+                kwargs["initial"] = initial
             return _value_apply(_reduce_value(kind), node, name=kind, **kwargs)
         assert isinstance(node, Chunked)
-        op = red.reduction(
-            kind, node.dtype, node.row_shape, axis=axis, keepdims=keepdims, dtype=dtype, ddof=ddof
-        )
+        options = specs.ReduceOptions(kind, axis, keepdims, dtype, ddof, initial)
+        op = options.build(node.dtype, node.row_shape)
         if isinstance(op, red.RowwiseReduction):
-            return _wrap(
-                graph.BlockMap(specs.RowwiseSpec(kind, axis, keepdims, dtype, ddof), (node,))
-            )
-        spec = specs.KindSpec(kind, axis, keepdims, dtype, ddof)
+            return _wrap(graph.BlockMap(specs.RowwiseSpec(options), (node,)))
+        spec = specs.KindSpec(options)
         reduce = graph.Reduce(spec, (node,))
         if spec.needs_offset and node.n_rows is None:
             # Each block's first row is known once the rows are counted.
@@ -1044,13 +1044,28 @@ class Array:
             return _defer_method(node, "_reduce", args, meta, spec.label(), rows=False)
         return _wrap(reduce)
 
-    def sum(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
-        """Sum over ``axis`` (None: all). Float data accumulates in float64."""
-        return self._reduce("sum", axis, keepdims, dtype)
+    def sum(
+        self,
+        axis: Any = None,
+        dtype: Any = None,
+        keepdims: bool = False,
+        *,
+        initial: Any = np._NoValue,
+    ) -> Array:
+        """Sum over ``axis`` (None: all), from ``initial``. Float data accumulates in
+        float64."""
+        return self._reduce("sum", axis, keepdims, dtype, initial=initial)
 
-    def prod(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
-        """Product over ``axis``."""
-        return self._reduce("prod", axis, keepdims, dtype)
+    def prod(
+        self,
+        axis: Any = None,
+        dtype: Any = None,
+        keepdims: bool = False,
+        *,
+        initial: Any = np._NoValue,
+    ) -> Array:
+        """Product over ``axis``, from ``initial``."""
+        return self._reduce("prod", axis, keepdims, dtype, initial=initial)
 
     def mean(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
         """Mean over ``axis``."""
@@ -1068,13 +1083,15 @@ class Array:
         """Standard deviation over ``axis``."""
         return self._reduce("std", axis, keepdims, dtype, ddof)
 
-    def min(self, axis: Any = None, keepdims: bool = False) -> Array:
-        """Minimum over ``axis``."""
-        return self._reduce("min", axis, keepdims)
+    def min(self, axis: Any = None, keepdims: bool = False, *, initial: Any = np._NoValue) -> Array:
+        """Minimum over ``axis``; ``initial`` is the largest value it can be (and the
+        result over no rows)."""
+        return self._reduce("min", axis, keepdims, initial=initial)
 
-    def max(self, axis: Any = None, keepdims: bool = False) -> Array:
-        """Maximum over ``axis``."""
-        return self._reduce("max", axis, keepdims)
+    def max(self, axis: Any = None, keepdims: bool = False, *, initial: Any = np._NoValue) -> Array:
+        """Maximum over ``axis``; ``initial`` is the smallest value it can be (and the
+        result over no rows)."""
+        return self._reduce("max", axis, keepdims, initial=initial)
 
     def any(self, axis: Any = None, keepdims: bool = False) -> Array:
         """Whether any element is true, over ``axis``."""

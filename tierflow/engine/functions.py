@@ -259,9 +259,7 @@ def _reduction_function(kind: str) -> Callable[..., Any]:
             raise TypeError(f"np.{kind}(..., out=...) is not supported on lazy arrays")
         keep = bool(keepdims) if keepdims is not np._NoValue else False
         kw.pop("where", None) if kw.get("where", True) is True else _no_where(kind)
-        kw.pop("initial", None) if kw.get("initial", np._NoValue) is np._NoValue else _no_initial(
-            kind
-        )
+        initial = kw.pop("initial", np._NoValue)
         ddof = kw.pop("ddof", 0)
         kw.pop("mean", None)
         kw.pop("correction", None)
@@ -271,8 +269,8 @@ def _reduction_function(kind: str) -> Callable[..., Any]:
         if kind in ("min", "max", "any", "all", "argmin", "argmax", "count_nonzero"):
             if dtype is not None:
                 raise TypeError(f"{kind} takes no dtype argument")
-            return array._reduce(kind, axis, keep)
-        return array._reduce(kind, axis, keep, dtype, ddof)
+            return array._reduce(kind, axis, keep, initial=initial)
+        return array._reduce(kind, axis, keep, dtype, ddof, initial=initial)
 
     return handler
 
@@ -281,10 +279,6 @@ def _no_where(kind: str) -> None:
     raise TypeError(
         f"np.{kind}(..., where=...) is not supported on lazy arrays; use tw.where first"
     )
-
-
-def _no_initial(kind: str) -> None:
-    raise TypeError(f"np.{kind}(..., initial=...) is not supported on lazy arrays")
 
 
 def _arg_function(kind: str) -> Callable[..., Any]:

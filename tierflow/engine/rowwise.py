@@ -276,7 +276,7 @@ def _vector_norm(values: Array, ord: Any, axis: int, keepdims: bool) -> Array:
         raise ValueError(f"Invalid norm order '{ord}' for vectors")
     magnitude = _lazy(np.abs, values)
     if ord == np.inf:
-        return magnitude.max(axis=axis, keepdims=keepdims)
+        return magnitude.max(axis=axis, keepdims=keepdims, initial=0)
     if ord == -np.inf:
         return magnitude.min(axis=axis, keepdims=keepdims)
     if ord == 0:
@@ -444,9 +444,20 @@ def _einsum_over_rows(
         n_inputs=len(chunked), out_dtype=out_dtype, out_shape=probe.shape,
         partial_bytes=max(1, probe.size) * acc.itemsize + 64, name="einsum",
     )  # fmt: skip
-    finish = functools.partial(_cast_result, out_dtype)
+    empty = tuple(np.zeros((0, *n.row_shape), n.dtype) for n in chunked)
+    finish = functools.partial(_einsum_result, out_dtype, chunk, empty)
     op = red.Reduction(chunk, np.add, finish, options)
     return _wrap(graph.Reduce(specs.UserSpec(op, (chunk, np.add, finish)), chunked))
+
+
+def _einsum_result(
+    dtype: np.dtype, chunk: Callable[..., Any], empty: tuple[np.ndarray, ...], partial: Any
+) -> Any:
+    """The einsum's result from the sum of its blocks' einsums; over no rows (no block,
+    no partial), NumPy's einsum of the operands without rows: zeros."""
+    if partial is None:
+        partial = chunk(*empty)
+    return _cast_result(dtype, partial)
 
 
 def _cast_result(dtype: np.dtype, partial: Any) -> Any:
@@ -554,31 +565,18 @@ def _nan_extreme(  # noqa: PLR0913 -- NumPy's signature
 ) -> Any:
     _no_extras(name, out, initial=initial, where=where)
     keep = _keep(keepdims)
-    array, floats, over_rows = _nan_setup(name, a, axis)
+    array, _, over_rows = _nan_setup(name, a, axis)
     fn = np.nanmin if name == "nanmin" else np.nanmax
     if not over_rows:
         return _within_rows(name, fn, array, axis=axis, keepdims=keep)
-    if not floats:
-        return array.min(axis, keep) if name == "nanmin" else array.max(axis, keep)
-    missing = _lazy(np.isnan, array)
-    filled = _fill(array, missing, np.inf if name == "nanmin" else -np.inf)
-    extreme = filled.min(axis, keep) if name == "nanmin" else filled.max(axis, keep)
-    seen = (~missing).any(axis=axis, keepdims=keep)
-    return _in_memory(_finish_extreme, name, extreme, seen)
+    # np.fmin / np.fmax over the rows, as NumPy runs them (its errors over no rows too)
+    return array._reduce(name, axis, keep)
 
 
 def _fill(array: Array, missing: Array, value: Any) -> Array:
     from .functions import where
 
     return where(missing, np.asarray(value, array.dtype), array)
-
-
-def _finish_extreme(extreme: Any, seen: Any) -> Any:
-    extreme, seen = np.asarray(extreme), np.asarray(seen)
-    if not seen.all():
-        warnings.warn("All-NaN slice encountered", RuntimeWarning, stacklevel=2)
-        extreme = np.where(seen, extreme, np.asarray(np.nan, extreme.dtype))
-    return _scalar_or_array(np.asarray(extreme))
 
 
 def nanargmin(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = np._NoValue) -> Any:
