@@ -333,6 +333,15 @@ def _describe_shape(shape: tuple[int | None, ...]) -> str:
     )
 
 
+def _shape_only(node: Any) -> np.ndarray:
+    """An array of ``node``'s dtype and shape that holds no data (one element, every
+    stride 0; an unknown row count stands as one row). NumPy's own checks of the
+    arguments of a function that makes a view, or fails before it computes, run on it
+    at no cost whatever the size, and raise NumPy's error with NumPy's message."""
+    shape = tuple(1 if n is None else n for n in _shape_of(node))
+    return np.broadcast_to(np.empty((), np.dtype(node.dtype)), shape)
+
+
 class _NeedsCount(ValueError):
     """Operands line up only once their rows are counted (see :func:`_deferred`)."""
 
@@ -442,6 +451,11 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
         shape = _result_shape(nodes)
     except _NeedsCount:
         return _deferred_elementwise(op, nodes)
+    except ValueError:
+        if all(None not in _shape_of(n) for n in nodes if isinstance(n, Node)):
+            # NumPy's own error (its message, its shapes), raised before it computes
+            op.apply(*(_shape_only(n) if isinstance(n, (Node, np.ndarray)) else n for n in nodes))
+        raise
     aligned = _align(nodes, shape)
     if any(isinstance(a, Chunked) for a in aligned):
         return _wrap(graph.Elementwise(op, tuple(aligned)))
@@ -964,9 +978,11 @@ class Array:
         return _elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
 
     def clip(self, min: Any = None, max: Any = None) -> Array:
-        """``np.clip(x, min, max)``; one bound may be None."""
+        """``np.clip(x, min, max)``; either bound may be None (both: ``x``, where the
+        installed NumPy allows it)."""
         if min is None and max is None:
-            raise ValueError("One of max or min must be given")
+            np.clip(np.empty(0, self.dtype), None, None)  # NumPy's error, where it has one
+            return self
         bounds = [b for b in (min, max) if b is not None]
         op = ElemOp("clip", has_lo=min is not None, has_hi=max is not None)
         return _elementwise(op, self, *bounds)
@@ -1155,6 +1171,8 @@ class Array:
         ``combine(a, b)`` merges two (associative; must not modify them),
         ``aggregate(p)`` finishes (the partial itself when omitted).
 
+        ``chunk`` sees every block, also one a mask left without rows; over an array
+        without any row, the result is ``aggregate(chunk(empty block))``.
         ``with_offset=True`` passes each block's first row as ``chunk(block, offset)``;
         ``commutative=False`` merges only neighbouring blocks, left before right.
         ``dtype`` and ``shape`` describe the result so it can be used in further
@@ -1329,6 +1347,10 @@ class Array:
         if isinstance(node, Value):
             return _value_apply(np.reshape, node, dims, name="reshape")
         assert isinstance(node, Chunked)
+        if node.n_rows is not None:
+            _shape_only(node).reshape(dims)  # NumPy's errors: sizes, unknown dimensions
+        elif sum(d < 0 for d in dims) > 1:
+            raise ValueError("can only specify one unknown dimension")
         if not dims:
             raise ValueError("reshape must keep the row axis")
         row_size = math.prod(node.row_shape)

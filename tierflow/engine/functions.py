@@ -25,6 +25,8 @@ from .array import (
     _NeedsCount,
     _node_of,
     _result_shape,
+    _shape_of,
+    _shape_only,
     _value_apply,
     _wrap,
     from_array,
@@ -34,8 +36,9 @@ from .graph import Chunked, ElemOp, Value
 __all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
 
 
-def _contract_later(left: Any, right: Any) -> Array:
-    """``left @ right``, a product over rows that are unknown until counted."""
+def _contract_later(left: Any, right: Any, numpy_fn: Callable[..., Any]) -> Array:
+    """``left @ right``, a product over rows that are unknown until counted (NumPy's
+    errors are ``numpy_fn``'s)."""
     inputs = [n for n in (left, right) if isinstance(n, graph.Node)]
 
     def placeholder(n: Any, other: Any, side: str) -> Any:
@@ -57,6 +60,7 @@ def _contract_later(left: Any, right: Any) -> Array:
             matmul(
                 lookup(left) if isinstance(left, graph.Node) else left,
                 lookup(right) if isinstance(right, graph.Node) else right,
+                numpy_fn,
             )._node
         ),
         (result.dtype, result.shape),
@@ -66,12 +70,27 @@ def _contract_later(left: Any, right: Any) -> Array:
     )
 
 
-def matmul(a: Any, b: Any) -> Array:
+def _numpy_core_check(numpy_fn: Callable[..., Any], left: Any, right: Any) -> None:
+    """NumPy's error (``numpy_fn``'s type and message) for operands whose contracted
+    axes differ, when their shapes are known: raised by NumPy on data-less stand-ins,
+    before it computes anything."""
+    shapes = [_shape_of(n) for n in (left, right)]
+    if any(None in s or not s for s in shapes):
+        return  # unknown rows: compared once counted; scalars: NumPy's error below
+    a, b = shapes
+    if a[-1] != (b[0] if len(b) == 1 else b[-2]):
+        numpy_fn(*(_shape_only(n) if isinstance(n, graph.Node) else n for n in (left, right)))
+
+
+def matmul(a: Any, b: Any, numpy_fn: Callable[..., Any] = np.matmul) -> Array:
+    """``a @ b`` (``np.matmul``; ``np.dot`` passes itself as ``numpy_fn`` for its own
+    errors) of lazy operands, as a block operation or a reduction over the rows."""
     left, right = _node_of(a), _node_of(b)
+    _numpy_core_check(numpy_fn, left, right)
     unknown_left = isinstance(left, Chunked) and left.n_rows is None
     unknown_right = isinstance(right, Chunked) and right.n_rows is None
     if (unknown_left and left.ndim == 1) or (unknown_right and not isinstance(left, Chunked)):
-        return _contract_later(left, right)
+        return _contract_later(left, right, numpy_fn)
     if isinstance(left, Chunked) and isinstance(right, Chunked):
         right = _as_value(right)
     if isinstance(left, Chunked):
@@ -189,6 +208,7 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         return _value_apply(np.concatenate, list(nodes), axis=axis, name="concatenate")
     ndim = nodes[0].ndim
     if any(n.ndim != ndim for n in nodes):
+        _numpy_concatenate_check(nodes, axis)
         raise ValueError(
             "all the input arrays must have same number of dimensions, but the array at "
             f"index 0 has {ndim} dimension(s) and another has a different number: "
@@ -210,11 +230,19 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         )
     rows = {n.n_rows for n in chunked}
     if len(rows) > 1:
+        _numpy_concatenate_check(nodes, axis)
         raise ValueError(
             f"all the input array dimensions except for the concatenation axis must match "
             f"exactly: the arrays have rows {', '.join(_describe_shape(n.shape) for n in chunked)}"
         )
     return _wrap(graph.BlockMap(specs.StackSpec(np.concatenate, axis), chunked))
+
+
+def _numpy_concatenate_check(nodes: Sequence[Any], axis: int) -> None:
+    """NumPy's error for arrays that do not concatenate, when every shape is known:
+    ``np.concatenate`` of data-less stand-ins raises it before it copies anything."""
+    if all(None not in n.shape for n in nodes):
+        np.concatenate([_shape_only(n) for n in nodes], axis=axis)
 
 
 def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
@@ -348,7 +376,7 @@ def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
 def _dot(a: Any, b: Any, out: Any = None) -> Any:
     if out is not None:
         raise TypeError("np.dot(..., out=...) is not supported on lazy arrays")
-    return matmul(a, b)
+    return matmul(a, b, np.dot)
 
 
 def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:

@@ -237,17 +237,15 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
         return _in_memory(np.linalg.norm, "norm", array, ord=ord, axis=axis, keepdims=keepdims)
     assert isinstance(node, Chunked)
     ndim = array.ndim
+    # NumPy's own errors (the axes, ord for vectors and matrices), on one row of zeros
+    dtype = _numpy_dtype(
+        np.linalg.norm, array.dtype, node.row_shape, ord=ord, axis=axis, keepdims=keepdims
+    )
     if axis is not None and not isinstance(axis, tuple):
         axis = (operator.index(axis),)
     axes = _axes(axis, ndim)
     if 0 not in axes:
         return _per_block("norm", np.linalg.norm, [array], ord=ord, axis=axis, keepdims=keepdims)
-    if axis is None and ord is not None and ndim > 2:
-        raise ValueError("Improper number of dimensions to norm.")
-    dtype = _numpy_dtype(
-        np.linalg.norm, array.dtype, node.row_shape, ord=ord if ord not in (2, -2, "nuc") else None,
-        axis=axis, keepdims=keepdims,
-    )  # fmt: skip
     values = array if array.dtype.kind in "fc" else array.astype(np.float64)
     if axis is None and ord is None:
         squares = _squares(values).sum(axis=None, dtype=np.float64, keepdims=keepdims)
@@ -306,11 +304,11 @@ def _matrix_norm(
     elif ord in (1, -1):
         sums = magnitude.sum(axis=row_axis, dtype=np.float64)
         after = col_axis - 1 if col_axis > row_axis else col_axis
-        result = sums.max(axis=after) if ord == 1 else sums.min(axis=after)
+        result = sums.max(axis=after, initial=0) if ord == 1 else sums.min(axis=after)
     elif ord in (np.inf, -np.inf):
         sums = magnitude.sum(axis=col_axis, dtype=np.float64)
         after = row_axis - 1 if row_axis > col_axis else row_axis
-        result = sums.max(axis=after) if ord > 0 else sums.min(axis=after)
+        result = sums.max(axis=after, initial=0) if ord > 0 else sums.min(axis=after)
     else:
         raise ValueError("Invalid norm order for matrices.")
     if keepdims:
@@ -444,20 +442,9 @@ def _einsum_over_rows(
         n_inputs=len(chunked), out_dtype=out_dtype, out_shape=probe.shape,
         partial_bytes=max(1, probe.size) * acc.itemsize + 64, name="einsum",
     )  # fmt: skip
-    empty = tuple(np.zeros((0, *n.row_shape), n.dtype) for n in chunked)
-    finish = functools.partial(_einsum_result, out_dtype, chunk, empty)
+    finish = functools.partial(_cast_result, out_dtype)
     op = red.Reduction(chunk, np.add, finish, options)
     return _wrap(graph.Reduce(specs.UserSpec(op, (chunk, np.add, finish)), chunked))
-
-
-def _einsum_result(
-    dtype: np.dtype, chunk: Callable[..., Any], empty: tuple[np.ndarray, ...], partial: Any
-) -> Any:
-    """The einsum's result from the sum of its blocks' einsums; over no rows (no block,
-    no partial), NumPy's einsum of the operands without rows: zeros."""
-    if partial is None:
-        partial = chunk(*empty)
-    return _cast_result(dtype, partial)
 
 
 def _cast_result(dtype: np.dtype, partial: Any) -> Any:
@@ -653,7 +640,9 @@ def _nan_sums(array: Array, axis: Any, keep: bool, result: np.dtype) -> tuple[Ar
     """The sums (in float64, or complex128) of the values that are not NaN, and their
     counts."""
     missing = _lazy(np.isnan, array)
-    total = _fill(array, missing, 0).sum(axis=axis, dtype=_float_acc(result), keepdims=keep)
+    # complex data sum in complex128 even where the result (a variance) is real
+    acc = _float_acc(np.promote_types(result, array.dtype))
+    total = _fill(array, missing, 0).sum(axis=axis, dtype=acc, keepdims=keep)
     count = (~missing).sum(axis=axis, dtype=np.intp, keepdims=keep)
     return total, count
 

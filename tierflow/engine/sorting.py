@@ -25,8 +25,6 @@ from .graph import Chunked, Value
 
 __all__ = ["FUNCTIONS", "along_rows", "partition", "sort_rows", "topk"]
 
-_KINDS = (None, "quicksort", "mergesort", "heapsort", "stable")
-
 
 def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
     """``np.sort`` or ``np.argsort`` of ``node`` along axis 0 (``name``), lazily.
@@ -35,14 +33,11 @@ def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
     structured arrays) is refused."""
     if kwargs.get("order") is not None:
         raise TypeError(f"np.{name}(..., order=...) sorts structured arrays; lazy arrays are not")
-    if kwargs.get("kind") not in _KINDS:
-        raise ValueError(
-            "sort kind must be one of 'quicksort', 'mergesort', 'heapsort' or 'stable' "
-            f"(got {kwargs['kind']!r})"
-        )
     unknown = set(kwargs) - {"kind", "order", "stable"}
     if unknown:
         raise TypeError(f"np.{name}: unsupported keywords {sorted(unknown)} on lazy arrays")
+    # NumPy's errors for kind and stable, on an array like this one without rows
+    getattr(np, name)(np.empty((0, *node.row_shape), node.dtype), axis=0, **kwargs)
     kernels.check_sortable(np.dtype(node.dtype), f"np.{name} along the rows")
     mode = "values" if name == "sort" else "indices"
     return _wrap(sorted_node(node, Sorting(mode)))
@@ -279,19 +274,21 @@ def partition(
     node = array._node
     if isinstance(node, Value):
         return _value_apply(np.partition, node, kth, axis=axis, kind=kind, name="partition")
+    assert isinstance(node, Chunked)
     # NumPy checks kind, kth and axis on an array like this one without elements.
-    np.partition(np.empty((0, *node.shape[1:]), node.dtype), kth, axis=axis, kind=kind)
+    empty = np.empty((0, *node.row_shape), node.dtype)
+    np.partition(empty, kth, axis=axis, kind=kind)  # type: ignore[call-overload]
     if axis is None:
         raise ValueError(
             "np.partition(x, kth, axis=None) works on the flattened array; give an axis, "
             "or compute() first"
         )
-    assert isinstance(node, Chunked)
     axis = operator.index(axis) % node.ndim
     kths = tuple(int(k) for k in np.asarray(kth).reshape(-1))
-    if node.n_rows is None and math.prod(node.row_shape):
+    row_elements: int = math.prod(node.row_shape)
+    if node.n_rows is None and row_elements:
         return _partition_later(node, kths, axis, kind)
-    if node.n_rows and math.prod(node.row_shape):
+    if node.n_rows and row_elements:
         check_kth(kths, int(node.shape[axis]))  # type: ignore[arg-type]
     return array.along("sort", axis)
 

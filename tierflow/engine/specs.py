@@ -83,7 +83,7 @@ class ReduceOptions:
         base = (self.kind, self.axis, self.keepdims, self.dtype, self.ddof)
         return base if self.initial is np._NoValue else (*base, ("initial", self.initial))
 
-    def build(self, dtype: np.dtype, row_shape: tuple[int, ...]) -> Any:
+    def build(self, dtype: Any, row_shape: tuple[int, ...]) -> Any:
         """The operator (:func:`tierflow.operators.reductions.reduction`)."""
         return reductions.reduction(
             self.kind, dtype, row_shape, axis=self.axis, keepdims=self.keepdims,
@@ -438,7 +438,7 @@ class UserSpec(_ReduceSpec):
         n_rows: int | None,
         values: Sequence[Any],
     ) -> Any:
-        return self.reduction
+        return self.reduction.over(dtypes, row_shapes)
 
     def label(self) -> str:
         return f"reduction({self.reduction.name})"
