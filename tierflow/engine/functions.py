@@ -239,9 +239,10 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
 
 
 def _numpy_concatenate_check(nodes: Sequence[Any], axis: int) -> None:
-    """NumPy's error for arrays that do not concatenate, when every shape is known:
-    ``np.concatenate`` of data-less stand-ins raises it before it copies anything."""
-    if all(None not in n.shape for n in nodes):
+    """NumPy's error for arrays that do not concatenate: ``np.concatenate`` of data-less
+    stand-ins raises it before it copies anything. Where a row count is unknown, only
+    for numbers of dimensions (NumPy's message names no row count then)."""
+    if all(None not in n.shape for n in nodes) or len({n.ndim for n in nodes}) > 1:
         np.concatenate([_shape_only(n) for n in nodes], axis=axis)
 
 
@@ -408,6 +409,14 @@ def _nansum(
     return where(np.isnan(array), 0, array).sum(axis=axis, dtype=dtype, keepdims=keep)
 
 
+def _size(array: Array, axis: Any) -> int | None:
+    """``np.size(array, axis)``: None for a row count unknown after a mask."""
+    if axis is None:
+        return array.size
+    np.size(_shape_only(array._node), axis)  # NumPy's error for the axis
+    return array.shape[axis]
+
+
 def _along(name: str, default_axis: int | None) -> Callable[..., Any]:
     def handler(a: Any, axis: Any = default_axis, **kwargs: Any) -> Any:
         return from_array(a).along(name, axis, **kwargs)
@@ -449,7 +458,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     np.diff: _along("diff", -1),
     np.shape: lambda a: from_array(a).shape,
     np.ndim: lambda a: from_array(a).ndim,
-    np.size: lambda a, axis=None: from_array(a).size if axis is None else from_array(a).shape[axis],
+    np.size: lambda a, axis=None: _size(from_array(a), axis),
 }
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype

@@ -518,6 +518,7 @@ def _nan_setup(name: str, a: Any, axis: Any) -> tuple[Array, bool, bool]:
     """(the array, whether it can hold NaN, whether ``axis`` includes the rows)."""
     array = from_array(a)
     floats = array.dtype.kind in "fc"
+    _numpy_dtype(getattr(np, name), array.dtype, _row_shape(array), axis=axis)  # its errors
     if axis is not None and not isinstance(axis, tuple):
         axis = operator.index(axis)
     over_rows = isinstance(array._node, Chunked) and 0 in _axes(axis, array.ndim)
