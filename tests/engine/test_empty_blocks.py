@@ -316,6 +316,9 @@ def test_initial_starts_sum_prod_min_and_max_as_numpys_does() -> None:
             fn(x, axis=0, initial=initial).compute(), fn(a, axis=0, initial=initial)
         )
         assert fn(x[3:], initial=initial).compute() == fn(a[3:], initial=initial)
+    np.testing.assert_array_equal(
+        np.maximum.reduce(x[3:], axis=0, initial=0).compute(), np.zeros(2)
+    )
 
 
 def test_nanvar_of_complex_values_sums_their_imaginary_parts() -> None:

@@ -1003,7 +1003,7 @@ class Array:
         if method == "reduce" and ufunc in functions.REDUCE_UFUNCS and len(inputs) == 1:
             kind = functions.REDUCE_UFUNCS[ufunc]
             axis = kwargs.pop("axis", 0)
-            unknown = set(kwargs) - {"dtype", "keepdims"}
+            unknown = set(kwargs) - {"dtype", "keepdims", "initial"}
             if unknown:
                 raise TypeError(
                     f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}"
