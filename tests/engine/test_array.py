@@ -128,13 +128,14 @@ def test_from_files_errors_name_the_file(tmp_path: Path, data: np.ndarray) -> No
 
 def test_shape_mismatch_names_both_shapes(data: np.ndarray) -> None:
     x = tw.from_array(data)
-    with pytest.raises(ValueError, match=r"shape \(1000, 4\).*shape \(999, 4\)"):
+    # NumPy's own message: "operands could not be broadcast together with shapes ..."
+    with pytest.raises(ValueError, match=r"broadcast together with shapes \(1000,4\) \(999,4\)"):
         x + tw.from_array(data[:999])
-    with pytest.raises(ValueError, match=r"\(1000, 4\).*\(3,\)"):
+    with pytest.raises(ValueError, match=r"shapes \(1000,4\) \(3,\)"):
         x * np.ones(3)
     # Unknown rows are compared once counted: at the compute, with NumPy's error.
     kept = int((data[:, 0] > 0).sum())
-    with pytest.raises(ValueError, match=rf"shape \({kept}, 4\).*shape \(1000, 4\)"):
+    with pytest.raises(ValueError, match=rf"shapes \({kept},4\) \(1000,4\)"):
         (x[x[:, 0] > 0] + x).compute()
 
 

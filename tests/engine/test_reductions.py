@@ -248,7 +248,7 @@ def test_row_vector_and_matrix_products(path: str) -> None:
     np.testing.assert_allclose((v @ x).compute(), v @ a, rtol=1e-6)
     np.testing.assert_allclose((x[:, 0] @ v).compute(), a[:, 0] @ v, rtol=1e-6)
     with pytest.raises(
-        ValueError, match=r"\(6,\).*\(5, 3\)|last axis \(6\) must equal w's first axis \(5\)"
+        ValueError, match=r"matmul: Input operand 1 has a mismatch.*size 5 is different from 6"
     ):
         x @ np.ones((5, 3))
 

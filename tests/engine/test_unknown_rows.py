@@ -132,9 +132,11 @@ def test_out_of_range_is_numpys_index_error_after_counting() -> None:
 def test_rows_that_differ_raise_numpys_error_after_counting() -> None:
     a = np.arange(30.0).reshape(10, 3)
     x = tw.from_array(a, rows=4)
-    with pytest.raises(ValueError, match=r"shape mismatch.*\(6, 3\).*\(10, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"could not be broadcast together with shapes \(6,3\) \(10,3\)"
+    ):
         (x[x[:, 0] > 10] + x).compute()
-    with pytest.raises(ValueError, match=r"w @ x: w has shape \(5,\).*6 rows"):
+    with pytest.raises(ValueError, match=r"matmul: Input operand 1 has a mismatch.*size 6 is"):
         (np.ones(5) @ x[x[:, 0] > 10]).compute()
     with pytest.raises(IndexError, match="boolean index did not match"):
         x[x[:, 0] > 10][x[:, 1] > 0].compute()

@@ -339,6 +339,15 @@ def _describe_shape(shape: tuple[int | None, ...]) -> str:
     )
 
 
+def _shape_only(node: Any) -> np.ndarray:
+    """An array of ``node``'s dtype and shape that holds no data (one element, every
+    stride 0; an unknown row count stands as one row). NumPy's own checks of the
+    arguments of a function that makes a view, or fails before it computes, run on it
+    at no cost whatever the size, and raise NumPy's error with NumPy's message."""
+    shape = tuple(1 if n is None else n for n in _shape_of(node))
+    return np.broadcast_to(np.empty((), np.dtype(node.dtype)), shape)
+
+
 class _NeedsCount(ValueError):
     """Operands line up only once their rows are counted (see :func:`_deferred`)."""
 
@@ -448,6 +457,11 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
         shape = _result_shape(nodes)
     except _NeedsCount:
         return _deferred_elementwise(op, nodes)
+    except ValueError:
+        if all(None not in _shape_of(n) for n in nodes if isinstance(n, Node)):
+            # NumPy's own error (its message, its shapes), raised before it computes
+            op.apply(*(_shape_only(n) if isinstance(n, (Node, np.ndarray)) else n for n in nodes))
+        raise
     aligned = _align(nodes, shape)
     if any(isinstance(a, Chunked) for a in aligned):
         return _wrap(graph.Elementwise(op, tuple(aligned)))
@@ -986,9 +1000,11 @@ class Array:
         return _elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
 
     def clip(self, min: Any = None, max: Any = None) -> Array:
-        """``np.clip(x, min, max)``; one bound may be None."""
+        """``np.clip(x, min, max)``; either bound may be None (both: ``x``, where the
+        installed NumPy allows it)."""
         if min is None and max is None:
-            raise ValueError("One of max or min must be given")
+            np.clip(np.empty(0, self.dtype), None, None)  # NumPy's error, where it has one
+            return self
         bounds = [b for b in (min, max) if b is not None]
         op = ElemOp("clip", has_lo=min is not None, has_hi=max is not None)
         return _elementwise(op, self, *bounds)
@@ -1009,7 +1025,7 @@ class Array:
         if method == "reduce" and ufunc in functions.REDUCE_UFUNCS and len(inputs) == 1:
             kind = functions.REDUCE_UFUNCS[ufunc]
             axis = kwargs.pop("axis", 0)
-            unknown = set(kwargs) - {"dtype", "keepdims"}
+            unknown = set(kwargs) - {"dtype", "keepdims", "initial"}
             if unknown:
                 raise TypeError(
                     f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}"
@@ -1032,13 +1048,14 @@ class Array:
 
     # -- reductions -------------------------------------------------------------------
 
-    def _reduce(
+    def _reduce(  # noqa: PLR0913 -- NumPy's reduction keywords
         self,
         kind: str,
         axis: Any = None,
         keepdims: bool = False,
         dtype: Any = None,
         ddof: float = 0,
+        initial: Any = np._NoValue,
     ) -> Array:
         node = self._node
         _check_meta(node)
@@ -1048,16 +1065,15 @@ class Array:
                 kwargs["dtype"] = dtype
             if ddof:
                 kwargs["ddof"] = ddof
+            if initial is not np._NoValue:
+                kwargs["initial"] = initial
             return _value_apply(_reduce_value(kind), node, name=kind, **kwargs)
         assert isinstance(node, Chunked)
-        op = red.reduction(
-            kind, node.dtype, node.row_shape, axis=axis, keepdims=keepdims, dtype=dtype, ddof=ddof
-        )
+        options = specs.ReduceOptions(kind, axis, keepdims, dtype, ddof, initial)
+        op = options.build(node.dtype, node.row_shape)
         if isinstance(op, red.RowwiseReduction):
-            return _wrap(
-                graph.BlockMap(specs.RowwiseSpec(kind, axis, keepdims, dtype, ddof), (node,))
-            )
-        spec = specs.KindSpec(kind, axis, keepdims, dtype, ddof)
+            return _wrap(graph.BlockMap(specs.RowwiseSpec(options), (node,)))
+        spec = specs.KindSpec(options)
         reduce = graph.Reduce(spec, (node,))
         if spec.needs_offset and node.n_rows is None:
             # Each block's first row is known once the rows are counted.
@@ -1066,13 +1082,28 @@ class Array:
             return _defer_method(node, "_reduce", args, meta, spec.label(), rows=False)
         return _wrap(reduce)
 
-    def sum(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
-        """Sum over ``axis`` (None: all). Float data accumulates in float64."""
-        return self._reduce("sum", axis, keepdims, dtype)
+    def sum(
+        self,
+        axis: Any = None,
+        dtype: Any = None,
+        keepdims: bool = False,
+        *,
+        initial: Any = np._NoValue,
+    ) -> Array:
+        """Sum over ``axis`` (None: all), from ``initial``. Float data accumulates in
+        float64."""
+        return self._reduce("sum", axis, keepdims, dtype, initial=initial)
 
-    def prod(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
-        """Product over ``axis``."""
-        return self._reduce("prod", axis, keepdims, dtype)
+    def prod(
+        self,
+        axis: Any = None,
+        dtype: Any = None,
+        keepdims: bool = False,
+        *,
+        initial: Any = np._NoValue,
+    ) -> Array:
+        """Product over ``axis``, from ``initial``."""
+        return self._reduce("prod", axis, keepdims, dtype, initial=initial)
 
     def mean(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> Array:
         """Mean over ``axis``."""
@@ -1090,13 +1121,15 @@ class Array:
         """Standard deviation over ``axis``."""
         return self._reduce("std", axis, keepdims, dtype, ddof)
 
-    def min(self, axis: Any = None, keepdims: bool = False) -> Array:
-        """Minimum over ``axis``."""
-        return self._reduce("min", axis, keepdims)
+    def min(self, axis: Any = None, keepdims: bool = False, *, initial: Any = np._NoValue) -> Array:
+        """Minimum over ``axis``; ``initial`` is the largest value it can be (and the
+        result over no rows)."""
+        return self._reduce("min", axis, keepdims, initial=initial)
 
-    def max(self, axis: Any = None, keepdims: bool = False) -> Array:
-        """Maximum over ``axis``."""
-        return self._reduce("max", axis, keepdims)
+    def max(self, axis: Any = None, keepdims: bool = False, *, initial: Any = np._NoValue) -> Array:
+        """Maximum over ``axis``; ``initial`` is the smallest value it can be (and the
+        result over no rows)."""
+        return self._reduce("max", axis, keepdims, initial=initial)
 
     def any(self, axis: Any = None, keepdims: bool = False) -> Array:
         """Whether any element is true, over ``axis``."""
@@ -1160,6 +1193,8 @@ class Array:
         ``combine(a, b)`` merges two (associative; must not modify them),
         ``aggregate(p)`` finishes (the partial itself when omitted).
 
+        ``chunk`` sees every block, also one a mask left without rows; over an array
+        without any row, the result is ``aggregate(chunk(empty block))``.
         ``with_offset=True`` passes each block's first row as ``chunk(block, offset)``;
         ``commutative=False`` merges only neighbouring blocks, left before right.
         ``dtype`` and ``shape`` describe the result so it can be used in further
@@ -1334,6 +1369,10 @@ class Array:
         if isinstance(node, Value):
             return _value_apply(np.reshape, node, dims, name="reshape")
         assert isinstance(node, Chunked)
+        if node.n_rows is not None:
+            _shape_only(node).reshape(dims)  # NumPy's errors: sizes, unknown dimensions
+        elif sum(d < 0 for d in dims) > 1:
+            raise ValueError("can only specify one unknown dimension")
         if not dims:
             raise ValueError("reshape must keep the row axis")
         row_size = math.prod(node.row_shape)

@@ -63,6 +63,7 @@ class CountRows:
 
     row_independent = False
     n_inputs = 1
+    sees_empty_blocks = True  # an empty block's count of 0 starts the next block
 
     def __init__(self, mode: str, bounds: tuple[int, ...] | None, nblocks: int) -> None:
         self.mode = mode

@@ -74,6 +74,7 @@ __all__ = [
     "SortRuns",
     "SortedRows",
     "Sorting",
+    "check_kth",
     "sorted_node",
 ]
 
@@ -94,11 +95,23 @@ class Sorting:
     mode: str
     by: tuple[int, ...] = ()
     descending: bool = False
+    # np.partition's kth, checked against the rows once the runs are counted (an
+    # array whose rows are unknown when it is built, after a mask)
+    kth: tuple[int, ...] = ()
 
     def token(self) -> str:
-        return identity.token((self.mode, self.by, self.descending))
+        fields: tuple[Any, ...] = (self.mode, self.by, self.descending)
+        return identity.token((*fields, self.kth) if self.kth else fields)
+
+    def check(self, rows: int, row_shape: tuple[int, ...]) -> None:
+        """NumPy's ValueError for a ``kth`` out of bounds for ``rows`` rows (none for an
+        array without elements, which NumPy partitions as it is)."""
+        if self.kth and rows and math.prod(row_shape):
+            check_kth(self.kth, rows)
 
     def label(self) -> str:
+        if self.kth:
+            return f"partition(kth={list(self.kth)}, axis=0)"
         if self.mode == "values":
             return "sort(axis=0)"
         if self.mode == "indices":
@@ -106,6 +119,15 @@ class Sorting:
         by = f"by={list(self.by)}" if self.by else ""
         down = "descending" if self.descending else ""
         return "sort_rows(" + ", ".join(a for a in (by, down) if a) + ")"
+
+
+def check_kth(kth: tuple[int, ...], length: int) -> None:
+    """NumPy's ValueError for the first of ``kth`` out of bounds along an axis of
+    ``length`` (negative ones count from the end, and the message shows them so)."""
+    for k in kth:
+        index = k + length if k < 0 else k
+        if not 0 <= index < length:
+            raise ValueError(f"kth(={index}) out of bounds ({length})")
 
 
 # -- runs on the SSD --------------------------------------------------------------------
@@ -322,6 +344,7 @@ class SortRuns:
         starts = [0]
         for r in runs:
             starts.append(starts[-1] + r.length)
+        self.how.check(starts[-1], self.row_shape)
         return Runs(runs, tuple(starts[:-1]), starts[-1])
 
     def temp_bytes(self, rows: int) -> int:

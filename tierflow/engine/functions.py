@@ -25,6 +25,8 @@ from .array import (
     _NeedsCount,
     _node_of,
     _result_shape,
+    _shape_of,
+    _shape_only,
     _value_apply,
     _wrap,
     from_array,
@@ -34,8 +36,9 @@ from .graph import Chunked, ElemOp, Value
 __all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
 
 
-def _contract_later(left: Any, right: Any) -> Array:
-    """``left @ right``, a product over rows that are unknown until counted."""
+def _contract_later(left: Any, right: Any, numpy_fn: Callable[..., Any]) -> Array:
+    """``left @ right``, a product over rows that are unknown until counted (NumPy's
+    errors are ``numpy_fn``'s)."""
     inputs = [n for n in (left, right) if isinstance(n, graph.Node)]
 
     def placeholder(n: Any, other: Any, side: str) -> Any:
@@ -57,6 +60,7 @@ def _contract_later(left: Any, right: Any) -> Array:
             matmul(
                 lookup(left) if isinstance(left, graph.Node) else left,
                 lookup(right) if isinstance(right, graph.Node) else right,
+                numpy_fn,
             )._node
         ),
         (result.dtype, result.shape),
@@ -66,12 +70,27 @@ def _contract_later(left: Any, right: Any) -> Array:
     )
 
 
-def matmul(a: Any, b: Any) -> Array:
+def _numpy_core_check(numpy_fn: Callable[..., Any], left: Any, right: Any) -> None:
+    """NumPy's error (``numpy_fn``'s type and message) for operands whose contracted
+    axes differ, when their shapes are known: raised by NumPy on data-less stand-ins,
+    before it computes anything."""
+    shapes = [_shape_of(n) for n in (left, right)]
+    if any(None in s or not s for s in shapes):
+        return  # unknown rows: compared once counted; scalars: NumPy's error below
+    a, b = shapes
+    if a[-1] != (b[0] if len(b) == 1 else b[-2]):
+        numpy_fn(*(_shape_only(n) if isinstance(n, graph.Node) else n for n in (left, right)))
+
+
+def matmul(a: Any, b: Any, numpy_fn: Callable[..., Any] = np.matmul) -> Array:
+    """``a @ b`` (``np.matmul``; ``np.dot`` passes itself as ``numpy_fn`` for its own
+    errors) of lazy operands, as a block operation or a reduction over the rows."""
     left, right = _node_of(a), _node_of(b)
+    _numpy_core_check(numpy_fn, left, right)
     unknown_left = isinstance(left, Chunked) and left.n_rows is None
     unknown_right = isinstance(right, Chunked) and right.n_rows is None
     if (unknown_left and left.ndim == 1) or (unknown_right and not isinstance(left, Chunked)):
-        return _contract_later(left, right)
+        return _contract_later(left, right, numpy_fn)
     if isinstance(left, Chunked) and isinstance(right, Chunked):
         right = _as_value(right)
     if isinstance(left, Chunked):
@@ -189,6 +208,7 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         return _value_apply(np.concatenate, list(nodes), axis=axis, name="concatenate")
     ndim = nodes[0].ndim
     if any(n.ndim != ndim for n in nodes):
+        _numpy_concatenate_check(nodes, axis)
         raise ValueError(
             "all the input arrays must have same number of dimensions, but the array at "
             f"index 0 has {ndim} dimension(s) and another has a different number: "
@@ -210,11 +230,20 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         )
     rows = {n.n_rows for n in chunked}
     if len(rows) > 1:
+        _numpy_concatenate_check(nodes, axis)
         raise ValueError(
             f"all the input array dimensions except for the concatenation axis must match "
             f"exactly: the arrays have rows {', '.join(_describe_shape(n.shape) for n in chunked)}"
         )
     return _wrap(graph.BlockMap(specs.StackSpec(np.concatenate, axis), chunked))
+
+
+def _numpy_concatenate_check(nodes: Sequence[Any], axis: int) -> None:
+    """NumPy's error for arrays that do not concatenate: ``np.concatenate`` of data-less
+    stand-ins raises it before it copies anything. Where a row count is unknown, only
+    for numbers of dimensions (NumPy's message names no row count then)."""
+    if all(None not in n.shape for n in nodes) or len({n.ndim for n in nodes}) > 1:
+        np.concatenate([_shape_only(n) for n in nodes], axis=axis)
 
 
 def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
@@ -259,9 +288,7 @@ def _reduction_function(kind: str) -> Callable[..., Any]:
             raise TypeError(f"np.{kind}(..., out=...) is not supported on lazy arrays")
         keep = bool(keepdims) if keepdims is not np._NoValue else False
         kw.pop("where", None) if kw.get("where", True) is True else _no_where(kind)
-        kw.pop("initial", None) if kw.get("initial", np._NoValue) is np._NoValue else _no_initial(
-            kind
-        )
+        initial = kw.pop("initial", np._NoValue)
         ddof = kw.pop("ddof", 0)
         kw.pop("mean", None)
         kw.pop("correction", None)
@@ -271,8 +298,8 @@ def _reduction_function(kind: str) -> Callable[..., Any]:
         if kind in ("min", "max", "any", "all", "argmin", "argmax", "count_nonzero"):
             if dtype is not None:
                 raise TypeError(f"{kind} takes no dtype argument")
-            return array._reduce(kind, axis, keep)
-        return array._reduce(kind, axis, keep, dtype, ddof)
+            return array._reduce(kind, axis, keep, initial=initial)
+        return array._reduce(kind, axis, keep, dtype, ddof, initial=initial)
 
     return handler
 
@@ -281,10 +308,6 @@ def _no_where(kind: str) -> None:
     raise TypeError(
         f"np.{kind}(..., where=...) is not supported on lazy arrays; use tw.where first"
     )
-
-
-def _no_initial(kind: str) -> None:
-    raise TypeError(f"np.{kind}(..., initial=...) is not supported on lazy arrays")
 
 
 def _arg_function(kind: str) -> Callable[..., Any]:
@@ -354,7 +377,7 @@ def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
 def _dot(a: Any, b: Any, out: Any = None) -> Any:
     if out is not None:
         raise TypeError("np.dot(..., out=...) is not supported on lazy arrays")
-    return matmul(a, b)
+    return matmul(a, b, np.dot)
 
 
 def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:
@@ -384,6 +407,14 @@ def _nansum(
     if array.dtype.kind not in "fc":
         return array.sum(axis=axis, dtype=dtype, keepdims=keep)
     return where(np.isnan(array), 0, array).sum(axis=axis, dtype=dtype, keepdims=keep)
+
+
+def _size(array: Array, axis: Any) -> int | None:
+    """``np.size(array, axis)``: None for a row count unknown after a mask."""
+    if axis is None:
+        return array.size
+    np.size(_shape_only(array._node), axis)  # NumPy's error for the axis
+    return array.shape[axis]
 
 
 def _along(name: str, default_axis: int | None) -> Callable[..., Any]:
@@ -427,7 +458,7 @@ FUNCTIONS: dict[Any, Callable[..., Any]] = {
     np.diff: _along("diff", -1),
     np.shape: lambda a: from_array(a).shape,
     np.ndim: lambda a: from_array(a).ndim,
-    np.size: lambda a, axis=None: from_array(a).size if axis is None else from_array(a).shape[axis],
+    np.size: lambda a, axis=None: _size(from_array(a), axis),
 }
 if hasattr(np, "astype"):
     FUNCTIONS[np.astype] = _astype

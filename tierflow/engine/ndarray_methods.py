@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import format_bytes
 from . import blocksize, graph
-from .array import Array, _describe_shape, _value_apply, _wrap
+from .array import Array, _describe_shape, _shape_only, _value_apply, _wrap
 from .graph import Chunked, Value
 
 __all__ = [
@@ -197,6 +197,7 @@ def repeat(x: Array, repeats: Any, axis: Any = None) -> Array:
 
 def swapaxes(x: Array, axis1: Any, axis2: Any) -> Array:
     """``x.swapaxes(a, b)`` of two trailing axes (each row's own axes)."""
+    np.swapaxes(_shape_only(x._node), axis1, axis2)  # NumPy's errors for the axes
     instead = "moves the rows elsewhere; swap trailing axes only, or compute() first"
     a = _trailing_axis(x, axis1, "swapaxes", instead)
     b = _trailing_axis(x, axis2, "swapaxes", instead)
@@ -205,6 +206,7 @@ def swapaxes(x: Array, axis1: Any, axis2: Any) -> Array:
 
 def diagonal(x: Array, offset: int = 0, axis1: int = 0, axis2: int = 1) -> Array:
     """``x.diagonal(offset, axis1, axis2)`` of two trailing axes, row by row."""
+    np.diagonal(_shape_only(x._node), offset, axis1, axis2)  # NumPy's errors for the axes
     instead = "needs every row at once; give two trailing axes, or compute() first"
     a = _trailing_axis(x, axis1, "diagonal", instead)
     b = _trailing_axis(x, axis2, "diagonal", instead)
@@ -218,6 +220,8 @@ def trace(  # noqa: PLR0913 -- ndarray.trace's signature
     """``x.trace(offset, axis1, axis2)`` of two trailing axes, row by row."""
     if out is not None:
         raise TypeError("x.trace(..., out=...) is not supported on lazy arrays")
+    # NumPy's errors for the axes (its trace is a sum of this diagonal)
+    np.diagonal(_shape_only(x._node), offset, axis1, axis2)
     instead = "needs every row at once; give two trailing axes, or compute() first"
     a = _trailing_axis(x, axis1, "trace", instead)
     b = _trailing_axis(x, axis2, "trace", instead)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..operators import crossprod
 from . import graph, specs
-from .array import Array, _describe_shape, _value_apply, _wrap, from_array
+from .array import Array, _describe_shape, _shape_only, _value_apply, _wrap, from_array
 from .graph import Chunked, Value
 
 __all__ = ["FUNCTIONS", "Transposed", "corrcoef", "cov", "transpose"]
@@ -232,9 +232,8 @@ def transpose(array: Array, axes: Any = None) -> Any:
     if axes is None:
         order = tuple(reversed(range(ndim)))
     else:
+        np.transpose(_shape_only(node), axes)  # NumPy's errors for the axes
         order = tuple(operator.index(a) % ndim if ndim else operator.index(a) for a in axes)
-        if sorted(order) != list(range(ndim)):
-            raise ValueError(f"axes {tuple(axes)} don't match an array of {ndim} dimension(s)")
     if isinstance(node, Value):
         return _value_apply(np.transpose, node, axes=order, name="transpose")
     if order == tuple(range(ndim)):
@@ -315,7 +314,10 @@ def _variables(a: Any, rowvar: bool, name: str) -> Array:
     """``a`` as an array whose columns are the variables, or a refusal naming the fix."""
     array = from_array(a)
     if array.ndim > 2:
-        raise ValueError(f"{name}: m has more than 2 dimensions ({_describe_shape(array.shape)})")
+        raise ValueError(
+            f"m has more than 2 dimensions: {name} of an array of shape "
+            f"{_describe_shape(array.shape)}"
+        )
     if array.ndim == 2 and rowvar:
         rows = array.shape[0]
         if isinstance(array._node, Chunked) and (rows is None or rows > SMALL_ROWVAR):

@@ -884,6 +884,8 @@ class ReduceRoot:
                 cache.put_partial(req, partial)
             return partial
         blocks = [s.host(ctx, req) for s in self.inputs]
+        if self._no_rows(blocks):
+            return None
         offset = req.start if isinstance(req, RowRange) else 0
         if self.user:
             try:
@@ -899,6 +901,13 @@ class ReduceRoot:
         if self.shares and partial is not None:
             ctx.memo[("partial", self.node.ident)] = partial
         return partial
+
+    def _no_rows(self, blocks: list[Any]) -> bool:
+        """Whether ``blocks`` have no rows and their partial is None, the partial of no
+        rows, without a call to ``chunk``: the one place an empty block (a mask that
+        kept none of its rows) is reduced. An operator that sets ``sees_empty_blocks``
+        (a count per block, a user's reduction) gets its ``chunk`` called all the same."""
+        return blocks[0].shape[0] == 0 and not getattr(self.op, "sees_empty_blocks", False)
 
     def _chunk(self, ctx: Context, blocks: list[np.ndarray], offset: int) -> Any:
         """A built-in reduction's partial of ``blocks``, its floating-point warnings and
@@ -922,7 +931,7 @@ class ReduceRoot:
         assert lane is not None
         blocks = [s.on_device(ctx, req) for s in self.inputs]
         ctx.start()
-        if blocks[0].shape[0] == 0:
+        if self._no_rows(blocks):
             return None
         chunker = _DeviceChunker(self.op, self.device_kernel, self.device_reduce, lane)
         offset = req.start if isinstance(req, RowRange) else 0

@@ -42,7 +42,7 @@ from ..operators import order_stats
 from ..operators.order_stats import Limits, Search, Stats
 from ..system import budget as budget_module
 from . import graph, specs
-from .array import Array, _value_apply, _wrap, from_array
+from .array import Array, _as_value, _value_apply, _wrap, from_array
 from .graph import Chunked, Value
 
 __all__ = ["FUNCTIONS", "Rule", "finish", "limits_for", "quantile_passes", "rule_of"]
@@ -365,6 +365,8 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
     array = from_array(a)
     keep = bool(keepdims) if keepdims is not np._NoValue else False
     node = array._node
+    if isinstance(node, Chunked) and node.n_rows == 0:
+        node = _as_value(node)  # NumPy's own answer (or error) over no rows
     if isinstance(node, Value):
         extra = {} if function.endswith("median") else {"method": method}
         args = () if function.endswith("median") else (q,)

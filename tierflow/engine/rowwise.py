@@ -237,17 +237,15 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
         return _in_memory(np.linalg.norm, "norm", array, ord=ord, axis=axis, keepdims=keepdims)
     assert isinstance(node, Chunked)
     ndim = array.ndim
+    # NumPy's own errors (the axes, ord for vectors and matrices), on one row of zeros
+    dtype = _numpy_dtype(
+        np.linalg.norm, array.dtype, node.row_shape, ord=ord, axis=axis, keepdims=keepdims
+    )
     if axis is not None and not isinstance(axis, tuple):
         axis = (operator.index(axis),)
     axes = _axes(axis, ndim)
     if 0 not in axes:
         return _per_block("norm", np.linalg.norm, [array], ord=ord, axis=axis, keepdims=keepdims)
-    if axis is None and ord is not None and ndim > 2:
-        raise ValueError("Improper number of dimensions to norm.")
-    dtype = _numpy_dtype(
-        np.linalg.norm, array.dtype, node.row_shape, ord=ord if ord not in (2, -2, "nuc") else None,
-        axis=axis, keepdims=keepdims,
-    )  # fmt: skip
     values = array if array.dtype.kind in "fc" else array.astype(np.float64)
     if axis is None and ord is None:
         squares = _squares(values).sum(axis=None, dtype=np.float64, keepdims=keepdims)
@@ -276,7 +274,7 @@ def _vector_norm(values: Array, ord: Any, axis: int, keepdims: bool) -> Array:
         raise ValueError(f"Invalid norm order '{ord}' for vectors")
     magnitude = _lazy(np.abs, values)
     if ord == np.inf:
-        return magnitude.max(axis=axis, keepdims=keepdims)
+        return magnitude.max(axis=axis, keepdims=keepdims, initial=0)
     if ord == -np.inf:
         return magnitude.min(axis=axis, keepdims=keepdims)
     if ord == 0:
@@ -306,11 +304,11 @@ def _matrix_norm(
     elif ord in (1, -1):
         sums = magnitude.sum(axis=row_axis, dtype=np.float64)
         after = col_axis - 1 if col_axis > row_axis else col_axis
-        result = sums.max(axis=after) if ord == 1 else sums.min(axis=after)
+        result = sums.max(axis=after, initial=0) if ord == 1 else sums.min(axis=after)
     elif ord in (np.inf, -np.inf):
         sums = magnitude.sum(axis=col_axis, dtype=np.float64)
         after = row_axis - 1 if row_axis > col_axis else row_axis
-        result = sums.max(axis=after) if ord > 0 else sums.min(axis=after)
+        result = sums.max(axis=after, initial=0) if ord > 0 else sums.min(axis=after)
     else:
         raise ValueError("Invalid norm order for matrices.")
     if keepdims:
@@ -520,6 +518,7 @@ def _nan_setup(name: str, a: Any, axis: Any) -> tuple[Array, bool, bool]:
     """(the array, whether it can hold NaN, whether ``axis`` includes the rows)."""
     array = from_array(a)
     floats = array.dtype.kind in "fc"
+    _numpy_dtype(getattr(np, name), array.dtype, _row_shape(array), axis=axis)  # its errors
     if axis is not None and not isinstance(axis, tuple):
         axis = operator.index(axis)
     over_rows = isinstance(array._node, Chunked) and 0 in _axes(axis, array.ndim)
@@ -554,31 +553,18 @@ def _nan_extreme(  # noqa: PLR0913 -- NumPy's signature
 ) -> Any:
     _no_extras(name, out, initial=initial, where=where)
     keep = _keep(keepdims)
-    array, floats, over_rows = _nan_setup(name, a, axis)
+    array, _, over_rows = _nan_setup(name, a, axis)
     fn = np.nanmin if name == "nanmin" else np.nanmax
     if not over_rows:
         return _within_rows(name, fn, array, axis=axis, keepdims=keep)
-    if not floats:
-        return array.min(axis, keep) if name == "nanmin" else array.max(axis, keep)
-    missing = _lazy(np.isnan, array)
-    filled = _fill(array, missing, np.inf if name == "nanmin" else -np.inf)
-    extreme = filled.min(axis, keep) if name == "nanmin" else filled.max(axis, keep)
-    seen = (~missing).any(axis=axis, keepdims=keep)
-    return _in_memory(_finish_extreme, name, extreme, seen)
+    # np.fmin / np.fmax over the rows, as NumPy runs them (its errors over no rows too)
+    return array._reduce(name, axis, keep)
 
 
 def _fill(array: Array, missing: Array, value: Any) -> Array:
     from .functions import where
 
     return where(missing, np.asarray(value, array.dtype), array)
-
-
-def _finish_extreme(extreme: Any, seen: Any) -> Any:
-    extreme, seen = np.asarray(extreme), np.asarray(seen)
-    if not seen.all():
-        warnings.warn("All-NaN slice encountered", RuntimeWarning, stacklevel=2)
-        extreme = np.where(seen, extreme, np.asarray(np.nan, extreme.dtype))
-    return _scalar_or_array(np.asarray(extreme))
 
 
 def nanargmin(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = np._NoValue) -> Any:
@@ -655,7 +641,9 @@ def _nan_sums(array: Array, axis: Any, keep: bool, result: np.dtype) -> tuple[Ar
     """The sums (in float64, or complex128) of the values that are not NaN, and their
     counts."""
     missing = _lazy(np.isnan, array)
-    total = _fill(array, missing, 0).sum(axis=axis, dtype=_float_acc(result), keepdims=keep)
+    # complex data sum in complex128 even where the result (a variance) is real
+    acc = _float_acc(np.promote_types(result, array.dtype))
+    total = _fill(array, missing, 0).sum(axis=axis, dtype=acc, keepdims=keep)
     count = (~missing).sum(axis=axis, dtype=np.intp, keepdims=keep)
     return total, count
 

@@ -10,6 +10,7 @@ NaN goes last (also when descending, as pandas puts it).
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -18,13 +19,11 @@ import numpy as np
 
 from ..operators import sorting as kernels
 from . import graph
-from .array import Array, _describe_shape, _value_apply, _wrap, from_array
-from .external_sort import Sorting, sorted_node
+from .array import Array, _deferred, _describe_shape, _value_apply, _wrap, from_array
+from .external_sort import Sorting, check_kth, sorted_node
 from .graph import Chunked, Value
 
 __all__ = ["FUNCTIONS", "along_rows", "partition", "sort_rows", "topk"]
-
-_KINDS = (None, "quicksort", "mergesort", "heapsort", "stable")
 
 
 def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
@@ -34,14 +33,11 @@ def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
     structured arrays) is refused."""
     if kwargs.get("order") is not None:
         raise TypeError(f"np.{name}(..., order=...) sorts structured arrays; lazy arrays are not")
-    if kwargs.get("kind") not in _KINDS:
-        raise ValueError(
-            "sort kind must be one of 'quicksort', 'mergesort', 'heapsort' or 'stable' "
-            f"(got {kwargs['kind']!r})"
-        )
     unknown = set(kwargs) - {"kind", "order", "stable"}
     if unknown:
         raise TypeError(f"np.{name}: unsupported keywords {sorted(unknown)} on lazy arrays")
+    # NumPy's errors for kind and stable, on an array like this one without rows
+    getattr(np, name)(np.empty((0, *node.row_shape), node.dtype), axis=0, **kwargs)
     kernels.check_sortable(np.dtype(node.dtype), f"np.{name} along the rows")
     mode = "values" if name == "sort" else "indices"
     return _wrap(sorted_node(node, Sorting(mode)))
@@ -266,25 +262,56 @@ def partition(
     array is a valid partition for every ``kth``: the element at each ``kth`` is where
     a sort would put it, smaller ones before, larger ones after). Along the rows that is
     the external sort of ``np.sort(x, axis=0)``; along a trailing axis a sort of each
-    row."""
+    row.
+
+    NumPy's errors: ``kind``, ``kth`` that is not integers and ``axis`` when this is
+    called; ``kth`` out of bounds too where the rows are known, else when computed (the
+    rows counted). An array without elements is given back as it is, whatever ``kth``,
+    as NumPy does."""
     if order is not None:
         raise TypeError("np.partition(..., order=...) sorts structured arrays; lazy arrays are not")
     array = from_array(a)
+    node = array._node
+    if isinstance(node, Value):
+        return _value_apply(np.partition, node, kth, axis=axis, kind=kind, name="partition")
+    assert isinstance(node, Chunked)
+    # NumPy checks kind, kth and axis on an array like this one without elements.
+    empty = np.empty((0, *node.row_shape), node.dtype)
+    np.partition(empty, kth, axis=axis, kind=kind)  # type: ignore[call-overload]
     if axis is None:
         raise ValueError(
             "np.partition(x, kth, axis=None) works on the flattened array; give an axis, "
             "or compute() first"
         )
-    ndim = array.ndim
-    axis = operator.index(axis)
-    if not -ndim <= axis < ndim:
-        raise np.exceptions.AxisError(axis, ndim)
-    n = array.shape[axis % ndim]
-    if n is not None:
-        for k in np.atleast_1d(np.asarray(kth)).tolist():
-            if not -n <= operator.index(k) < n:
-                raise ValueError(f"kth(={k}) out of bounds ({n})")
+    axis = operator.index(axis) % node.ndim
+    kths = tuple(int(k) for k in np.asarray(kth).reshape(-1))
+    row_elements: int = math.prod(node.row_shape)
+    if node.n_rows is None and row_elements:
+        return _partition_later(node, kths, axis, kind)
+    if node.n_rows and row_elements:
+        check_kth(kths, int(node.shape[axis]))  # type: ignore[arg-type]
     return array.along("sort", axis)
+
+
+def _partition_later(node: Chunked, kth: tuple[int, ...], axis: int, kind: str) -> Array:
+    """:func:`partition` of ``node``, whose rows are unknown until computed: NumPy's
+    error for a ``kth`` out of bounds comes when there are rows. Along the rows the
+    sort's runs count them; along a trailing axis, where ``kth`` is out of bounds for
+    every row, a pass counts the rows first (none: the array as it is)."""
+    if axis == 0:
+        kernels.check_sortable(np.dtype(node.dtype), "np.partition along the rows")
+        return _wrap(sorted_node(node, Sorting("values", kth=kth)))
+    try:
+        check_kth(kth, node.shape[axis])  # type: ignore[arg-type]
+    except ValueError:
+        return _deferred(
+            [node],
+            lambda lookup: partition(Array(lookup(node)), kth, axis, kind)._node,
+            (node.dtype, node.row_shape),
+            "partition",
+            ("partition", kth, axis),
+        )
+    return Array(node).along("sort", axis)
 
 
 def _partition(

@@ -15,6 +15,7 @@ values)``, and say the result's ``meta`` (dtype and shape).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ __all__ = [
     "KindSpec",
     "MapSpec",
     "MatmulSpec",
+    "ReduceOptions",
     "ReshapeSpec",
     "RowwiseSpec",
     "StackSpec",
@@ -64,22 +66,55 @@ class _Spec:
         return ()
 
 
+@dataclass(frozen=True)
+class ReduceOptions:
+    """A NumPy reduction and its keywords as the caller gave them (``initial`` is
+    ``np._NoValue`` when not given)."""
+
+    kind: str
+    axis: Any
+    keepdims: bool
+    dtype: Any
+    ddof: float
+    initial: Any = np._NoValue
+
+    def fields(self) -> tuple[Any, ...]:
+        """What the key holds (``initial`` only when given: keys made before it stay)."""
+        base = (self.kind, self.axis, self.keepdims, self.dtype, self.ddof)
+        return base if self.initial is np._NoValue else (*base, ("initial", self.initial))
+
+    def build(self, dtype: Any, row_shape: tuple[int, ...]) -> Any:
+        """The operator (:func:`tierflow.operators.reductions.reduction`)."""
+        return reductions.reduction(
+            self.kind, dtype, row_shape, axis=self.axis, keepdims=self.keepdims,
+            dtype=self.dtype, ddof=self.ddof, initial=self.initial,
+        )  # fmt: skip
+
+    def texts(self) -> list[str]:
+        """The keywords given, as a label shows them."""
+        extra = [_axis_text(self.axis)]
+        if self.keepdims:
+            extra.append("keepdims")
+        if self.dtype is not None:
+            extra.append(f"dtype={np.dtype(self.dtype)}")
+        if self.ddof:
+            extra.append(f"ddof={self.ddof}")
+        if self.initial is not np._NoValue:
+            extra.append(f"initial={self.initial!r}")
+        return [e for e in extra if e]
+
+
 class RowwiseSpec(_Spec):
     """A reduction over trailing axes only (``x.sum(axis=1)``): a block op."""
 
     epilogue = True
 
-    def __init__(self, kind: str, axis: Any, keepdims: bool, dtype: Any, ddof: float) -> None:
-        self.kind, self.axis, self.keepdims, self.dtype, self.ddof = (
-            kind,
-            axis,
-            keepdims,
-            dtype,
-            ddof,
-        )
+    def __init__(self, options: ReduceOptions) -> None:
+        self.options = options
+        self.kind = options.kind
 
     def _fields(self) -> tuple[Any, ...]:
-        return (self.kind, self.axis, self.keepdims, self.dtype, self.ddof)
+        return self.options.fields()
 
     def build(
         self,
@@ -87,15 +122,11 @@ class RowwiseSpec(_Spec):
         row_shapes: Sequence[tuple[int, ...]],
         values: Sequence[Any],
     ) -> Any:
-        return reductions.reduction(
-            self.kind, dtypes[0], row_shapes[0], axis=self.axis, keepdims=self.keepdims,
-            dtype=self.dtype, ddof=self.ddof,
-        )  # fmt: skip
+        return self.options.build(dtypes[0], row_shapes[0])
 
     def label(self) -> str:
-        args = ", ".join(
-            a for a in (_axis_text(self.axis), "keepdims" if self.keepdims else "") if a
-        )
+        o = self.options
+        args = ", ".join(a for a in (_axis_text(o.axis), "keepdims" if o.keepdims else "") if a)
         return f"{self.kind}({args})"
 
 
@@ -309,18 +340,13 @@ class _ReduceSpec(_Spec):
 class KindSpec(_ReduceSpec):
     """A NumPy reduction whose axes include the row axis (``sum``, ``std``, ``argmax``...)."""
 
-    def __init__(self, kind: str, axis: Any, keepdims: bool, dtype: Any, ddof: float) -> None:
-        self.kind, self.axis, self.keepdims, self.dtype, self.ddof = (
-            kind,
-            axis,
-            keepdims,
-            dtype,
-            ddof,
-        )
-        self.needs_offset = kind in ("argmin", "argmax")
+    def __init__(self, options: ReduceOptions) -> None:
+        self.options = options
+        self.kind, self.axis = options.kind, options.axis
+        self.needs_offset = options.kind in ("argmin", "argmax")
 
     def _fields(self) -> tuple[Any, ...]:
-        return (self.kind, self.axis, self.keepdims, self.dtype, self.ddof)
+        return self.options.fields()
 
     def build(
         self,
@@ -329,20 +355,10 @@ class KindSpec(_ReduceSpec):
         n_rows: int | None,
         values: Sequence[Any],
     ) -> Any:
-        return reductions.reduction(
-            self.kind, dtypes[0], row_shapes[0], axis=self.axis, keepdims=self.keepdims,
-            dtype=self.dtype, ddof=self.ddof,
-        )  # fmt: skip
+        return self.options.build(dtypes[0], row_shapes[0])
 
     def label(self) -> str:
-        extra = [_axis_text(self.axis)]
-        if self.keepdims:
-            extra.append("keepdims")
-        if self.dtype is not None:
-            extra.append(f"dtype={np.dtype(self.dtype)}")
-        if self.ddof:
-            extra.append(f"ddof={self.ddof}")
-        return f"{self.kind}({', '.join(e for e in extra if e)})"
+        return f"{self.kind}({', '.join(self.options.texts())})"
 
 
 class HistogramSpec(_ReduceSpec):
@@ -422,7 +438,7 @@ class UserSpec(_ReduceSpec):
         n_rows: int | None,
         values: Sequence[Any],
     ) -> Any:
-        return self.reduction
+        return self.reduction.over(dtypes, row_shapes)
 
     def label(self) -> str:
         return f"reduction({self.reduction.name})"

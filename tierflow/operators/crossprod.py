@@ -242,20 +242,22 @@ class CoMoments:
         return np.asarray(shift + offset)
 
     def aggregate(self, partial: Partial) -> np.ndarray:
-        """The covariance matrix (a 0-d array for one variable), NaN where NumPy gives
-        NaN (no rows, or ``ddof`` >= the rows), with NumPy's RuntimeWarning."""
+        """The covariance matrix (a 0-d array for one variable), NaN or inf where NumPy
+        gives them (no rows, or ``ddof`` >= the rows), with NumPy's warnings: over no
+        rows NumPy's own ``np.cov`` of no rows; else NumPy's last steps (the co-moments
+        times ``1 / (n - ddof)``)."""
         if partial is None:
-            count, comoments = 0, np.zeros((self.columns, self.columns), self.acc)
-        else:
-            count, _, _, comoments = partial
+            empty = np.empty((0, self.columns), np.result_type(*self.in_dtypes))
+            result = np.cov(empty, rowvar=False, ddof=self.ddof, dtype=self.out_dtype)
+            return np.asarray(result).reshape(self.out_shape)
+        count, _, _, comoments = partial
         divisor = count - self.ddof
         if divisor <= 0:
             import warnings
 
             warnings.warn("Degrees of freedom <= 0 for slice", RuntimeWarning, stacklevel=2)
             divisor = 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            result = np.true_divide(comoments, divisor)
+        result = comoments * np.true_divide(1, divisor)
         return np.asarray(result).reshape(self.out_shape).astype(self.out_dtype)
 
     def temp_bytes(self, rows: int) -> int:

@@ -154,7 +154,8 @@ def passes_needed(dtype: Any, columns: int, ranks: int, limits: Limits) -> int:
 
 def _columns(block: np.ndarray, flat: bool) -> np.ndarray:
     """The block as ``[values, columns]``: one column of everything when ``flat``."""
-    return block.reshape(-1, 1) if flat else block.reshape(block.shape[0], -1)
+    width = 1 if flat else math.prod(block.shape[1:])
+    return block.reshape(-1 if flat else block.shape[0], width)
 
 
 def _pieces(values: np.ndarray) -> Any:

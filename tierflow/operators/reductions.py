@@ -106,11 +106,12 @@ thread waiting (2 threads 3.0 GB/s against 1 thread 2.8; with 2**18, 5.1 GB/s).
 from __future__ import annotations
 
 import abc
+import copy
 import functools
 import math
 import operator
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -138,7 +139,7 @@ __all__ = [
 ]
 
 KINDS = (
-    "sum", "prod", "mean", "var", "std", "min", "max",
+    "sum", "prod", "mean", "var", "std", "min", "max", "nanmin", "nanmax",
     "any", "all", "count_nonzero", "argmin", "argmax",
 )  # fmt: skip
 
@@ -160,10 +161,13 @@ _UFUNCS: dict[str, np.ufunc] = {
     "prod": np.multiply,
     "min": np.minimum,
     "max": np.maximum,
+    "nanmin": np.fmin,  # NaN left out, as np.nanmin does it
+    "nanmax": np.fmax,
     "any": np.logical_or,
     "all": np.logical_and,
 }
 _TAKES_DTYPE = frozenset({"sum", "prod", "mean", "var", "std"})
+_TAKES_INITIAL = frozenset({"sum", "prod", "min", "max"})
 
 
 def reduce_rows(ufunc: np.ufunc, block: np.ndarray, dtype: Any = None) -> np.ndarray:
@@ -322,10 +326,28 @@ def _numpy(kind: str, x: np.ndarray, kwargs: dict[str, Any], out: np.ndarray | N
 def _probe_dtype(
     kind: str, dtype: np.dtype, row_shape: tuple[int, ...], kwargs: dict[str, Any]
 ) -> np.dtype:
+    """The dtype of NumPy's ``kind`` with ``kwargs`` on one row of zeros (a row with at
+    least one element on each axis, so that no axis is empty); what NumPy raises for
+    the arguments (an axis out of range or given twice, an unusable dtype or ``ddof``)
+    comes from here, with NumPy's type and message."""
     sample = np.zeros((1, *(max(n, 1) for n in row_shape)), dtype=dtype)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         return np.asarray(_numpy(kind, sample, kwargs)).dtype
+
+
+def _given(  # noqa: PLR0913 -- NumPy's reduction keywords
+    kind: str, axis: Any, keepdims: bool, dtype: Any, ddof: Any, initial: Any
+) -> dict[str, Any]:
+    """NumPy's keywords for ``kind`` as the caller gave them (those ``kind`` takes)."""
+    given: dict[str, Any] = {"axis": axis, "keepdims": keepdims}
+    if dtype is not None:
+        given["dtype"] = dtype
+    if kind in ("var", "std"):
+        given["ddof"] = ddof
+    if initial is not np._NoValue:
+        given["initial"] = initial
+    return given
 
 
 def _normalize_axes(kind: str, axis: Any, ndim: int) -> tuple[int, ...]:
@@ -347,14 +369,18 @@ def reduction(  # noqa: PLR0913 -- axis, keepdims, dtype, ddof: NumPy's reductio
     keepdims: bool = False,
     dtype: Any = None,
     ddof: float = 0,
+    initial: Any = np._NoValue,
 ) -> RowReduction | RowwiseReduction:
     """The reduction ``kind`` of an array of ``in_dtype`` whose rows have ``row_shape``.
 
     Axes count in the whole array (axis 0 is the row axis). Returns a
     :class:`RowReduction` when the axes include axis 0, else a :class:`RowwiseReduction`.
-    Raises ValueError for an unknown kind, NumPy's AxisError for an axis out of range,
-    TypeError for a keyword the kind does not take (``dtype`` for min, ``ddof`` for sum,
-    a tuple axis for argmin) and what NumPy raises for an unusable dtype.
+    ``initial`` (sum, prod, min, max) is NumPy's: the start of the reduction, and the
+    result over no rows. Raises ValueError for an unknown kind, TypeError for a keyword
+    the kind does not take (``dtype`` for min, ``ddof`` for sum), and what NumPy raises
+    for the arguments (checked by NumPy on one row of zeros: an axis out of range or
+    repeated, a tuple axis for argmin, an unusable dtype or ``ddof``), with NumPy's type
+    and message.
 
     >>> op = reduction("sum", np.float32, (8,), axis=0)
     >>> op.out_dtype, op.out_shape
@@ -368,8 +394,9 @@ def reduction(  # noqa: PLR0913 -- axis, keepdims, dtype, ddof: NumPy's reductio
         raise TypeError(f"{kind} takes no dtype argument (got dtype={dtype!r})")
     if ddof != 0 and kind not in ("var", "std"):
         raise TypeError(f"{kind} takes no ddof argument (got ddof={ddof!r})")
-    if kind in ("argmin", "argmax") and isinstance(axis, tuple):
-        raise TypeError(f"{kind} takes an integer axis or None, got the tuple {axis!r}")
+    if initial is not np._NoValue and kind not in _TAKES_INITIAL:
+        raise TypeError(f"{kind} takes no initial argument (got initial={initial!r})")
+    _probe_dtype(kind, in_dtype, row_shape, _given(kind, axis, keepdims, dtype, ddof, initial))
     if kind in ("var", "std") and dtype is not None and np.dtype(dtype).kind in "biu":
         raise TypeError(
             f"{kind} with the integer dtype {np.dtype(dtype)} would truncate intermediate means; "
@@ -385,6 +412,8 @@ def reduction(  # noqa: PLR0913 -- axis, keepdims, dtype, ddof: NumPy's reductio
         kwargs["dtype"] = None if dtype is None else np.dtype(dtype)
     if kind in ("var", "std"):
         kwargs["ddof"] = ddof
+    if initial is not np._NoValue:
+        kwargs["initial"] = initial
     if 0 not in axes:
         return RowwiseReduction(kind, in_dtype, row_shape, axes, kwargs)
     cls: type[RowReduction]
@@ -587,11 +616,15 @@ def _subblocks(block: np.ndarray, bytes_per_element: int) -> list[tuple[int, np.
 
 
 class _UfuncReduction(RowReduction):
-    """sum, prod, min, max, any, all: one ufunc folds blocks and partials."""
+    """sum, prod, min, max, nanmin, nanmax, any, all: one ufunc folds blocks and
+    partials; ``initial``, when given, once more at the end (as NumPy starts from it).
+    nanmin and nanmax fold with ``fmin`` and ``fmax``, which leave NaN out, and warn
+    "All-NaN slice encountered" for a result that is NaN, as NumPy's do."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.ufunc = _UFUNCS[self.kind]
+        self.initial = self._kwargs.get("initial", np._NoValue)
         if self.kind in ("sum", "prod"):
             self.acc: np.dtype | None = accumulator_dtype(self.out_dtype)
         elif self.kind in ("any", "all"):
@@ -614,6 +647,10 @@ class _UfuncReduction(RowReduction):
         return np.asarray(self.ufunc(a, b, out=np.empty_like(a)))
 
     def _finish(self, partial: np.ndarray) -> np.ndarray:
+        if self.initial is not np._NoValue:
+            partial = np.asarray(self.ufunc(partial, self.initial))
+        if self.kind in ("nanmin", "nanmax") and np.isnan(partial).any():
+            warnings.warn("All-NaN slice encountered", RuntimeWarning, stacklevel=3)
         return partial.astype(self.out_dtype, copy=False)
 
 
@@ -1149,6 +1186,7 @@ class Reduction:
     """
 
     row_independent = False
+    sees_empty_blocks = True  # the user's chunk sees every block, as dask's does
 
     def __init__(
         self,
@@ -1169,6 +1207,15 @@ class Reduction:
         self._partial_bytes = options.partial_bytes
         self._temp_bytes = options.temp_bytes
         self.name = options.name or getattr(chunk, "__name__", "reduction")
+        self._empty: tuple[np.ndarray, ...] | None = None
+
+    def over(self, dtypes: Sequence[Any], row_shapes: Sequence[tuple[int, ...]]) -> Reduction:
+        """This reduction of inputs of ``dtypes`` and ``row_shapes``: over no rows at
+        all, its result is the user's functions on blocks of no rows (``aggregate``),
+        as for an array of one empty block."""
+        bound = copy.copy(self)
+        bound._empty = tuple(np.empty((0, *s), d) for d, s in zip(dtypes, row_shapes, strict=True))
+        return bound
 
     def __repr__(self) -> str:
         return f"Reduction({self.name})"
@@ -1192,7 +1239,10 @@ class Reduction:
         return self._combine(a, b)
 
     def aggregate(self, partial: Partial) -> Any:
-        """The user's aggregate, or the partial itself."""
+        """The user's aggregate, or the partial itself; of no rows (None), of the user's
+        chunk of empty blocks when the inputs are known (:meth:`over`)."""
+        if partial is None and self._empty is not None:
+            partial = self.chunk(*self._empty)
         return partial if self._aggregate is None else self._aggregate(partial)
 
     def temp_bytes(self, rows: int) -> int:

@@ -12,8 +12,11 @@ sees two kinds of operator:
   partial result, ``combine`` merges two partials as blocks finish (nothing is
   materialised), ``aggregate`` turns the last partial into the result. ``None`` is the
   partial of "no rows"; ``combine(None, p)`` is ``p`` and ``aggregate(None)`` gives
-  NumPy's result for an array with no rows. For an array with no rows the engine calls
-  ``chunk`` once, on an empty block, or not at all.
+  NumPy's result for an array with no rows. The engine never calls ``chunk`` on a
+  block without rows (a mask that kept none of a block's rows): that block's partial
+  is None. An operator whose partials must see every block, empty or not (a count per
+  block, a user's reduction), says so with ``sees_empty_blocks = True``. Called
+  directly, ``chunk`` of an empty block gives None.
 
 Memory is planned from these objects alone: ``temp_bytes(rows)`` is the peak of scratch
 an operator allocates while it runs on ``rows`` rows, beyond its input blocks and its
