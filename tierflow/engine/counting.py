@@ -18,8 +18,10 @@ that meets one first *counts*, then builds, then plans as usual::
 
 * **What is counted.** The node that decides the unknown layout: a filter (by its
   mask's true values when the mask is cut as the array is, else by the rows it keeps)
-  or a source of files (by the rows it loads). Nodes that share an ``origin`` share
-  their counts, so ``x[m]`` and ``y[m]`` are counted once.
+  or a source of files (by the rows it loads), found through each node's
+  ``rows_from()`` (a sort's rows are those of its input, reached through its runs).
+  Nodes that share an ``origin`` share their counts, so ``x[m]`` and ``y[m]`` are
+  counted once.
 * **When.** Only when a deferred node needs it: a mask computed or reduced without
   such an operation is not counted. Counts are kept on the counted node, so a second
   compute (and ``len``, ``shape``) does not count again.
@@ -28,8 +30,9 @@ that meets one first *counts*, then builds, then plans as usual::
   in one compute (one pass per block layout).
 * **After counting** the counted node is wrapped in a
   :class:`~tierflow.engine.graph.Counted` node (known bounds: its blocks that have
-  rows), every node above it is built again on it, and the deferred nodes build
-  themselves (raising NumPy's errors now: an index out of range, rows that differ).
+  rows), every node above it is built again on it (each node type knows how:
+  ``with_inputs``), and the deferred nodes build themselves (raising NumPy's errors
+  now: an index out of range, rows that differ).
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def _roots(node: Node) -> list[Chunked]:
         return [node]
     if isinstance(node, graph.DeferredRows):
         return []
-    return [r for i in node.inputs for r in _roots(i)]
+    return [r for i in node.rows_from() for r in _roots(i)]
 
 
 def _count_node(root: Chunked) -> graph.Reduce:
@@ -188,8 +191,7 @@ def _build_deferred(node: graph.DeferredRows | graph.DeferredValue, inputs: list
         return node.make(inputs)
     if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
         return node
-    meta = (node.dtype, node.shape[1:] if isinstance(node, Chunked) else node.shape)
-    return type(node)(inputs, node.make, meta, node.what, node.raw_token)  # type: ignore[arg-type]
+    return node.with_inputs(inputs)
 
 
 def _rebuild(node: Node, inputs: list[Node]) -> Node:
@@ -198,43 +200,9 @@ def _rebuild(node: Node, inputs: list[Node]) -> Node:
         return _build_deferred(node, inputs)
     if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
         return node
-    new = dict(zip(map(id, node.inputs), inputs, strict=True))
-
-    def swap(value: Any) -> Any:
-        return new.get(id(value), value) if isinstance(value, Node) else value
-
-    made: Node
-    if isinstance(node, graph.Elementwise):
-        made = graph.Elementwise(node.op, tuple(swap(o) for o in node.operands))
-    elif isinstance(node, graph.BlockMap):
-        n = node.n_chunked
-        made = graph.BlockMap(node.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
-    elif isinstance(node, graph.Reduce):
-        n = node.n_chunked
-        made = graph.Reduce(node.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
-    elif isinstance(node, graph.Filter):
-        mask = inputs[1] if len(inputs) > 1 else None
-        made = graph.Filter(inputs[0], mask, node.fn)  # type: ignore[arg-type]
-    elif isinstance(node, graph.Concat):
-        made = graph.Concat(tuple(inputs))  # type: ignore[arg-type]
-    elif isinstance(node, graph.RowSlice):
-        made = graph.RowSlice(inputs[0], node.key_slice)  # type: ignore[arg-type]
-    elif isinstance(node, graph.RowTake):
-        made = graph.RowTake(inputs[0], node.positions, node.rows)  # type: ignore[arg-type]
-    elif isinstance(node, graph.Counted):
-        if isinstance(inputs[0], graph.Counted):
-            return inputs[0]  # its input was counted again, with the same counts
-        made = graph.Counted(inputs[0], node.counts)  # type: ignore[arg-type]
-    elif isinstance(node, graph.Apply):
-        made = graph.Apply(
-            node.fn,
-            graph.substitute(node.args, swap),
-            graph.substitute(node.kwargs, swap),
-            name=node.name,
-        )
-    else:
-        raise TypeError(f"cannot rebuild {node!r} on counted rows")
+    made = node.with_inputs(inputs)
     made.cache_mark = node.cache_mark
+    made.built_at = node.built_at
     return made
 
 
