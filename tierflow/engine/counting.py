@@ -22,6 +22,11 @@ that meets one first *counts*, then builds, then plans as usual::
   ``rows_from()`` (a sort's rows are those of its input, reached through its runs).
   Nodes that share an ``origin`` share their counts, so ``x[m]`` and ``y[m]`` are
   counted once.
+* **Values of a length known once computed** (``np.unique(x)``, ``np.bincount(x)``,
+  ``head`` after a mask: None in their shape) are "counted" by computing them: an
+  operation that needs the length (``u[1:]``, ``u * 2``) is a deferred node on the
+  value, and the pass computes the value, which is then a constant of the compute.
+  Its length is kept on the node and by its key (the last 256), as counts are.
 * **When.** Only when a deferred node needs it: a mask computed or reduced without
   such an operation is not counted. Counts are kept on the counted node, so a second
   compute (and ``len``, ``shape``) does not count again.
@@ -40,6 +45,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,7 +54,7 @@ from ..storage import identity
 from . import graph
 from .graph import Chunked, Node
 
-__all__ = ["CountRows", "CountSpec", "known_rows", "resolve"]
+__all__ = ["CountRows", "CountSpec", "known_shape", "resolve"]
 
 Partial = list[tuple[int, int]] | None
 
@@ -149,8 +155,11 @@ class CountSpec:
 # -- which nodes decide an unknown layout ------------------------------------------------
 
 
-def _roots(node: Node) -> list[Chunked]:
-    """The nodes that decide ``node``'s unknown blocks (filters, sources of files)."""
+def _roots(node: Node) -> list[Node]:
+    """The nodes that decide ``node``'s unknown blocks (filters, sources of files), or
+    ``node`` itself for a value whose length is known once computed."""
+    if isinstance(node, graph.Value):
+        return [node] if _unsized(node) else []
     if not isinstance(node, Chunked) or node.bounds is not None:
         return []
     if isinstance(node, (graph.Filter, graph.Source)):
@@ -158,6 +167,12 @@ def _roots(node: Node) -> list[Chunked]:
     if isinstance(node, graph.DeferredRows):
         return []
     return [r for i in node.rows_from() for r in _roots(i)]
+
+
+def _unsized(node: Node) -> bool:
+    """Whether ``node`` is a value whose length is known once computed (not one that
+    waits for counts: that is built first)."""
+    return isinstance(node, graph.Value) and not node.sized and not isinstance(node, graph.Deferred)
 
 
 def _count_node(root: Chunked) -> graph.Reduce:
@@ -184,10 +199,17 @@ def _has_deferred(node: Node, memo: dict[int, bool]) -> bool:
 # -- rebuilding the graph on counted nodes ------------------------------------------------
 
 
+def _known(node: Node) -> bool:
+    """Whether ``node``'s rows (a value's length) are known."""
+    if isinstance(node, Chunked):
+        return node.n_rows is not None
+    return not isinstance(node, graph.Value) or node.sized
+
+
 def _build_deferred(node: graph.DeferredRows | graph.DeferredValue, inputs: list[Node]) -> Node:
     """The deferred operation built, once its inputs' rows are known; else itself (on
     ``inputs``)."""
-    if all(not isinstance(i, Chunked) or i.n_rows is not None for i in inputs):
+    if all(_known(i) for i in inputs):
         return node.make(inputs)
     if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
         return node
@@ -229,6 +251,33 @@ def _remember(origin: Any, counts: tuple[int, ...]) -> None:
                 _KNOWN.popitem(last=False)
 
 
+# Lengths of values computed for them, by key (content keys only): a value built again
+# on counted rows, or built again from the same expression, finds its length here.
+_LENGTHS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+
+def _remember_length(value: graph.Value, shape: tuple[int, ...]) -> None:
+    value.shape = shape  # known from now on, for this node's later operations too
+    key = value.ident
+    if not key.startswith("id:"):
+        with _LOCK:
+            _LENGTHS[key] = shape
+            _LENGTHS.move_to_end(key)
+            while len(_LENGTHS) > _KNOWN_MAX:
+                _LENGTHS.popitem(last=False)
+
+
+def _learn_length(value: graph.Value) -> None:
+    """``value``'s shape, where a value with its key was computed for its length."""
+    key = value.ident
+    if key.startswith("id:"):
+        return
+    with _LOCK:
+        shape = _LENGTHS.get(key)
+    if shape is not None and len(shape) == value.ndim:
+        value.shape = shape
+
+
 def _counts_of(root: Chunked, table: dict[Any, tuple[int, ...]]) -> tuple[int, ...] | None:
     found = root.row_counts if root.row_counts is not None else table.get(root.origin)
     if found is None and _by_content(root.origin):
@@ -239,14 +288,29 @@ def _counts_of(root: Chunked, table: dict[Any, tuple[int, ...]]) -> tuple[int, .
     return found
 
 
-def _rewrite(roots: list[Node], table: dict[Any, tuple[int, ...]]) -> list[Node]:
-    """``roots`` with every counted node wrapped in :class:`graph.Counted`, the nodes
-    above built again, and the deferred nodes whose inputs are known built."""
+@dataclass
+class _Found:
+    """What the passes found: rows per block by origin, and the values that were
+    computed for their length (by node id, for this resolve only)."""
+
+    counts: dict[Any, tuple[int, ...]] = field(default_factory=dict)
+    values: dict[int, Any] = field(default_factory=dict)
+
+
+def _rewrite(roots: list[Node], found: _Found) -> list[Node]:
+    """``roots`` with every counted node wrapped in :class:`graph.Counted`, every
+    value computed for its length in a :class:`graph.Const`, the nodes above built
+    again, and the deferred nodes whose inputs are known built."""
     made: dict[int, Node] = {}
     for node in graph.walk(roots):
+        if id(node) in found.values:
+            made[id(node)] = graph.Const(found.values[id(node)])
+            continue
         new = _rebuild(node, [made[id(i)] for i in node.inputs])
+        if _unsized(new):
+            _learn_length(new)  # type: ignore[arg-type]
         if isinstance(new, (graph.Filter, graph.Source)) and new.bounds is None:
-            counts = _counts_of(new, table)
+            counts = _counts_of(new, found.counts)
             if counts is not None:
                 new.row_counts = counts
                 new = graph.Counted(new, counts)
@@ -254,13 +318,12 @@ def _rewrite(roots: list[Node], table: dict[Any, tuple[int, ...]]) -> list[Node]
     return [made[id(r)] for r in roots]
 
 
-def _wanted(
-    roots: list[Node], table: dict[Any, tuple[int, ...]], count_roots: bool
-) -> list[Chunked]:
+def _wanted(roots: list[Node], found: _Found, count_roots: bool) -> list[Node]:
     """Nodes to count now: those under deferred nodes that have no deferred node below
-    (and under ``roots`` themselves with ``count_roots``)."""
+    (and under ``roots`` themselves with ``count_roots``); values to compute for their
+    length among them."""
     memo: dict[int, bool] = {}
-    found: dict[int, Chunked] = {}
+    wanted: dict[int, Node] = {}
     for node in graph.walk(roots):
         deferred = isinstance(node, (graph.DeferredRows, graph.DeferredValue))
         if not deferred and not (count_roots and any(node is r for r in roots)):
@@ -269,58 +332,78 @@ def _wanted(
             continue
         for i in node.inputs if deferred else [node]:
             for root in _roots(i):
-                if _counts_of(root, table) is None:
-                    found[id(root)] = root
-    return list(found.values())
+                if isinstance(root, graph.Value) or _counts_of(root, found.counts) is None:  # type: ignore[arg-type]
+                    wanted[id(root)] = root
+    return list(wanted.values())
+
+
+def _count(wanted: list[Node], found: _Found, count: Callable[[list[Node]], Sequence[Any]]) -> str:
+    """One pass: the rows per block of the chunked nodes in ``wanted`` (once per
+    origin) and the values among them, computed together; what it ran, in words."""
+    first: dict[Any, Chunked] = {}
+    values: list[graph.Value] = []
+    for root in wanted:
+        if isinstance(root, graph.Value):
+            values.append(root)
+        else:
+            assert isinstance(root, Chunked)
+            first.setdefault(root.origin, root)
+    reductions = [_count_node(root) for root in first.values()]
+    results = count([*reductions, *values])
+    for (origin, root), result in zip(first.items(), results, strict=False):
+        found.counts[origin] = tuple(int(v) for v in np.asarray(result))
+        root.row_counts = found.counts[origin]
+        _remember(origin, found.counts[origin])
+    for root in wanted:
+        if isinstance(root, Chunked):
+            root.row_counts = found.counts[root.origin]
+    for value, result in zip(values, results[len(reductions) :], strict=True):
+        _remember_length(value, tuple(np.shape(result)))
+        found.values[id(value)] = result
+    names = [str(r.spec.label()) for r in reductions]
+    names += [f"compute {v.label()} for its length" for v in values]
+    return ", ".join(names)
 
 
 def resolve(
     roots: list[Node], count: Callable[[list[Node]], Sequence[Any]], count_roots: bool = False
 ) -> tuple[list[Node], list[str]]:
     """``roots`` with nothing deferred left: the nodes they need counted (by
-    ``count(reductions)``, which computes them), and the graph built again on the
-    counts (see the module docstring); ``count_roots`` counts the roots' own rows
-    too (for ``len``). Also the counting passes run, in words, for the plan's
-    description. Raises what building a deferred node raises (NumPy's errors), after
-    counting."""
-    table: dict[Any, tuple[int, ...]] = {}
+    ``count(nodes)``, which computes them: reductions that count rows, and values
+    whose length is unknown), and the graph built again on the counts (see the
+    module docstring); ``count_roots`` counts the roots' own rows too (for ``len``).
+    Also the counting passes run, in words, for the plan's description. Raises what
+    building a deferred node raises (NumPy's errors), after counting."""
+    found = _Found()
     done: list[str] = []
-    current = _rewrite(roots, table)
+    current = _rewrite(roots, found)
     while True:
-        wanted = _wanted(current, table, count_roots)
+        wanted = _wanted(current, found, count_roots)
         if not wanted:
             break
-        first: dict[Any, Chunked] = {}
-        for root in wanted:
-            first.setdefault(root.origin, root)
-        reductions = [_count_node(root) for root in first.values()]
-        values = count(list(reductions))
-        for (origin, root), value in zip(first.items(), values, strict=True):
-            table[origin] = tuple(int(v) for v in np.asarray(value))
-            root.row_counts = table[origin]
-            _remember(origin, table[origin])
-        for root in wanted:
-            root.row_counts = table[root.origin]
-        names = ", ".join(str(r.spec.label()) for r in reductions)
-        done.append(f"pass {len(done) + 1}: {names}")
-        current = _rewrite(current, table)
+        done.append(f"pass {len(done) + 1}: {_count(wanted, found, count)}")
+        current = _rewrite(current, found)
     memo: dict[int, bool] = {}
     if any(_has_deferred(r, memo) for r in current):
         raise RuntimeError("an operation waiting for row counts was left unbuilt")
+    for root, built in zip(roots, current, strict=True):
+        if _unsized(root) and isinstance(built, graph.Value) and built.sized:
+            root.shape = built.shape  # the length ``len()`` found, kept on the array
     return current, done
 
 
-def known_rows(node: Node) -> int | None:
-    """``node``'s row count where the counts it needs are known (no pass is run);
-    None otherwise."""
+def known_shape(node: Node) -> tuple[int | None, ...] | None:
+    """``node``'s shape where the counts (or lengths) it needs are known, no pass run:
+    ``node`` built on them; None otherwise."""
     nodes = graph.walk([node])
     if not any(
-        isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {})
+        (isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {}))
+        or (isinstance(n, (graph.DeferredRows, graph.DeferredValue)) and all(map(_known, n.inputs)))
         for n in nodes
     ):
         return None
     try:
-        (built,) = _rewrite([node], {})
+        (built,) = _rewrite([node], _Found())
     except Exception:  # an error NumPy raises once counted: the compute raises it
         return None
-    return built.shape[0] if isinstance(built, Chunked) else None
+    return None if None in built.shape else built.shape

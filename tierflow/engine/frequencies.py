@@ -403,9 +403,9 @@ def _field(table: np.ndarray, name: str) -> np.ndarray:
 def _field_of(table: graph.Node, name: str, label: str) -> Array:
     """A lazy field of a table whose length is known once computed (shape ``(None,
     ...)``, as a ``head`` of a masked array has)."""
-    node = graph.Apply(_field, (table,), {"name": name}, name=label)
-    node.shape = (None, *node.shape[1:])
-    return _wrap(node)
+    fields: dict[str, Any] = dict(np.dtype(table.dtype).fields or {})
+    shape = (None, *fields[name][0].shape)
+    return _wrap(graph.Apply(_field, (table,), {"name": name}, name=label, shape=shape))
 
 
 def _by_count(table: np.ndarray) -> np.ndarray:

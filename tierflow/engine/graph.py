@@ -167,8 +167,9 @@ class Chunked(Node):
 
     def rows_from(self) -> tuple[Node, ...]:
         """The nodes whose row counts decide this node's while they are unknown: its
-        inputs, unless it reaches them through a value (an external sort's runs)."""
-        return self.inputs
+        chunked inputs, unless it reaches them through a value (an external sort's
+        runs)."""
+        return tuple(i for i in self.inputs if isinstance(i, Chunked))
 
     @property
     def n_rows(self) -> int | None:
@@ -202,6 +203,13 @@ class Value(Node):
 
     kind = "value"
     meta_known = True
+
+    @property
+    def sized(self) -> bool:
+        """Whether the length of every axis is known. A value whose length depends on
+        the data (``np.unique`` or ``np.bincount`` of a lazy array, ``head`` after a
+        mask) has None there until it is computed (:mod:`tierflow.engine.counting`)."""
+        return None not in self.shape
 
 
 def placeholder(node: Node) -> Any:
@@ -867,7 +875,8 @@ def substitute(value: Any, lookup: Callable[[Node], Any]) -> Any:
 
 class Apply(Value):
     """``fn(*args, **kwargs)`` on in-memory values; nodes in ``args`` are replaced by
-    their values. Dtype and shape come from ``fn`` on zero placeholders unless given."""
+    their values. Dtype and shape come from ``fn`` on zero placeholders; ``shape``,
+    where given, is the shape instead (None for a length known once computed)."""
 
     def __init__(
         self,
@@ -876,6 +885,7 @@ class Apply(Value):
         kwargs: dict[str, Any] | None = None,
         *,
         name: str | None = None,
+        shape: tuple[int | None, ...] | None = None,
     ) -> None:
         kwargs = dict(kwargs or {})
         inputs = list({id(n): n for n in _nodes_in((args, kwargs))}.values())
@@ -892,7 +902,8 @@ class Apply(Value):
             probe = np.asarray(
                 fn(*substitute(args, placeholder), **substitute(kwargs, placeholder))
             )
-        super().__init__(inputs, probe.dtype, probe.shape)
+        super().__init__(inputs, probe.dtype, probe.shape if shape is None else shape)
+        self.given_shape = shape
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -921,4 +932,4 @@ class Apply(Value):
             return new.get(id(node), node)
 
         args, kwargs = substitute(self.args, swap), substitute(self.kwargs, swap)
-        return Apply(self.fn, args, kwargs, name=self.name)
+        return Apply(self.fn, args, kwargs, name=self.name, shape=self.given_shape)
