@@ -322,6 +322,21 @@ def test_bincount_weights_may_be_in_memory_or_lazy_with_other_blocks() -> None:
         np.testing.assert_allclose(result, expected, rtol=1e-14)
 
 
+def test_bincount_weights_of_one_mask_with_other_blocks_or_in_memory() -> None:
+    a = np.array([3, 0, 1, 4, 0, 0, 2, 1, 0, 0, 0])
+    w = np.linspace(0.5, 5.5, 11)
+    k, weights = tw.from_array(a, rows=3), tw.from_array(w, rows=5)
+    m = k > 0
+    np.testing.assert_allclose(
+        np.bincount(k[m], weights=weights[m]).compute(), np.bincount(a[a > 0], weights=w[a > 0])
+    )
+    # Five values kept, five weights in memory: they line up once counted.
+    got = np.bincount(k[k > 0], weights=np.ones(5)).compute()
+    same(got, np.bincount(a[a > 0], weights=np.ones(5)))
+    with pytest.raises(ValueError, match="The weights and list don't have the same length"):
+        np.bincount(k[k > 0], weights=np.ones(4)).compute()
+
+
 def test_bincount_refuses_what_numpy_refuses() -> None:
     x = tw.from_array(np.array([0, 3, -2, 1]), rows=2)
     with pytest.raises(

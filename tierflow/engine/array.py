@@ -678,14 +678,28 @@ def _line_up_later(nodes: Sequence[Node]) -> bool:
 
 
 def _defer_function(fn: Callable[..., Array], nodes: Sequence[Node], what: str) -> Array:
-    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted."""
-    rows = [np.zeros((1, *(int(d or 0) for d in n.shape[1:])), n.dtype) for n in nodes]
-    dtype, shape = _probe_meta(lambda: np.asarray(fn(rows)))
+    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted (see
+    :func:`_line_up_later`): a deferred node of the kind ``fn`` gives, rows or a value.
+    Its dtype and shape are ``fn``'s with zero rows standing in for the unknown ones,
+    as many as the known ones have (two if none has): NumPy's errors on anything but
+    the row count are raised now, the row count's once counted."""
+    known = [n.n_rows for n in nodes if isinstance(n, Chunked) and n.n_rows is not None]
+    rows = known[0] if known else 2
+
+    def standin(n: Node) -> Node:
+        if not isinstance(n, Chunked) or n.n_rows is not None:
+            return n
+        return from_array(np.zeros((rows, *n.row_shape), n.dtype))._node
+
+    probe = fn([Array(standin(n)) for n in nodes])._node
+    chunked = isinstance(probe, Chunked)
+    meta = (probe.dtype, probe.shape[1:] if chunked else probe.shape)
 
     def make(lookup: Callable[[Node], Node]) -> Node:
         return fn([Array(lookup(n)) for n in nodes])._node
 
-    return _deferred(nodes, make, (dtype, shape[1:]), what, (what, len(nodes)))
+    token = (what, fn, len(nodes))
+    return _deferred(nodes, make, meta, what, token, rows=chunked)
 
 
 def _defer_method(  # noqa: PLR0913 -- the method's call, and what the result is

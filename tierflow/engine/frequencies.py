@@ -40,7 +40,16 @@ from ..operators.types import block_bytes
 from ..storage import placement, spill
 from ..system import budget
 from . import distinct, graph
-from .array import Array, _deferred, _describe_shape, _value_apply, _wrap, from_array
+from .array import (
+    Array,
+    _defer_function,
+    _deferred,
+    _describe_shape,
+    _line_up_later,
+    _value_apply,
+    _wrap,
+    from_array,
+)
 from .graph import Chunked, Value
 from .specs import _ReduceSpec, _Spec
 
@@ -575,7 +584,13 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
                 f"The weights and list don't have the same length: weights of shape "
                 f"{_describe_shape(w.shape)} for x of shape {_describe_shape(node.shape)}"
             )
-        if w.n_rows != node.n_rows or (node.n_rows is None and w.origin != node.origin):
+        if _line_up_later([node, w]):  # different masks, block sizes, or known rows
+            return _defer_function(
+                lambda xw: bincount(xw[0], weights=xw[1], minlength=minlength),
+                [node, w],
+                f"bincount(minlength={minlength})",
+            )
+        if w.n_rows != node.n_rows:
             raise ValueError(
                 f"The weights and list don't have the same length: {_describe_shape(w.shape)} "
                 f"and {_describe_shape(node.shape)}"
