@@ -324,10 +324,11 @@ def test_a_counted_block_projects_the_whole_blocks_it_is_cut_from() -> None:
     assert block.memory.total >= counted.memory(33, False).total
 
 
-# -- results of a sort, a top k or np.unique after a mask ---------------------------------
+# -- results of a sort, a top k, np.unique, np.bincount or head after a mask ----------------
 #
 # Each is a lazy array like any other: every operation that needs its row count (or, for
-# np.unique, its length) works on it as on an array of known length, NumPy's answer.
+# a value whose length depends on the data, its length) works on it as on an array of
+# known length, NumPy's answer.
 
 VALUES = np.array([4, -1, 7, 7, 0, 2, -3, 9, 2, 2, 5, -8, 1, 6, 6, -2, 3, 8, 0, 5, 1, 4, 7])
 TABLE = np.stack([VALUES, VALUES[::-1] * 10], axis=1)
@@ -348,6 +349,8 @@ SORTED_AFTER_A_MASK: dict[str, tuple[Callable[[Any], Any], Callable[[np.ndarray]
     "sort axis 0": (lambda x: np.sort(x, axis=0), lambda a: np.sort(a, axis=0, kind="stable")),
     "topk": (lambda x: tw.topk(x, 4), lambda a: _descending_first(a, 4)),
     "unique": (np.unique, np.unique),
+    "bincount": (np.bincount, np.bincount),
+    "head": (lambda x: x.head(6), lambda a: a[:6]),
 }
 # What each is made from: the 1-D values or the 2-D table.
 TWO_D = {"sort_rows", "sort axis 0", "topk"}
@@ -372,13 +375,17 @@ FOLLOW_UPS: dict[str, Callable[[Any], Any]] = {
     "+ arange(len)": lambda r: r + np.arange(len(r)).reshape(-1, *[1] * (r.ndim - 1)),
     "[> 2]": lambda r: r[r > 2],
     "argmax(0)": lambda r: r.argmax(axis=0),
+    "divmod(r, 3)[1]": lambda r: np.divmod(r, 3)[1],
+    "concatenate with [:2]": lambda r: (tw if isinstance(r, tw.Array) else np).concatenate(
+        [r, r[:2]]
+    ),
 }
 
 
 @pytest.mark.executors("threads", "processes")
 @pytest.mark.parametrize("follow_up", sorted(FOLLOW_UPS))
 @pytest.mark.parametrize("made_by", sorted(SORTED_AFTER_A_MASK))
-def test_a_sort_after_a_mask_takes_any_operation_as_numpy(made_by: str, follow_up: str) -> None:
+def test_a_result_after_a_mask_takes_any_operation_as_numpy(made_by: str, follow_up: str) -> None:
     lazy_fn, numpy_fn = SORTED_AFTER_A_MASK[made_by]
     a = TABLE if made_by in TWO_D else VALUES
     x = tw.from_array(a, rows=4)
@@ -399,7 +406,7 @@ def test_a_sort_after_a_mask_takes_any_operation_as_numpy(made_by: str, follow_u
 
 @pytest.mark.executors("threads", "processes")
 @pytest.mark.parametrize("made_by", sorted(SORTED_AFTER_A_MASK))
-def test_a_sort_after_a_mask_is_written_whole_by_to_npy(made_by: str, tmp_path: Path) -> None:
+def test_a_result_after_a_mask_is_written_whole_by_to_npy(made_by: str, tmp_path: Path) -> None:
     lazy_fn, numpy_fn = SORTED_AFTER_A_MASK[made_by]
     a = TABLE if made_by in TWO_D else VALUES
     x = tw.from_array(a, rows=4)

@@ -489,7 +489,7 @@ def _value_nodes(call: Any, which: Callable[[Value], bool]) -> list[Node]:
 
 # An index reads a few elements of what it indexes: its stand-in for a length unknown
 # until computed is a zero-strided view this long (no memory), so any position fits.
-_INDEXED_LENGTH = 1 << 40
+_INDEXED_LENGTH = 1 << 32
 
 Standin = Callable[[Node], Any]
 

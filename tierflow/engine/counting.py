@@ -257,6 +257,7 @@ _LENGTHS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
 
 def _remember_length(value: graph.Value, shape: tuple[int, ...]) -> None:
+    """``value``'s shape, found by computing it: on the node, and by its key."""
     value.shape = shape  # known from now on, for this node's later operations too
     key = value.ident
     if not key.startswith("id:"):
@@ -294,7 +295,8 @@ class _Found:
     computed for their length (by node id, for this resolve only)."""
 
     counts: dict[Any, tuple[int, ...]] = field(default_factory=dict)
-    values: dict[int, Any] = field(default_factory=dict)
+    # id -> (the node, its value): the node is held, so that its id names no other.
+    values: dict[int, tuple[Node, Any]] = field(default_factory=dict)
 
 
 def _rewrite(roots: list[Node], found: _Found) -> list[Node]:
@@ -303,12 +305,13 @@ def _rewrite(roots: list[Node], found: _Found) -> list[Node]:
     again, and the deferred nodes whose inputs are known built."""
     made: dict[int, Node] = {}
     for node in graph.walk(roots):
-        if id(node) in found.values:
-            made[id(node)] = graph.Const(found.values[id(node)])
+        computed = found.values.get(id(node))
+        if computed is not None and computed[0] is node:
+            made[id(node)] = graph.Const(computed[1])
             continue
         new = _rebuild(node, [made[id(i)] for i in node.inputs])
-        if _unsized(new):
-            _learn_length(new)  # type: ignore[arg-type]
+        if isinstance(new, graph.Value) and _unsized(new):
+            _learn_length(new)
         if isinstance(new, (graph.Filter, graph.Source)) and new.bounds is None:
             counts = _counts_of(new, found.counts)
             if counts is not None:
@@ -332,7 +335,7 @@ def _wanted(roots: list[Node], found: _Found, count_roots: bool) -> list[Node]:
             continue
         for i in node.inputs if deferred else [node]:
             for root in _roots(i):
-                if isinstance(root, graph.Value) or _counts_of(root, found.counts) is None:  # type: ignore[arg-type]
+                if not isinstance(root, Chunked) or _counts_of(root, found.counts) is None:
                     wanted[id(root)] = root
     return list(wanted.values())
 
@@ -359,7 +362,7 @@ def _count(wanted: list[Node], found: _Found, count: Callable[[list[Node]], Sequ
             root.row_counts = found.counts[root.origin]
     for value, result in zip(values, results[len(reductions) :], strict=True):
         _remember_length(value, tuple(np.shape(result)))
-        found.values[id(value)] = result
+        found.values[id(value)] = (value, result)
     names = [str(r.spec.label()) for r in reductions]
     names += [f"compute {v.label()} for its length" for v in values]
     return ", ".join(names)
