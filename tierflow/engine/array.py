@@ -18,7 +18,9 @@ blocks:
 * after a boolean mask the number of rows is unknown (``shape[0]`` is None) until
   counted; such arrays combine row by row with arrays cut by the same mask, and an
   operation that needs the row count (a row slice, ``x[i]``, ``argmax``, other rows)
-  waits for a pass that counts rows per block (:mod:`tierflow.engine.counting`).
+  waits for a pass that counts rows per block (:mod:`tierflow.engine.counting`); one
+  that needs the length of a value that depends on the data (``np.unique(x)[1:]``)
+  waits for the value.
 """
 
 from __future__ import annotations
@@ -750,7 +752,8 @@ class Array:
     @property
     def shape(self) -> tuple[int | None, ...]:
         """The shape; the row count is None after a boolean mask until its rows are
-        counted (by ``len()``, or a compute that needed the count)."""
+        counted (by ``len()``, or a compute that needed the count), as is a length that
+        depends on the data (``np.unique``, ``np.bincount``) until computed."""
         node = self._node
         shape = node.shape
         if None in shape:
