@@ -230,6 +230,16 @@ def test_unique_of_an_in_memory_result_is_numpys() -> None:
     same(counts.compute(), np.array([2, 1]))
 
 
+def test_a_length_that_depends_on_an_in_memory_results_data_is_unknown_until_computed() -> None:
+    columns = tw.from_array(np.array([[1, 2, 3], [1, 5, 3]]), rows=1).sum(axis=0)  # [2, 7, 6]
+    u, b = np.unique(columns), np.bincount(columns)
+    assert u.shape == (None,) and b.shape == (None,) and u[1:].shape == (None,)
+    assert len(u) == 3 and u.shape == (3,)  # not the length of a stand-in
+    same(u[::-1].compute(), np.array([7, 6, 2]))
+    same(b[::-2].compute(), np.bincount([2, 7, 6])[::-2])
+    assert len(b) == 8
+
+
 def test_unique_spills_and_removes_its_files_after_success(spills: list[str]) -> None:
     a = np.random.default_rng(1).integers(0, 5000, 20_000)
     x = tw.from_array(np.sort(a), rows=1000)  # sorted: the first splitters fit nothing later

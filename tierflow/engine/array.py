@@ -457,22 +457,26 @@ def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
 
 
 def _value_apply(
-    fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    name: str | None = None,
+    data_length: bool = False,
+    **kwargs: Any,
 ) -> Array:
     """``fn`` applied to in-memory values: chunked operands are collected first. On a
     value whose length is known only once computed, it waits for that (see
-    :func:`_apply_later`)."""
+    :func:`_apply_later`). ``data_length``: the length of the result's first axis
+    depends on the data (``np.unique``), so it is unknown (None) until computed."""
     args2, kwargs2 = graph.substitute(
         (args, kwargs), lambda n: n if isinstance(n, Value) else _as_value(n)
     )
     call = (tuple(args2), dict(kwargs2))
-    unsized = _value_nodes(call, lambda n: not n.sized)
-    if unsized:
-        return _apply_later(fn, call, name)
+    if _value_nodes(call, lambda n: not n.sized):
+        return _apply_later(fn, call, name, data_length)
     shape = None
-    if _value_nodes(call, lambda n: n.dtype == bool):
-        # Which elements a boolean value picks decides lengths (``s[s > 2]``).
-        shape = _probe_shape(fn, call, first_unknown=False)[1]
+    if data_length or _value_nodes(call, lambda n: n.dtype == bool):
+        # Which elements a boolean value picks decides lengths too (``s[s > 2]``).
+        shape = _probe_shape(fn, call, first_unknown=data_length)[1]
     return _wrap(graph.Apply(fn, *call, name=name, shape=shape))
 
 
@@ -562,7 +566,10 @@ def _probe_shape(
 
 
 def _apply_later(
-    fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]], name: str | None
+    fn: Callable[..., Any],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    name: str | None,
+    data_length: bool,
 ) -> Array:
     """``fn(*args, **kwargs)`` (``call``) once the values in it whose length is unknown
     are computed (:mod:`tierflow.engine.counting`). Its dtype is known now; its first
@@ -572,7 +579,7 @@ def _apply_later(
     nodes: dict[int, Node] = {}
     graph.substitute(call, lambda n: nodes.setdefault(id(n), n))
     slots = graph.substitute(call, lambda n: f"in{list(nodes).index(id(n))}")
-    make = functools.partial(_make_apply, fn, call, name)
+    make = functools.partial(_make_apply, fn, call, (name, data_length))
     label = str(name or getattr(fn, "__name__", "apply"))
     return _deferred(list(nodes.values()), make, meta, label, (label, fn, slots), rows=False)
 
@@ -580,11 +587,12 @@ def _apply_later(
 def _make_apply(
     fn: Callable[..., Any],
     call: tuple[tuple[Any, ...], dict[str, Any]],
-    name: str | None,
+    how: tuple[str | None, bool],
     lookup: Callable[[Node], Node],
 ) -> Node:
     args, kwargs = graph.substitute(call, lookup)
-    return _value_apply(fn, *args, name=name, **kwargs)._node
+    name, data_length = how
+    return _value_apply(fn, *args, name=name, data_length=data_length, **kwargs)._node
 
 
 def _reduce_value(kind: str) -> Callable[..., Any]:

@@ -466,9 +466,13 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
     if isinstance(node, Value):
         outputs = 1 + sum(bool(v) for v in flags.values())
         if outputs == 1:
-            return _value_apply(np.unique, node, name="unique", axis=axis, **flags)
+            return _value_apply(
+                np.unique, node, name="unique", data_length=True, axis=axis, **flags
+            )
         return tuple(
-            _value_apply(_nth_unique, node, name="unique", n=n, axis=axis, **flags)
+            _value_apply(
+                _nth_unique, node, name="unique", data_length=True, n=n, axis=axis, **flags
+            )
             for n in range(outputs)
         )
     assert isinstance(node, Chunked)
@@ -564,7 +568,9 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
     if minlength < 0:
         raise ValueError("'minlength' must not be negative")
     if isinstance(node, Value):
-        return _value_apply(np.bincount, node, weights, name="bincount", minlength=minlength)
+        return _value_apply(
+            np.bincount, node, weights, name="bincount", data_length=True, minlength=minlength
+        )
     assert isinstance(node, Chunked)
     if node.ndim != 1:
         raise ValueError(

@@ -366,7 +366,7 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
     keep = bool(keepdims) if keepdims is not np._NoValue else False
     node = array._node
     if isinstance(node, Value):
-        extra = {} if function.endswith("median") else {"method": method}
+        extra: dict[str, Any] = {} if function.endswith("median") else {"method": method}
         args = () if function.endswith("median") else (q,)
         fn = getattr(np, function)
         return _value_apply(fn, node, *args, axis=axis, keepdims=keep, name=function, **extra)
