@@ -8,7 +8,9 @@ budget), and its partition files must be gone after a success, an error and Ctrl
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,16 @@ def test_unique_of_an_in_memory_result_is_numpys() -> None:
     same(counts.compute(), np.array([2, 1]))
 
 
+def test_a_length_that_depends_on_an_in_memory_results_data_is_unknown_until_computed() -> None:
+    columns = tw.from_array(np.array([[1, 2, 3], [1, 5, 3]]), rows=1).sum(axis=0)  # [2, 7, 6]
+    u, b = np.unique(columns), np.bincount(columns)
+    assert u.shape == (None,) and b.shape == (None,) and u[1:].shape == (None,)
+    assert len(u) == 3 and u.shape == (3,)  # not the length of a stand-in
+    same(u[::-1].compute(), np.array([7, 6, 2]))
+    same(b[::-2].compute(), np.bincount([2, 7, 6])[::-2])
+    assert len(b) == 8
+
+
 def test_unique_spills_and_removes_its_files_after_success(spills: list[str]) -> None:
     a = np.random.default_rng(1).integers(0, 5000, 20_000)
     x = tw.from_array(np.sort(a), rows=1000)  # sorted: the first splitters fit nothing later
@@ -320,6 +332,39 @@ def test_bincount_weights_may_be_in_memory_or_lazy_with_other_blocks() -> None:
         result = np.bincount(x, weights=weights).compute(progress=False)
         assert result.dtype == expected.dtype
         np.testing.assert_allclose(result, expected, rtol=1e-14)
+
+
+def test_bincount_weights_of_one_mask_with_other_blocks_or_in_memory() -> None:
+    a = np.array([3, 0, 1, 4, 0, 0, 2, 0, 0, 0, 0])
+    w = np.linspace(0.5, 5.5, 11)
+    k, weights = tw.from_array(a, rows=3), tw.from_array(w, rows=5)
+    m = k > 0
+    np.testing.assert_allclose(
+        np.bincount(k[m], weights=weights[m]).compute(), np.bincount(a[a > 0], weights=w[a > 0])
+    )
+    # Four values kept, four weights in memory: they line up once counted.
+    got = np.bincount(k[k > 0], weights=np.ones(4)).compute()
+    same(got, np.bincount(a[a > 0], weights=np.ones(4)))
+    with pytest.raises(ValueError, match="The weights and list don't have the same length"):
+        np.bincount(k[k > 0], weights=np.ones(5)).compute()
+
+
+def test_unique_after_a_mask_is_computed_once_for_its_length(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a = np.arange(40) % 13 - 3
+    x = tw.from_array(a, rows=6)
+    u = np.unique(x[x > 0])
+    want = np.unique(a[a > 0])
+    assert u.shape == (None,) and u[1:].shape == (None,) and u.sum().shape == ()
+    with caplog.at_level(logging.DEBUG, logger="tierflow.engine"):
+        same(u[::-2].compute(), want[::-2])
+    plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan of")]
+    # One pass of np.unique over x: computed for its length first (or its length was
+    # known from an earlier run of the same expression), then the slice in memory.
+    assert sum(len(re.findall(r"\b\d+ unique\b", p)) for p in plans) == 1, plans
+    assert len(u) == len(want) and u.shape == want.shape
+    same((u * 2 + u[::-1]).compute(), want * 2 + want[::-1])
 
 
 def test_bincount_refuses_what_numpy_refuses() -> None:

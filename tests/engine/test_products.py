@@ -142,22 +142,72 @@ def test_rows_from_the_same_mask_multiply() -> None:
     np.testing.assert_allclose((x[mask].T @ x[mask]).compute(), a[keep].T @ a[keep], rtol=1e-12)
 
 
-def test_rows_from_different_masks_are_refused() -> None:
-    a = np.ones((100, 2))
+def test_operands_of_one_mask_with_other_block_sizes_multiply() -> None:
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((40, 3)), rng.standard_normal((40, 2))
+    x, y = tw.from_array(a, rows=3), tw.from_array(b, rows=5)
+    m = x[:, 0] > 0
+    keep = a[:, 0] > 0
+    close = np.testing.assert_allclose
+    close((x[m].T @ y[m]).compute(), a[keep].T @ b[keep], rtol=1e-12)
+    close(np.dot(x[m].T, y[m]).compute(), a[keep].T @ b[keep], rtol=1e-12)
+    close(np.cov(x[m], y[m], rowvar=False).compute(), np.cov(a[keep], b[keep], rowvar=False))
+    close(np.corrcoef(x[m], y[m], rowvar=False).compute(), np.corrcoef(a[keep], b[keep], False))
+    close(np.einsum("ij,ik->jk", x[m], y[m]).compute(), a[keep].T @ b[keep], rtol=1e-12)
+    close(np.einsum("ij,ij->i", x[m][:, :2], y[m]).compute(), (a[keep][:, :2] * b[keep]).sum(1))
+
+
+def test_operands_of_different_masks_multiply_when_their_counts_agree() -> None:
+    a = np.arange(200.0).reshape(100, 2) % 9
     x = tw.from_array(a, rows=10)
-    y = tw.from_array(a, rows=25)
-    with pytest.raises(ValueError, match="same mask"):
-        x[x[:, 0] > 0].T @ y[y[:, 0] > 0]
-    with pytest.raises(ValueError, match="same mask"):
-        x[x[:, 0] > 0].T @ y
+    y = tw.from_array(a[::-1].copy(), rows=25)
+    kx, ky = a[:, 0] > 3, a[::-1, 0] > 3  # as many rows kept, from other places
+    got = (x[x[:, 0] > 3].T @ y[y[:, 0] > 3]).compute()
+    np.testing.assert_allclose(got, a[kx].T @ a[::-1][ky])
+    everything = x[x[:, 0] >= 0]  # keeps all 100 rows: it lines up with y once counted
+    np.testing.assert_allclose((everything.T @ y).compute(), a.T @ a[::-1])
 
 
-def test_rows_that_differ_are_refused_with_both_shapes() -> None:
+def test_in_memory_operands_after_a_mask_multiply_once_counted() -> None:
+    a = np.arange(30.0).reshape(10, 3)
+    x = tw.from_array(a, rows=3)
+    m = x[:, 0] > 15  # keeps 4 rows
+    kept = a[a[:, 0] > 15]
+    np.testing.assert_array_equal((x[m].T @ np.ones((4, 1))).compute(), kept.T @ np.ones((4, 1)))
+    np.testing.assert_array_equal((x[m].T @ np.arange(4.0)).compute(), kept.T @ np.arange(4.0))
+    np.testing.assert_array_equal(
+        np.einsum("ij,i->j", x[m], np.arange(4.0)).compute(),
+        np.einsum("ij,i->j", kept, np.arange(4.0)),
+    )
+    np.testing.assert_allclose(
+        np.cov(x[m], np.arange(4.0)[:, None] ** 2, rowvar=False).compute(),
+        np.cov(kept, np.arange(4.0)[:, None] ** 2, rowvar=False),
+    )
+
+
+def test_rows_that_differ_after_a_mask_raise_numpys_error_when_computed() -> None:
+    a = np.arange(30.0).reshape(10, 3)
+    x, y = tw.from_array(a, rows=3), tw.from_array(a[:, :2].copy(), rows=4)
+    m = x[:, 0] > 15  # keeps 4 rows
+    product = x[m].T @ np.ones((5, 1))  # built lazily: the rows are not counted yet
+    with pytest.raises(ValueError, match=r"matmul: Input operand 1 has a mismatch in its core"):
+        product.compute()
+    with pytest.raises(ValueError, match=r"\(size 9 is different from 4\)"):
+        (x[m].T @ y[y[:, 0] > 0]).compute()
+    with pytest.raises(ValueError, match=r"along dimension 1, the array at index 0 has size 4 "):
+        np.cov(x[m], y[y[:, 0] > 0], rowvar=False).compute()
+    with pytest.raises(ValueError, match=r"operands could not be broadcast together with remapped"):
+        np.einsum("ij,ik->jk", x[m], y[y[:, 0] > 0]).compute()
+
+
+def test_rows_that_differ_are_refused_with_numpys_error() -> None:
     x = tw.from_array(np.ones((100, 2)))
-    with pytest.raises(ValueError, match=r"\(100, 2\).*\(99, 3\).*same rows"):
+    with pytest.raises(ValueError, match=r"core dimension 0.*\(size 99 is different from 100\)"):
         x.T @ tw.from_array(np.ones((99, 3)))
-    with pytest.raises(ValueError, match=r"same rows \(100 != 2\)"):
+    with pytest.raises(ValueError, match=r"\(size 2 is different from 100\)"):
         x.T @ np.ones((2, 3))
+    with pytest.raises(ValueError, match=r"array at index 0 has size 100 and the array at"):
+        np.cov(x, np.ones((99, 3)), rowvar=False)
     with pytest.raises(ValueError, match=r"1-D or 2-D"):
         x.T @ tw.from_array(np.ones((100, 2, 2)))
 

@@ -8,6 +8,7 @@ shows whether the sort is stable).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -266,6 +267,39 @@ def test_unknown_row_counts_merge_into_equal_shares(tmp_path: Path) -> None:
     s.to_npy(tmp_path / "s.npy")  # appended block by block
     same(np.load(tmp_path / "s.npy"), np.sort(a[a % 3 != 0]))
     same(np.sort(x[x > 1000], axis=0).compute(), np.zeros(0, a.dtype))
+
+
+def test_a_sort_after_a_mask_is_reversed_sliced_and_counted_as_numpy() -> None:
+    a = np.arange(20.0) - 5
+    v = tw.from_array(a, rows=3)
+    kept = a[a > 0]
+    same(np.sort(v[v > 0])[::-1].compute(), np.sort(kept)[::-1])
+    assert len(np.sort(v[v > 0])) == len(kept)
+    same(np.argsort(v[v > 0][1:]).compute(), np.argsort(kept[1:], kind="stable"))
+    t = np.arange(40.0).reshape(20, 2) % 7 - 2
+    x = tw.from_array(t, rows=3)
+    m = x[:, 0] > 0
+    rows = t[t[:, 0] > 0]
+    same(tw.sort_rows(x[m])[:2].compute(), rows[np.lexsort((rows[:, 1], rows[:, 0]))][:2])
+    same(tw.topk(x[m], 2)[::-1].compute(), (-np.sort(-rows, axis=0))[:2][::-1])
+    assert leftovers() == []
+
+
+def test_len_of_a_sort_after_a_mask_counts_the_mask_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a = np.arange(30) % 7
+    v = tw.from_array(a, rows=4)
+    s = np.sort(v[v > 2])
+    with caplog.at_level(logging.DEBUG, logger="tierflow.engine"):
+        n = len(s)
+        assert n == int((a > 2).sum()) and s.shape == (n,)
+        same(s[-2:].compute(), np.sort(a[a > 2])[-2:])
+    counts = [r for r in caplog.records if r.getMessage().startswith("plan of count rows")]
+    assert len(counts) <= 1, [r.getMessage() for r in counts]  # none if counted before
+    runs = s._node.inputs[0]
+    assert not runs.cacheable and runs.scratch is not None  # type: ignore[attr-defined]
+    assert leftovers() == []
 
 
 # -- run files ------------------------------------------------------------------------------

@@ -324,3 +324,98 @@ def test_a_counted_block_projects_the_whole_blocks_it_is_cut_from() -> None:
     (counted,) = [s for s in plan.programs[0].steps() if type(s).__name__ == "CountedStep"]
     assert counted.memory(33, False).temps >= (100 - 33) * 3 * 8
     assert block.memory.total >= counted.memory(33, False).total
+
+
+# -- results of a sort, a top k, np.unique, np.bincount or head after a mask ----------------
+#
+# Each is a lazy array like any other: every operation that needs its row count (or, for
+# a value whose length depends on the data, its length) works on it as on an array of
+# known length, NumPy's answer.
+
+VALUES = np.array([4, -1, 7, 7, 0, 2, -3, 9, 2, 2, 5, -8, 1, 6, 6, -2, 3, 8, 0, 5, 1, 4, 7])
+TABLE = np.stack([VALUES, VALUES[::-1] * 10], axis=1)
+
+
+def _descending_first(a: np.ndarray, k: int) -> np.ndarray:
+    return -np.sort(-a, axis=0, kind="stable")[:k]
+
+
+# name: (the result on the lazy array, on NumPy's; each gets its array with the mask applied)
+SORTED_AFTER_A_MASK: dict[str, tuple[Callable[[Any], Any], Callable[[np.ndarray], Any]]] = {
+    "sort": (np.sort, lambda a: np.sort(a, kind="stable")),
+    "argsort": (np.argsort, lambda a: np.argsort(a, kind="stable")),
+    "sort_rows": (
+        lambda x: tw.sort_rows(x, by=1, descending=True),
+        lambda a: a[np.argsort(-a[:, 1], kind="stable")],
+    ),
+    "sort axis 0": (lambda x: np.sort(x, axis=0), lambda a: np.sort(a, axis=0, kind="stable")),
+    "topk": (lambda x: tw.topk(x, 4), lambda a: _descending_first(a, 4)),
+    "unique": (np.unique, np.unique),
+    "bincount": (np.bincount, np.bincount),
+    "head": (lambda x: x.head(6), lambda a: a[:6]),
+}
+# What each is made from: the 1-D values or the 2-D table.
+TWO_D = {"sort_rows", "sort axis 0", "topk"}
+
+FOLLOW_UPS: dict[str, Callable[[Any], Any]] = {
+    "[1:]": lambda r: r[1:],
+    "[::2]": lambda r: r[::2],
+    "[::-1]": lambda r: r[::-1],
+    "[-3:]": lambda r: r[-3:],
+    "[-2:0:-2]": lambda r: r[-2:0:-2],
+    "[:2]": lambda r: r[:2],
+    "[-1]": lambda r: r[-1],
+    "len": len,
+    "[[2, 0, 1]]": lambda r: r[[2, 0, 1]],
+    "[[0, 1, 1]]": lambda r: r[np.array([0, 1, 1])],
+    "* 2": lambda r: r * 2,
+    "+ itself reversed": lambda r: r + r[::-1],
+    "[1:] - [:-1]": lambda r: r[1:] - r[:-1],
+    "sum(0)": lambda r: r.sum(axis=0),
+    "max()": lambda r: r.max(),
+    "[::-1][1:][::2]": lambda r: r[::-1][1:][::2],
+    "+ arange(len)": lambda r: r + np.arange(len(r)).reshape(-1, *[1] * (r.ndim - 1)),
+    "[> 2]": lambda r: r[r > 2],
+    "argmax(0)": lambda r: r.argmax(axis=0),
+    "divmod(r, 3)[1]": lambda r: np.divmod(r, 3)[1],
+    "concatenate with [:2]": lambda r: (tw if isinstance(r, tw.Array) else np).concatenate(
+        [r, r[:2]]
+    ),
+}
+
+
+@pytest.mark.executors("threads", "processes")
+@pytest.mark.parametrize("follow_up", sorted(FOLLOW_UPS))
+@pytest.mark.parametrize("made_by", sorted(SORTED_AFTER_A_MASK))
+def test_a_result_after_a_mask_takes_any_operation_as_numpy(made_by: str, follow_up: str) -> None:
+    lazy_fn, numpy_fn = SORTED_AFTER_A_MASK[made_by]
+    a = TABLE if made_by in TWO_D else VALUES
+    x = tw.from_array(a, rows=4)
+    key = x[:, 0] if a.ndim == 2 else x
+    # Keeps 15 of 23 rows; the block of rows 8-11 keeps one, and a mask cut as x is.
+    masked = x[key > 0]
+    op = FOLLOW_UPS[follow_up]
+    want = np.asarray(op(numpy_fn(a[(a[:, 0] if a.ndim == 2 else a) > 0])))
+    got = op(lazy_fn(masked))
+    if isinstance(got, tw.Array):  # a length not known yet is None, never a wrong number
+        assert len(got.shape) == want.ndim, (got.shape, want.shape)
+        assert all(g in (None, w) for g, w in zip(got.shape, want.shape, strict=True))
+        got = got.compute()
+    got = np.asarray(got)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.executors("threads", "processes")
+@pytest.mark.parametrize("made_by", sorted(SORTED_AFTER_A_MASK))
+def test_a_result_after_a_mask_is_written_whole_by_to_npy(made_by: str, tmp_path: Path) -> None:
+    lazy_fn, numpy_fn = SORTED_AFTER_A_MASK[made_by]
+    a = TABLE if made_by in TWO_D else VALUES
+    x = tw.from_array(a, rows=4)
+    key = x[:, 0] if a.ndim == 2 else x
+    result = lazy_fn(x[key > 0])
+    result.to_npy(tmp_path / "r.npy")
+    result[::-1].to_npy(tmp_path / "reversed.npy")
+    want = numpy_fn(a[(a[:, 0] if a.ndim == 2 else a) > 0])
+    np.testing.assert_array_equal(np.load(tmp_path / "r.npy"), want)
+    np.testing.assert_array_equal(np.load(tmp_path / "reversed.npy"), want[::-1])

@@ -18,7 +18,9 @@ blocks:
 * after a boolean mask the number of rows is unknown (``shape[0]`` is None) until
   counted; such arrays combine row by row with arrays cut by the same mask, and an
   operation that needs the row count (a row slice, ``x[i]``, ``argmax``, other rows)
-  waits for a pass that counts rows per block (:mod:`tierflow.engine.counting`).
+  waits for a pass that counts rows per block (:mod:`tierflow.engine.counting`); one
+  that needs the length of a value that depends on the data (``np.unique(x)[1:]``)
+  waits for the value.
 """
 
 from __future__ import annotations
@@ -354,6 +356,8 @@ class _NeedsCount(ValueError):
 
 def _result_shape(operands: Sequence[Any]) -> tuple[int | None, ...]:
     """NumPy's broadcast shape, with None for an unknown row count."""
+    if _value_nodes(list(operands), lambda n: not n.sized):
+        raise _NeedsCount("a value whose length is known once computed")
     shapes = [_shape_of(o) for o in operands]
     ndim = max(len(s) for s in shapes)
     unknown = [
@@ -473,13 +477,142 @@ def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
 
 
 def _value_apply(
-    fn: Callable[..., Any], *args: Any, name: str | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    name: str | None = None,
+    data_length: bool = False,
+    **kwargs: Any,
 ) -> Array:
-    """``fn`` applied to in-memory values: chunked operands are collected first."""
+    """``fn`` applied to in-memory values: chunked operands are collected first. On a
+    value whose length is known only once computed, it waits for that (see
+    :func:`_apply_later`). ``data_length``: the length of the result's first axis
+    depends on the data (``np.unique``), so it is unknown (None) until computed."""
     args2, kwargs2 = graph.substitute(
         (args, kwargs), lambda n: n if isinstance(n, Value) else _as_value(n)
     )
-    return _wrap(graph.Apply(fn, tuple(args2), dict(kwargs2), name=name))
+    call = (tuple(args2), dict(kwargs2))
+    if _value_nodes(call, lambda n: not n.sized):
+        return _apply_later(fn, call, name, data_length)
+    shape = None
+    if data_length or _value_nodes(call, lambda n: n.dtype == bool):
+        # Which elements a boolean value picks decides lengths too (``s[s > 2]``).
+        shape = _probe_shape(fn, call, first_unknown=data_length)[1]
+    return _wrap(graph.Apply(fn, *call, name=name, shape=shape))
+
+
+def _value_nodes(call: Any, which: Callable[[Value], bool]) -> list[Node]:
+    """The value nodes in ``call`` for which ``which`` is true."""
+    found: dict[int, Node] = {}
+
+    def note(node: Node) -> Node:
+        if isinstance(node, Value) and which(node):
+            found[id(node)] = node
+        return node
+
+    graph.substitute(call, note)
+    return list(found.values())
+
+
+# An index reads a few elements of what it indexes: its stand-in for a length unknown
+# until computed is a zero-strided view this long (no memory), so any position fits.
+_INDEXED_LENGTH = 1 << 32
+
+Standin = Callable[[Node], Any]
+
+
+def _standins(
+    fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]]
+) -> list[Standin]:
+    """Two ways to stand in for the nodes of ``fn(*args, **kwargs)`` while its shape is
+    worked out: unknown lengths 1 then 2 (zeros that broadcast, then not), booleans
+    False then True. An index of a value of unknown length by positions or slices has
+    stand-ins of a length any position fits (one more the second time)."""
+
+    def filled(length: int, fill: bool) -> Standin:
+        def standin(node: Node) -> Any:
+            shape = tuple(length if d is None else d for d in node.shape)
+            value = (
+                np.full(shape, fill, bool) if node.dtype == bool else np.zeros(shape, node.dtype)
+            )
+            return value if shape else value[()]
+
+        return standin
+
+    args = call[0]
+    if fn is not operator.getitem or _value_nodes(args[1:], lambda n: True):
+        return [filled(1, False), filled(2, True)]
+    first = _items(args[1])[0] if _items(args[1]) else None
+    mask = np.asarray(first) if isinstance(first, (np.ndarray, list)) else None
+    picks = mask is not None and mask.dtype == bool  # as long as its mask, both times
+
+    def indexed(length: int) -> Standin:
+        def standin(node: Node) -> Any:
+            shape = tuple(length if d is None else d for d in node.shape)
+            return np.broadcast_to(np.zeros((), node.dtype), shape)
+
+        return standin
+
+    length = len(mask) if picks else _INDEXED_LENGTH  # type: ignore[arg-type]
+    return [indexed(length), indexed(length + (not picks))]
+
+
+def _probe_shape(
+    fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]], first_unknown: bool
+) -> tuple[np.dtype, tuple[int | None, ...]]:
+    """The dtype of ``fn(*args, **kwargs)`` and its shape, None where it differs
+    between the two :func:`_standins` (a length that depends on an unknown length or on
+    the data), and on the first axis with ``first_unknown``. A probe that fails the
+    second time (a length that no longer broadcasts) leaves every axis unknown."""
+    args, kwargs = call
+    probes: list[np.ndarray] = []
+    with graph._quiet():
+        for standin in _standins(fn, call):
+            try:
+                out = fn(*graph.substitute(args, standin), **graph.substitute(kwargs, standin))
+            except Exception:
+                if not probes:
+                    raise
+                break
+            probes.append(np.asarray(out))
+    last = probes[-1]
+    if last.ndim == 0:
+        return probes[0].dtype, ()
+    if len(probes) == 1 or probes[0].ndim != last.ndim:
+        return probes[0].dtype, (None,) * last.ndim
+    one, two = probes
+    pairs = enumerate(zip(one.shape, two.shape, strict=True))
+    shape = tuple(None if a != b or (k == 0 and first_unknown) else a for k, (a, b) in pairs)
+    return one.dtype, shape
+
+
+def _apply_later(
+    fn: Callable[..., Any],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    name: str | None,
+    data_length: bool,
+) -> Array:
+    """``fn(*args, **kwargs)`` (``call``) once the values in it whose length is unknown
+    are computed (:mod:`tierflow.engine.counting`). Its dtype is known now; its first
+    axis stays unknown (None) until then, as do other axes whose lengths depend on the
+    unknown ones; a scalar's shape is ()."""
+    meta = _probe_shape(fn, call, first_unknown=True)
+    nodes: dict[int, Node] = {}
+    graph.substitute(call, lambda n: nodes.setdefault(id(n), n))
+    slots = graph.substitute(call, lambda n: f"in{list(nodes).index(id(n))}")
+    make = functools.partial(_make_apply, fn, call, (name, data_length))
+    label = str(name or getattr(fn, "__name__", "apply"))
+    return _deferred(list(nodes.values()), make, meta, label, (label, fn, slots), rows=False)
+
+
+def _make_apply(
+    fn: Callable[..., Any],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    how: tuple[str | None, bool],
+    lookup: Callable[[Node], Node],
+) -> Node:
+    args, kwargs = graph.substitute(call, lookup)
+    name, data_length = how
+    return _value_apply(fn, *args, name=name, data_length=data_length, **kwargs)._node
 
 
 def _reduce_value(kind: str) -> Callable[..., Any]:
@@ -535,6 +668,8 @@ def _probe_meta(fn: Callable[..., Any], *args: Any) -> tuple[np.dtype, tuple[int
 
 def _deferred_elementwise(op: ElemOp, nodes: list[Any]) -> Array:
     """``op`` on operands whose rows line up only once counted."""
+    if not any(isinstance(n, Chunked) for n in nodes):
+        return _value_apply(op.apply, *nodes, name=op.label())
     inputs = [n for n in nodes if isinstance(n, Node)]
     shaped = [
         np.zeros((1, *n.shape[1:]), n.dtype) if isinstance(n, np.ndarray) and n.ndim else n
@@ -573,14 +708,28 @@ def _line_up_later(nodes: Sequence[Node]) -> bool:
 
 
 def _defer_function(fn: Callable[..., Array], nodes: Sequence[Node], what: str) -> Array:
-    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted."""
-    rows = [np.zeros((1, *(int(d or 0) for d in n.shape[1:])), n.dtype) for n in nodes]
-    dtype, shape = _probe_meta(lambda: np.asarray(fn(rows)))
+    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted (see
+    :func:`_line_up_later`): a deferred node of the kind ``fn`` gives, rows or a value.
+    Its dtype and shape are ``fn``'s with zero rows standing in for the unknown ones,
+    as many as the known ones have (two if none has): NumPy's errors on anything but
+    the row count are raised now, the row count's once counted."""
+    known = [n.n_rows for n in nodes if isinstance(n, Chunked) and n.n_rows is not None]
+    rows = known[0] if known else 2
+
+    def standin(n: Node) -> Node:
+        if not isinstance(n, Chunked) or n.n_rows is not None:
+            return n
+        return from_array(np.zeros((rows, *n.row_shape), n.dtype))._node
+
+    probe = fn([Array(standin(n)) for n in nodes])._node
+    chunked = isinstance(probe, Chunked)
+    meta = (probe.dtype, probe.shape[1:] if chunked else probe.shape)
 
     def make(lookup: Callable[[Node], Node]) -> Node:
         return fn([Array(lookup(n)) for n in nodes])._node
 
-    return _deferred(nodes, make, (dtype, shape[1:]), what, (what, len(nodes)))
+    token = (what, fn, len(nodes))
+    return _deferred(nodes, make, meta, what, token, rows=chunked)
 
 
 def _defer_method(  # noqa: PLR0913 -- the method's call, and what the result is
@@ -598,6 +747,15 @@ def _defer_method(  # noqa: PLR0913 -- the method's call, and what the result is
     inputs = [target, *(a for a in args if isinstance(a, Node))]
     token = (name, [a if not isinstance(a, Node) else "node" for a in args], kwargs)
     return _deferred(inputs, make, meta, what, token, rows)
+
+
+def _items(key: Any) -> tuple[Any, ...]:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _key(key: Any, items: tuple[Any, ...]) -> Any:
+    """``items`` in the form of ``key`` (a tuple, or one item)."""
+    return items if isinstance(key, tuple) else items[0]
 
 
 # -- the Array --------------------------------------------------------------------------
@@ -622,13 +780,12 @@ class Array:
     @property
     def shape(self) -> tuple[int | None, ...]:
         """The shape; the row count is None after a boolean mask until its rows are
-        counted (by ``len()``, or a compute that needed the count)."""
+        counted (by ``len()``, or a compute that needed the count), as is a length that
+        depends on the data (``np.unique``, ``np.bincount``) until computed."""
         node = self._node
         shape = node.shape
-        if shape and shape[0] is None:
-            n = counting.known_rows(node)
-            if n is not None:
-                return (n, *shape[1:])
+        if None in shape:
+            return counting.known_shape(node) or shape
         return shape
 
     @property
@@ -700,12 +857,14 @@ class Array:
         if not self.shape:
             raise TypeError("len() of a 0-d array")
         if n is None:
-            # One pass that counts rows per block (the mask's true values); the counts
-            # are kept, so later operations and computes do not count again.
+            # One pass that counts rows per block (the mask's true values), or that
+            # computes a value whose length depends on the data; the counts (the
+            # length) are kept, so later operations and computes do not count again.
             from .compute import resolve_rows
 
             n = resolve_rows(self._node).shape[0]
-            assert n is not None
+        if n is None:
+            raise TypeError(f"len() of {self._node.label()}: its length is unknown until computed")
         return n
 
     def __iter__(self) -> Any:
@@ -1402,7 +1561,9 @@ class Array:
     def __getitem__(self, key: Any) -> Array:
         node = self._node
         if isinstance(node, Value):
-            return _value_apply(operator.getitem, node, key, name="getitem")
+            # A lazy index (u[u > 2]) is an operand, computed with the value.
+            parts = tuple(_node_of(k) if isinstance(k, Array) else k for k in _items(key))
+            return _value_apply(operator.getitem, node, _key(key, parts), name="getitem")
         assert isinstance(node, Chunked)
         items = key if isinstance(key, tuple) else (key,)
         if items and isinstance(items[0], Array):

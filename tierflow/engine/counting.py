@@ -18,8 +18,15 @@ that meets one first *counts*, then builds, then plans as usual::
 
 * **What is counted.** The node that decides the unknown layout: a filter (by its
   mask's true values when the mask is cut as the array is, else by the rows it keeps)
-  or a source of files (by the rows it loads). Nodes that share an ``origin`` share
-  their counts, so ``x[m]`` and ``y[m]`` are counted once.
+  or a source of files (by the rows it loads), found through each node's
+  ``rows_from()`` (a sort's rows are those of its input, reached through its runs).
+  Nodes that share an ``origin`` share their counts, so ``x[m]`` and ``y[m]`` are
+  counted once.
+* **Values of a length known once computed** (``np.unique(x)``, ``np.bincount(x)``,
+  ``head`` after a mask: None in their shape) are "counted" by computing them: an
+  operation that needs the length (``u[1:]``, ``u * 2``) is a deferred node on the
+  value, and the pass computes the value, which is then a constant of the compute.
+  Its length is kept on the node and by its key (the last 256), as counts are.
 * **When.** Only when a deferred node needs it: a mask computed or reduced without
   such an operation is not counted. Counts are kept on the counted node, so a second
   compute (and ``len``, ``shape``) does not count again.
@@ -28,8 +35,9 @@ that meets one first *counts*, then builds, then plans as usual::
   in one compute (one pass per block layout).
 * **After counting** the counted node is wrapped in a
   :class:`~tierflow.engine.graph.Counted` node (known bounds: its blocks that have
-  rows), every node above it is built again on it, and the deferred nodes build
-  themselves (raising NumPy's errors now: an index out of range, rows that differ).
+  rows), every node above it is built again on it (each node type knows how:
+  ``with_inputs``), and the deferred nodes build themselves (raising NumPy's errors
+  now: an index out of range, rows that differ).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,7 +54,7 @@ from ..storage import identity
 from . import graph
 from .graph import Chunked, Node
 
-__all__ = ["CountRows", "CountSpec", "known_rows", "resolve"]
+__all__ = ["CountRows", "CountSpec", "known_shape", "resolve"]
 
 Partial = list[tuple[int, int]] | None
 
@@ -147,15 +156,24 @@ class CountSpec:
 # -- which nodes decide an unknown layout ------------------------------------------------
 
 
-def _roots(node: Node) -> list[Chunked]:
-    """The nodes that decide ``node``'s unknown blocks (filters, sources of files)."""
+def _roots(node: Node) -> list[Node]:
+    """The nodes that decide ``node``'s unknown blocks (filters, sources of files), or
+    ``node`` itself for a value whose length is known once computed."""
+    if isinstance(node, graph.Value):
+        return [node] if _unsized(node) else []
     if not isinstance(node, Chunked) or node.bounds is not None:
         return []
     if isinstance(node, (graph.Filter, graph.Source)):
         return [node]
     if isinstance(node, graph.DeferredRows):
         return []
-    return [r for i in node.inputs for r in _roots(i)]
+    return [r for i in node.rows_from() for r in _roots(i)]
+
+
+def _unsized(node: Node) -> bool:
+    """Whether ``node`` is a value whose length is known once computed (not one that
+    waits for counts: that is built first)."""
+    return isinstance(node, graph.Value) and not node.sized and not isinstance(node, graph.Deferred)
 
 
 def _count_node(root: Chunked) -> graph.Reduce:
@@ -182,15 +200,21 @@ def _has_deferred(node: Node, memo: dict[int, bool]) -> bool:
 # -- rebuilding the graph on counted nodes ------------------------------------------------
 
 
+def _known(node: Node) -> bool:
+    """Whether ``node``'s rows (a value's length) are known."""
+    if isinstance(node, Chunked):
+        return node.n_rows is not None
+    return not isinstance(node, graph.Value) or node.sized
+
+
 def _build_deferred(node: graph.DeferredRows | graph.DeferredValue, inputs: list[Node]) -> Node:
     """The deferred operation built, once its inputs' rows are known; else itself (on
     ``inputs``)."""
-    if all(not isinstance(i, Chunked) or i.n_rows is not None for i in inputs):
+    if all(_known(i) for i in inputs):
         return node.make(inputs)
     if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
         return node
-    meta = (node.dtype, node.shape[1:] if isinstance(node, Chunked) else node.shape)
-    return type(node)(inputs, node.make, meta, node.what, node.raw_token)  # type: ignore[arg-type]
+    return node.with_inputs(inputs)
 
 
 def _rebuild(node: Node, inputs: list[Node]) -> Node:
@@ -199,43 +223,9 @@ def _rebuild(node: Node, inputs: list[Node]) -> Node:
         return _build_deferred(node, inputs)
     if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
         return node
-    new = dict(zip(map(id, node.inputs), inputs, strict=True))
-
-    def swap(value: Any) -> Any:
-        return new.get(id(value), value) if isinstance(value, Node) else value
-
-    made: Node
-    if isinstance(node, graph.Elementwise):
-        made = graph.Elementwise(node.op, tuple(swap(o) for o in node.operands))
-    elif isinstance(node, graph.BlockMap):
-        n = node.n_chunked
-        made = graph.BlockMap(node.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
-    elif isinstance(node, graph.Reduce):
-        n = node.n_chunked
-        made = graph.Reduce(node.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
-    elif isinstance(node, graph.Filter):
-        mask = inputs[1] if len(inputs) > 1 else None
-        made = graph.Filter(inputs[0], mask, node.fn)  # type: ignore[arg-type]
-    elif isinstance(node, graph.Concat):
-        made = graph.Concat(tuple(inputs))  # type: ignore[arg-type]
-    elif isinstance(node, graph.RowSlice):
-        made = graph.RowSlice(inputs[0], node.key_slice)  # type: ignore[arg-type]
-    elif isinstance(node, graph.RowTake):
-        made = graph.RowTake(inputs[0], node.positions, node.rows)  # type: ignore[arg-type]
-    elif isinstance(node, graph.Counted):
-        if isinstance(inputs[0], graph.Counted):
-            return inputs[0]  # its input was counted again, with the same counts
-        made = graph.Counted(inputs[0], node.counts)  # type: ignore[arg-type]
-    elif isinstance(node, graph.Apply):
-        made = graph.Apply(
-            node.fn,
-            graph.substitute(node.args, swap),
-            graph.substitute(node.kwargs, swap),
-            name=node.name,
-        )
-    else:
-        raise TypeError(f"cannot rebuild {node!r} on counted rows")
+    made = node.with_inputs(inputs)
     made.cache_mark = node.cache_mark
+    made.built_at = node.built_at
     return made
 
 
@@ -262,6 +252,34 @@ def _remember(origin: Any, counts: tuple[int, ...]) -> None:
                 _KNOWN.popitem(last=False)
 
 
+# Lengths of values computed for them, by key (content keys only): a value built again
+# on counted rows, or built again from the same expression, finds its length here.
+_LENGTHS: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+
+def _remember_length(value: graph.Value, shape: tuple[int, ...]) -> None:
+    """``value``'s shape, found by computing it: on the node, and by its key."""
+    value.shape = shape  # known from now on, for this node's later operations too
+    key = value.ident
+    if not key.startswith("id:"):
+        with _LOCK:
+            _LENGTHS[key] = shape
+            _LENGTHS.move_to_end(key)
+            while len(_LENGTHS) > _KNOWN_MAX:
+                _LENGTHS.popitem(last=False)
+
+
+def _learn_length(value: graph.Value) -> None:
+    """``value``'s shape, where a value with its key was computed for its length."""
+    key = value.ident
+    if key.startswith("id:"):
+        return
+    with _LOCK:
+        shape = _LENGTHS.get(key)
+    if shape is not None and len(shape) == value.ndim:
+        value.shape = shape
+
+
 def _counts_of(root: Chunked, table: dict[Any, tuple[int, ...]]) -> tuple[int, ...] | None:
     found = root.row_counts if root.row_counts is not None else table.get(root.origin)
     if found is None and _by_content(root.origin):
@@ -272,14 +290,31 @@ def _counts_of(root: Chunked, table: dict[Any, tuple[int, ...]]) -> tuple[int, .
     return found
 
 
-def _rewrite(roots: list[Node], table: dict[Any, tuple[int, ...]]) -> list[Node]:
-    """``roots`` with every counted node wrapped in :class:`graph.Counted`, the nodes
-    above built again, and the deferred nodes whose inputs are known built."""
+@dataclass
+class _Found:
+    """What the passes found: rows per block by origin, and the values that were
+    computed for their length (by node id, for this resolve only)."""
+
+    counts: dict[Any, tuple[int, ...]] = field(default_factory=dict)
+    # id -> (the node, its value): the node is held, so that its id names no other.
+    values: dict[int, tuple[Node, Any]] = field(default_factory=dict)
+
+
+def _rewrite(roots: list[Node], found: _Found) -> list[Node]:
+    """``roots`` with every counted node wrapped in :class:`graph.Counted`, every
+    value computed for its length in a :class:`graph.Const`, the nodes above built
+    again, and the deferred nodes whose inputs are known built."""
     made: dict[int, Node] = {}
     for node in graph.walk(roots):
+        computed = found.values.get(id(node))
+        if computed is not None and computed[0] is node:
+            made[id(node)] = graph.Const(computed[1])
+            continue
         new = _rebuild(node, [made[id(i)] for i in node.inputs])
+        if isinstance(new, graph.Value) and _unsized(new):
+            _learn_length(new)
         if isinstance(new, (graph.Filter, graph.Source)) and new.bounds is None:
-            counts = _counts_of(new, table)
+            counts = _counts_of(new, found.counts)
             if counts is not None:
                 new.row_counts = counts
                 new = graph.Counted(new, counts)
@@ -287,13 +322,12 @@ def _rewrite(roots: list[Node], table: dict[Any, tuple[int, ...]]) -> list[Node]
     return [made[id(r)] for r in roots]
 
 
-def _wanted(
-    roots: list[Node], table: dict[Any, tuple[int, ...]], count_roots: bool
-) -> list[Chunked]:
+def _wanted(roots: list[Node], found: _Found, count_roots: bool) -> list[Node]:
     """Nodes to count now: those under deferred nodes that have no deferred node below
-    (and under ``roots`` themselves with ``count_roots``)."""
+    (and under ``roots`` themselves with ``count_roots``); values to compute for their
+    length among them."""
     memo: dict[int, bool] = {}
-    found: dict[int, Chunked] = {}
+    wanted: dict[int, Node] = {}
     for node in graph.walk(roots):
         deferred = isinstance(node, (graph.DeferredRows, graph.DeferredValue))
         if not deferred and not (count_roots and any(node is r for r in roots)):
@@ -302,58 +336,78 @@ def _wanted(
             continue
         for i in node.inputs if deferred else [node]:
             for root in _roots(i):
-                if _counts_of(root, table) is None:
-                    found[id(root)] = root
-    return list(found.values())
+                if not isinstance(root, Chunked) or _counts_of(root, found.counts) is None:
+                    wanted[id(root)] = root
+    return list(wanted.values())
+
+
+def _count(wanted: list[Node], found: _Found, count: Callable[[list[Node]], Sequence[Any]]) -> str:
+    """One pass: the rows per block of the chunked nodes in ``wanted`` (once per
+    origin) and the values among them, computed together; what it ran, in words."""
+    first: dict[Any, Chunked] = {}
+    values: list[graph.Value] = []
+    for root in wanted:
+        if isinstance(root, graph.Value):
+            values.append(root)
+        else:
+            assert isinstance(root, Chunked)
+            first.setdefault(root.origin, root)
+    reductions = [_count_node(root) for root in first.values()]
+    results = count([*reductions, *values])
+    for (origin, root), result in zip(first.items(), results, strict=False):
+        found.counts[origin] = tuple(int(v) for v in np.asarray(result))
+        root.row_counts = found.counts[origin]
+        _remember(origin, found.counts[origin])
+    for root in wanted:
+        if isinstance(root, Chunked):
+            root.row_counts = found.counts[root.origin]
+    for value, result in zip(values, results[len(reductions) :], strict=True):
+        _remember_length(value, tuple(np.shape(result)))
+        found.values[id(value)] = (value, result)
+    names = [str(r.spec.label()) for r in reductions]
+    names += [f"compute {v.label()} for its length" for v in values]
+    return ", ".join(names)
 
 
 def resolve(
     roots: list[Node], count: Callable[[list[Node]], Sequence[Any]], count_roots: bool = False
 ) -> tuple[list[Node], list[str]]:
     """``roots`` with nothing deferred left: the nodes they need counted (by
-    ``count(reductions)``, which computes them), and the graph built again on the
-    counts (see the module docstring); ``count_roots`` counts the roots' own rows
-    too (for ``len``). Also the counting passes run, in words, for the plan's
-    description. Raises what building a deferred node raises (NumPy's errors), after
-    counting."""
-    table: dict[Any, tuple[int, ...]] = {}
+    ``count(nodes)``, which computes them: reductions that count rows, and values
+    whose length is unknown), and the graph built again on the counts (see the
+    module docstring); ``count_roots`` counts the roots' own rows too (for ``len``).
+    Also the counting passes run, in words, for the plan's description. Raises what
+    building a deferred node raises (NumPy's errors), after counting."""
+    found = _Found()
     done: list[str] = []
-    current = _rewrite(roots, table)
+    current = _rewrite(roots, found)
     while True:
-        wanted = _wanted(current, table, count_roots)
+        wanted = _wanted(current, found, count_roots)
         if not wanted:
             break
-        first: dict[Any, Chunked] = {}
-        for root in wanted:
-            first.setdefault(root.origin, root)
-        reductions = [_count_node(root) for root in first.values()]
-        values = count(list(reductions))
-        for (origin, root), value in zip(first.items(), values, strict=True):
-            table[origin] = tuple(int(v) for v in np.asarray(value))
-            root.row_counts = table[origin]
-            _remember(origin, table[origin])
-        for root in wanted:
-            root.row_counts = table[root.origin]
-        names = ", ".join(str(r.spec.label()) for r in reductions)
-        done.append(f"pass {len(done) + 1}: {names}")
-        current = _rewrite(current, table)
+        done.append(f"pass {len(done) + 1}: {_count(wanted, found, count)}")
+        current = _rewrite(current, found)
     memo: dict[int, bool] = {}
     if any(_has_deferred(r, memo) for r in current):
         raise RuntimeError("an operation waiting for row counts was left unbuilt")
+    for root, built in zip(roots, current, strict=True):
+        if _unsized(root) and isinstance(built, graph.Value) and built.sized:
+            root.shape = built.shape  # the length ``len()`` found, kept on the array
     return current, done
 
 
-def known_rows(node: Node) -> int | None:
-    """``node``'s row count where the counts it needs are known (no pass is run);
-    None otherwise."""
+def known_shape(node: Node) -> tuple[int | None, ...] | None:
+    """``node``'s shape where the counts (or lengths) it needs are known, no pass run:
+    ``node`` built on them; None otherwise."""
     nodes = graph.walk([node])
     if not any(
-        isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {})
+        (isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {}))
+        or (isinstance(n, (graph.DeferredRows, graph.DeferredValue)) and all(map(_known, n.inputs)))
         for n in nodes
     ):
         return None
     try:
-        (built,) = _rewrite([node], {})
+        (built,) = _rewrite([node], _Found())
     except Exception:  # an error NumPy raises once counted: the compute raises it
         return None
-    return built.shape[0] if isinstance(built, Chunked) else None
+    return None if None in built.shape else built.shape

@@ -51,7 +51,7 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ from ..operators import sorting
 from ..operators.types import block_bytes
 from ..storage import identity, spill
 from . import graph
-from .graph import Blocks, Chunked
+from .graph import Blocks, Chunked, Node
 from .program import Context, Step
 from .types import BlockIndex, Request, RowRange, TaskMemory
 
@@ -373,6 +373,7 @@ class RunsSpec:
     def __init__(self, how: Sorting, files: RunFiles) -> None:
         self.how = how
         self.files = files
+        self.scratch = files  # opened and closed by the plan (graph.Reduce)
 
     def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> SortRuns:
         return SortRuns(self.how, dtypes[0], row_shapes[0], self.files)
@@ -423,14 +424,19 @@ class SortedRows(Chunked):
     def label(self) -> str:
         return f"merge runs of {self.how.label()}"
 
+    def rows_from(self) -> tuple[Node, ...]:
+        """The sorted rows are ``source``'s, reached through the runs."""
+        return (self.rows_of,)
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        (runs,) = inputs
+        assert isinstance(runs, graph.Reduce) and isinstance(runs.inputs[0], Chunked)
+        return SortedRows(runs, runs.inputs[0], self.how)
+
 
 def sorted_node(source: Chunked, how: Sorting) -> SortedRows:
     """The lazy sorted array of ``source`` (see the module docstring)."""
-    files = RunFiles()
-    runs = graph.Reduce(RunsSpec(how, files), (source,))
-    runs.scratch = files  # type: ignore[attr-defined]  # opened and closed by the plan
-    runs.cacheable = False  # type: ignore[attr-defined]
-    return SortedRows(runs, source, how)
+    return SortedRows(graph.Reduce(RunsSpec(how, RunFiles()), (source,)), source, how)
 
 
 class MergeStep(Step):

@@ -40,7 +40,16 @@ from ..operators.types import block_bytes
 from ..storage import placement, spill
 from ..system import budget
 from . import distinct, graph
-from .array import Array, _deferred, _describe_shape, _value_apply, _wrap, from_array
+from .array import (
+    Array,
+    _defer_function,
+    _deferred,
+    _describe_shape,
+    _line_up_later,
+    _value_apply,
+    _wrap,
+    from_array,
+)
 from .graph import Chunked, Value
 from .specs import _ReduceSpec, _Spec
 
@@ -403,9 +412,9 @@ def _field(table: np.ndarray, name: str) -> np.ndarray:
 def _field_of(table: graph.Node, name: str, label: str) -> Array:
     """A lazy field of a table whose length is known once computed (shape ``(None,
     ...)``, as a ``head`` of a masked array has)."""
-    node = graph.Apply(_field, (table,), {"name": name}, name=label)
-    node.shape = (None, *node.shape[1:])
-    return _wrap(node)
+    fields: dict[str, Any] = dict(np.dtype(table.dtype).fields or {})
+    shape = (None, *fields[name][0].shape)
+    return _wrap(graph.Apply(_field, (table,), {"name": name}, name=label, shape=shape))
 
 
 def _by_count(table: np.ndarray) -> np.ndarray:
@@ -457,9 +466,13 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
     if isinstance(node, Value):
         outputs = 1 + sum(bool(v) for v in flags.values())
         if outputs == 1:
-            return _value_apply(np.unique, node, name="unique", axis=axis, **flags)
+            return _value_apply(
+                np.unique, node, name="unique", data_length=True, axis=axis, **flags
+            )
         return tuple(
-            _value_apply(_nth_unique, node, name="unique", n=n, axis=axis, **flags)
+            _value_apply(
+                _nth_unique, node, name="unique", data_length=True, n=n, axis=axis, **flags
+            )
             for n in range(outputs)
         )
     assert isinstance(node, Chunked)
@@ -555,7 +568,9 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
     if minlength < 0:
         raise ValueError("'minlength' must not be negative")
     if isinstance(node, Value):
-        return _value_apply(np.bincount, node, weights, name="bincount", minlength=minlength)
+        return _value_apply(
+            np.bincount, node, weights, name="bincount", data_length=True, minlength=minlength
+        )
     assert isinstance(node, Chunked)
     if node.ndim != 1:
         raise ValueError(
@@ -576,7 +591,13 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
                 f"The weights and list don't have the same length: weights of shape "
                 f"{_describe_shape(w.shape)} for x of shape {_describe_shape(node.shape)}"
             )
-        if w.n_rows != node.n_rows or (node.n_rows is None and w.origin != node.origin):
+        if _line_up_later([node, w]):  # different masks, block sizes, or known rows
+            return _defer_function(
+                lambda xw: bincount(xw[0], weights=xw[1], minlength=minlength),
+                [node, w],
+                f"bincount(minlength={minlength})",
+            )
+        if w.n_rows != node.n_rows:
             raise ValueError(
                 f"The weights and list don't have the same length: {_describe_shape(w.shape)} "
                 f"and {_describe_shape(node.shape)}"

@@ -127,12 +127,7 @@ def multi_output(
     aligned = _align(nodes, shape)
     chunked = [a for a in aligned if isinstance(a, Chunked)]
     if not chunked:
-        return tuple(
-            _value_apply(
-                lambda *v, k=k: ufunc(*v, **kwargs)[k], *aligned, name=f"{ufunc.__name__}[{k}]"
-            )
-            for k in range(ufunc.nout)
-        )
+        return _value_outputs(ufunc, aligned, kwargs)
     blocks = tuple(chunked)
     template = tuple(
         None if isinstance(a, Chunked) else specs.VALUE if isinstance(a, Value) else a
@@ -148,7 +143,10 @@ def multi_output(
 def _multi_output_later(
     ufunc: np.ufunc, nodes: list[Any], kwargs: dict[str, Any]
 ) -> tuple[Array, ...]:
-    """The outputs of ``ufunc`` on operands whose rows line up only once counted."""
+    """The outputs of ``ufunc`` on operands whose rows line up only once counted (or
+    values whose length is known once computed)."""
+    if not any(isinstance(n, Chunked) for n in nodes):
+        return _value_outputs(ufunc, nodes, kwargs)
     inputs = [n for n in nodes if isinstance(n, graph.Node)]
     probes = [
         np.zeros((1, *n.shape[1:]), n.dtype) if isinstance(n, np.ndarray) and n.ndim else n
@@ -167,6 +165,18 @@ def _multi_output_later(
         what = f"{ufunc.__name__}[{k}]"
         outputs.append(_deferred(inputs, make, meta, what, (what, kwargs, len(nodes))))
     return tuple(outputs)
+
+
+def _value_outputs(
+    ufunc: np.ufunc, operands: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Array, ...]:
+    """The outputs of ``ufunc`` on in-memory values."""
+    return tuple(
+        _value_apply(
+            lambda *v, k=k: ufunc(*v, **kwargs)[k], *operands, name=f"{ufunc.__name__}[{k}]"
+        )
+        for k in range(ufunc.nout)
+    )
 
 
 REDUCE_UFUNCS = {

@@ -120,6 +120,13 @@ class Node:
         """A short name of the operation, for ``repr`` and ``visualize``."""
         return type(self).__name__.lower()
 
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        """This operation built again on ``inputs`` (one for each of :attr:`inputs`, in
+        order; some replaced, as counting does, :mod:`tierflow.engine.counting`). Every
+        node type that has inputs says how; a new one that does not is refused here,
+        not rebuilt wrongly."""
+        raise TypeError(f"cannot build {self!r} again on other inputs")
+
     def __repr__(self) -> str:
         return f"<{self.label()} {self.shape} {self.dtype}>"
 
@@ -158,6 +165,12 @@ class Chunked(Node):
         """This node's blocks, for a node cut as this one is (elementwise, a block map)."""
         return Blocks(self.bounds, self.nblocks, self.origin)
 
+    def rows_from(self) -> tuple[Node, ...]:
+        """The nodes whose row counts decide this node's while they are unknown: its
+        chunked inputs, unless it reaches them through a value (an external sort's
+        runs)."""
+        return tuple(i for i in self.inputs if isinstance(i, Chunked))
+
     @property
     def n_rows(self) -> int | None:
         """Rows of the array, None while unknown."""
@@ -190,6 +203,13 @@ class Value(Node):
 
     kind = "value"
     meta_known = True
+
+    @property
+    def sized(self) -> bool:
+        """Whether the length of every axis is known. A value whose length depends on
+        the data (``np.unique`` or ``np.bincount`` of a lazy array, ``head`` after a
+        mask) has None there until it is computed (:mod:`tierflow.engine.counting`)."""
+        return None not in self.shape
 
 
 def placeholder(node: Node) -> Any:
@@ -354,6 +374,12 @@ class ElemOp:
         raise ValueError(f"unknown elementwise operation {self.kind!r}")
 
 
+def _swapped(operands: Sequence[Any], old: Sequence[Node], new: Sequence[Node]) -> list[Any]:
+    """``operands`` with each node of ``old`` replaced by the node of ``new`` at its place."""
+    table = dict(zip(map(id, old), new, strict=True))
+    return [table.get(id(o), o) if isinstance(o, Node) else o for o in operands]
+
+
 class Elementwise(Chunked):
     """An elementwise operation on row-aligned chunked operands, values and scalars.
 
@@ -403,6 +429,9 @@ class Elementwise(Chunked):
     def label(self) -> str:
         return self.op.label()
 
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        return Elementwise(self.op, tuple(_swapped(self.operands, self.inputs, inputs)))
+
 
 class BlockMap(Chunked):
     """A row-independent block operator built by ``spec`` (see :mod:`tierflow.engine.specs`)
@@ -440,6 +469,10 @@ class BlockMap(Chunked):
 
     def label(self) -> str:
         return str(self.spec.label())
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        n = self.n_chunked
+        return BlockMap(self.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
 
 
 def _slice_bounds(key: slice, pairs: list[tuple[int, int]]) -> tuple[int, ...]:
@@ -485,6 +518,9 @@ class RowSlice(Chunked):
         stop = self.first + self.step * (self.shape[0] or 0)
         return f"rows[{self.first}:{stop}:{self.step}]"
 
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        return RowSlice(inputs[0], self.key_slice)  # type: ignore[arg-type]
+
 
 class RowTake(Chunked):
     """``x[positions]``: rows of an array with a known row count, by position.
@@ -525,6 +561,9 @@ class RowTake(Chunked):
 
     def label(self) -> str:
         return f"rows[{len(self.positions):,} picked]"
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        return RowTake(inputs[0], self.positions, self.rows)  # type: ignore[arg-type]
 
 
 def _same_rows(mask: Chunked | None, node: Chunked) -> Any:
@@ -570,6 +609,10 @@ class Filter(Chunked):
         if self.fn is not None:
             return f"filter({getattr(self.fn, '__qualname__', 'fn')})"
         return "mask"
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        mask = inputs[1] if len(inputs) > 1 else None
+        return Filter(inputs[0], mask, self.fn)  # type: ignore[arg-type]
 
 
 class Concat(Chunked):
@@ -619,6 +662,9 @@ class Concat(Chunked):
     def label(self) -> str:
         return "concatenate"
 
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        return Concat(tuple(inputs))  # type: ignore[arg-type]
+
 
 class Counted(Chunked):
     """An array of unknown row counts whose blocks were counted: the same rows as
@@ -661,6 +707,11 @@ class Counted(Chunked):
 
     def label(self) -> str:
         return "counted rows"
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        if isinstance(inputs[0], Counted):
+            return inputs[0]  # its input was counted again, with the same counts
+        return Counted(inputs[0], self.counts)  # type: ignore[arg-type]
 
 
 class _Deferred:
@@ -712,6 +763,10 @@ class DeferredRows(_Deferred, Chunked):
         ident = self.ident
         self.origin = ("deferred", self if ident.startswith("id:") else ident)
 
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        meta = (self.dtype, self.row_shape)
+        return DeferredRows(inputs, self.make, meta, self.what, self.raw_token)
+
 
 class DeferredValue(_Deferred, Value):
     """A value (``x[m][-1]``, ``x[m].argmax(0)``, ``w @ x[m]``) that needs the row count
@@ -722,7 +777,7 @@ class DeferredValue(_Deferred, Value):
         self,
         inputs: Sequence[Node],
         make: Callable[[list[Node]], Node],
-        meta: tuple[Any, tuple[int, ...]],
+        meta: tuple[Any, tuple[int | None, ...]],
         what: str,
         token: Any = None,
     ) -> None:
@@ -732,6 +787,11 @@ class DeferredValue(_Deferred, Value):
         self.what = what
         self.raw_token = token
         self.token = identity.token((what, token))
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        made = DeferredValue(inputs, self.make, (self.dtype, self.shape), self.what, self.raw_token)
+        made.meta_known = self.meta_known
+        return made
 
 
 Deferred = DeferredRows | DeferredValue
@@ -773,12 +833,20 @@ class Reduce(Value):
         self.meta_known = dtype is not None and shape is not None
         self.spec = spec
         self.n_chunked = len(chunked)
+        # What the spec keeps for the length of one compute (an external sort's run
+        # files), opened and closed by the plan; a value that refers to it is not cached.
+        self.scratch = getattr(spec, "scratch", None)
+        self.cacheable = self.scratch is None
 
     def params(self) -> str:
         return str(self.spec.params())
 
     def label(self) -> str:
         return str(self.spec.label())
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        n = self.n_chunked
+        return Reduce(self.spec, tuple(inputs[:n]), tuple(inputs[n:]))  # type: ignore[arg-type]
 
 
 def _nodes_in(value: Any) -> Iterator[Node]:
@@ -807,7 +875,8 @@ def substitute(value: Any, lookup: Callable[[Node], Any]) -> Any:
 
 class Apply(Value):
     """``fn(*args, **kwargs)`` on in-memory values; nodes in ``args`` are replaced by
-    their values. Dtype and shape come from ``fn`` on zero placeholders unless given."""
+    their values. Dtype and shape come from ``fn`` on zero placeholders; ``shape``,
+    where given, is the shape instead (None for a length known once computed)."""
 
     def __init__(
         self,
@@ -816,6 +885,7 @@ class Apply(Value):
         kwargs: dict[str, Any] | None = None,
         *,
         name: str | None = None,
+        shape: tuple[int | None, ...] | None = None,
     ) -> None:
         kwargs = dict(kwargs or {})
         inputs = list({id(n): n for n in _nodes_in((args, kwargs))}.values())
@@ -832,7 +902,8 @@ class Apply(Value):
             probe = np.asarray(
                 fn(*substitute(args, placeholder), **substitute(kwargs, placeholder))
             )
-        super().__init__(inputs, probe.dtype, probe.shape)
+        super().__init__(inputs, probe.dtype, probe.shape if shape is None else shape)
+        self.given_shape = shape
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -853,3 +924,12 @@ class Apply(Value):
 
     def label(self) -> str:
         return str(self.name)
+
+    def with_inputs(self, inputs: Sequence[Node]) -> Node:
+        new = dict(zip(map(id, self.inputs), inputs, strict=True))
+
+        def swap(node: Node) -> Node:
+            return new.get(id(node), node)
+
+        args, kwargs = substitute(self.args, swap), substitute(self.kwargs, swap)
+        return Apply(self.fn, args, kwargs, name=self.name, shape=self.given_shape)

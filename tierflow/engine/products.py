@@ -28,7 +28,16 @@ import numpy as np
 
 from ..operators import crossprod
 from . import graph, specs
-from .array import Array, _describe_shape, _shape_only, _value_apply, _wrap, from_array
+from .array import (
+    Array,
+    _defer_function,
+    _describe_shape,
+    _line_up_later,
+    _shape_only,
+    _value_apply,
+    _wrap,
+    from_array,
+)
 from .graph import Chunked, Value
 
 __all__ = ["FUNCTIONS", "Transposed", "corrcoef", "cov", "transpose"]
@@ -256,22 +265,12 @@ def transpose(array: Array, axes: Any = None) -> Any:
     )
 
 
-def _same_rows(x: Chunked, y: Chunked, what: str) -> None:
-    if x.n_rows is not None and y.n_rows is not None:
-        if x.n_rows != y.n_rows:
-            raise ValueError(
-                f"{what}: x has shape {_describe_shape(x.shape)} and y has shape "
-                f"{_describe_shape(y.shape)}; they need the same rows ({x.n_rows} != {y.n_rows})"
-            )
-        return
-    if x.n_rows is None and y.n_rows is None and x.origin == y.origin:
-        return
-    raise ValueError(
-        f"{what}: x has shape {_describe_shape(x.shape)} and y has shape "
-        f"{_describe_shape(y.shape)} ('?' is a row count unknown until computed); their "
-        "rows line up only when both come from the same mask: mask both with the same mask "
-        "array, or persist() them first"
-    )
+def _refuse_other_rows(x: Chunked, y: Chunked) -> None:
+    """NumPy's error for ``x.T @ y`` with rows that differ (known rows only): NumPy's
+    own check, on stand-ins of the shapes that hold no data."""
+    if x.n_rows != y.n_rows:
+        np.matmul(_shape_only(x).T, _shape_only(y))
+        raise ValueError(f"x.T @ y: the arrays have different rows: {x.n_rows} and {y.n_rows}")
 
 
 def cross(x: Array, other: Any) -> Array:
@@ -293,7 +292,9 @@ def cross(x: Array, other: Any) -> Array:
     assert isinstance(ynode, Chunked)
     if ynode.ndim not in (1, 2):
         _shape_error(node, ynode)
-    _same_rows(node, ynode, "x.T @ y")
+    if _line_up_later([node, ynode]):  # different masks, block sizes, or known rows
+        return _defer_function(lambda xy: cross(xy[0], xy[1]), [node, ynode], "x.T @ y")
+    _refuse_other_rows(node, ynode)
     if ynode.ident == node.ident:
         return _wrap(graph.Reduce(CrossSpec(symmetric=True), (node,)))
     return _wrap(graph.Reduce(CrossSpec(symmetric=False), (node, ynode)))
@@ -370,9 +371,23 @@ def cov(  # noqa: PLR0913 -- np.cov's own signature
             name="cov",
         )
     parts = [_variables(a, rowvar, "np.cov") for a in originals]
-    nodes = [_chunked(p) for p in parts]
-    if len(nodes) == 2:
-        _same_rows(nodes[0], nodes[1], "np.cov(x, y)")
+    return _comoments([_chunked(p) for p in parts], ddof, dtype)
+
+
+def _comoments(nodes: list[Chunked], ddof: int, dtype: Any) -> Array:
+    """The covariance of the columns of ``nodes`` (the variables as columns)."""
+    if len(nodes) == 2 and _line_up_later(nodes):
+        return _defer_function(
+            lambda xy: _comoments([a._node for a in xy], ddof, dtype),
+            nodes,
+            "cov",
+        )
+    if len(nodes) == 2 and nodes[0].n_rows != nodes[1].n_rows:
+        raise ValueError(
+            "all the input array dimensions except for the concatenation axis must match "
+            f"exactly, but along dimension 1, the array at index 0 has size {nodes[0].n_rows} "
+            f"and the array at index 1 has size {nodes[1].n_rows}"
+        )
     return _wrap(graph.Reduce(CoMomentSpec(ddof, dtype), tuple(nodes)))
 
 

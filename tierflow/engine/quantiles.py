@@ -368,7 +368,7 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
     if isinstance(node, Chunked) and node.n_rows == 0:
         node = _as_value(node)  # NumPy's own answer (or error) over no rows
     if isinstance(node, Value):
-        extra = {} if function.endswith("median") else {"method": method}
+        extra: dict[str, Any] = {} if function.endswith("median") else {"method": method}
         args = () if function.endswith("median") else (q,)
         fn = getattr(np, function)
         return _value_apply(fn, node, *args, axis=axis, keepdims=keep, name=function, **extra)

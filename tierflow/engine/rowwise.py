@@ -35,7 +35,17 @@ import numpy as np
 from ..operators import reductions as red
 from ..operators.types import block_bytes
 from . import graph, specs
-from .array import Array, _describe_shape, _node_of, _value_apply, _wrap, from_array
+from .array import (
+    Array,
+    _defer_function,
+    _describe_shape,
+    _line_up_later,
+    _node_of,
+    _shape_only,
+    _value_apply,
+    _wrap,
+    from_array,
+)
 from .graph import Chunked, Value
 
 try:
@@ -148,12 +158,6 @@ def _per_block(name: str, fn: Callable[..., Any], operands: Sequence[Any], **kwa
     in-memory operands are constants, lazy in-memory results values."""
     nodes = [_node_of(o) for o in operands]
     chunked = [n for n in nodes if isinstance(n, Chunked)]
-    rows = {(n.n_rows, n.origin if n.n_rows is None else None) for n in chunked}
-    if len(rows) > 1:
-        raise ValueError(
-            f"{name}: the arrays have different rows: "
-            + ", ".join(_describe_shape(n.shape) for n in chunked)
-        )
     values = tuple(n for n in nodes if isinstance(n, Value))
     template = tuple(
         None if isinstance(n, Chunked) else specs.VALUE if isinstance(n, Value) else n
@@ -363,6 +367,22 @@ def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) ->
         for a, n, t in zip(arrays, nodes, terms, strict=True)
     ]
     nodes = [_node_of(a) for a in arrays]
+    chunked = [n for n in nodes if isinstance(n, Chunked)]
+    if _line_up_later(chunked):  # different masks, block sizes, or known rows
+
+        def again(xs: list[Array]) -> Any:
+            picked = iter(xs)
+            return einsum(
+                subscripts,
+                *(
+                    next(picked) if isinstance(n, Chunked) else a
+                    for a, n in zip(arrays, nodes, strict=True)
+                ),
+                **kwargs,
+            )
+
+        return _defer_function(again, chunked, f"einsum({subscripts!r})")
+    _refuse_other_rows(subscripts, nodes)
     for n, t in zip(nodes, terms, strict=True):
         if not isinstance(n, Chunked) and row in t:
             raise ValueError(
@@ -381,6 +401,30 @@ def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) ->
             )
         return _per_block("einsum", _einsum_rows, arrays, subscripts=full, **kwargs)
     return _einsum_over_rows(full, arrays, nodes, kwargs)
+
+
+def _refuse_other_rows(subscripts: str, nodes: Sequence[Any]) -> None:
+    """NumPy's error for lazy operands whose (known) rows differ: NumPy's own check, on
+    zero-strided stand-ins of their shapes (no memory), raises it before any work."""
+    rows = {int(n.n_rows) for n in nodes if isinstance(n, Chunked) and n.n_rows is not None}
+    if len(rows) < 2:
+        return
+    if 1 in rows:  # NumPy would broadcast the one row: not over row blocks
+        raise ValueError(
+            f"np.einsum({subscripts!r}) with an operand of one row and others of "
+            f"{max(rows)} broadcasts that row over the others, which is not lazy; "
+            "compute() the one-row operand first"
+        )
+    standins = [
+        _shape_only(n)
+        if isinstance(n, Chunked)
+        else graph.placeholder(n)
+        if isinstance(n, Value)
+        else n
+        for n in nodes
+    ]
+    np.einsum(subscripts, *standins)
+    raise ValueError(f"np.einsum({subscripts!r}): the arrays have different rows: {sorted(rows)}")
 
 
 def _row_letter(subscripts: str, terms: Sequence[str], nodes: Sequence[Any]) -> str:
@@ -427,11 +471,6 @@ def _einsum_over_rows(
             "reduction's result); compute() that operand first"
         )
     chunked = tuple(n for n in nodes if isinstance(n, Chunked))
-    if len({(n.n_rows, n.origin if n.n_rows is None else None) for n in chunked}) > 1:
-        raise ValueError(
-            f"np.einsum({subscripts!r}): the arrays have different rows: "
-            + ", ".join(_describe_shape(n.shape) for n in chunked)
-        )
     template = tuple(None if isinstance(n, Chunked) else np.asarray(n) for n in nodes)
     zeros = [np.zeros((1, *n.row_shape), n.dtype) for n in chunked]
     probe = _einsum_partial(subscripts, template, kwargs, *zeros)
