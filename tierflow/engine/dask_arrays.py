@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BlockError, missing_dependency
+from ..operators import byteorder
 from . import blocksize, counting, graph, portable
 from .graph import Chunked, Node, Value
 from .lower import lower_pass
@@ -100,7 +101,7 @@ def _joined(parts: Any) -> np.ndarray:
     while isinstance(probe, (list, tuple)):
         depth += 1
         probe = probe[0]
-    return np.concatenate(inner, axis=inner[0].ndim - depth)
+    return np.concatenate(inner, axis=inner[0].ndim - depth, dtype=inner[0].dtype)
 
 
 # -- from_dask ----------------------------------------------------------------------------
@@ -226,7 +227,7 @@ class DaskReader(Reader):
             lo, hi = max(a, bounds[i]) - bounds[i], min(b, bounds[i + 1]) - bounds[i]
             whole = lo == 0 and hi == bounds[i + 1] - bounds[i]
             parts.append(self.chunk(i) if whole else self._piece(i, lo, hi))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else byteorder.join(parts)
 
     def _piece(self, i: int, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of row chunk ``i``, read in pieces (a block cut to fit the

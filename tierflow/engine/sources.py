@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, SourceError
+from ..operators import byteorder
 from ..storage import identity
 from ..storage.sources import ArraySource, FileSource
 from . import portable
@@ -346,7 +347,7 @@ class FilesReader(Reader):
             return parts[0]
         if not parts:
             return np.empty((0, *self.row_shape), self.dtype)
-        return np.concatenate(parts)
+        return byteorder.join(parts)
 
     def read(self, a: int, b: int) -> np.ndarray:
         k = self.rows_per_file
