@@ -65,7 +65,7 @@ from ..operators import byteorder
 from . import blocksize, counting, graph, portable
 from .graph import Chunked, Node, Value
 from .lower import lower_pass
-from .sources import Reader
+from .sources import Reader, unfit
 from .types import BlockIndex, Request, RowRange
 
 if TYPE_CHECKING:
@@ -208,6 +208,16 @@ class DaskReader(Reader):
                     f"from_dask: row chunk {i} of {self.name} computed to {block.dtype}, which "
                     f"does not cast to the dask array's {self.dtype}; give map_blocks the "
                     "right dtype=",
+                    index=i,
+                    start=start,
+                    stop=stop,
+                )
+            found = unfit(block, self.dtype)
+            if found is not None:
+                raise BlockError(
+                    f"from_dask: row chunk {i} of {self.name} computed to {block.dtype} and "
+                    f"holds {found.text()}, {found.why} (the dask array says {self.dtype}); "
+                    f"give map_blocks the right dtype= ({block.dtype})",
                     index=i,
                     start=start,
                     stop=stop,
