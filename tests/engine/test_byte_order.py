@@ -461,3 +461,31 @@ def test_functions_on_tensors_get_blocks_of_either_byte_order() -> None:
     np.testing.assert_array_equal(got, a * 2)
     np.testing.assert_allclose(total, (a * 2 + 1).sum(axis=0), rtol=1e-6)
     np.testing.assert_array_equal(ordered, np.sort(a * 2, axis=0))
+
+
+@pytest.mark.executors("processes", "dask", "ray")
+def test_results_from_other_processes_keep_the_arrays_byte_order(
+    executor_name: str, tmp_path: Path
+) -> None:
+    """Blocks and partials come back from workers by pickle, which NumPy would rebuild
+    native below protocol 5 (multiprocessing's default)."""
+    data = _values(np.dtype(">i4"), (ROWS, 3), seed=10)
+    np.save(tmp_path / "b.npy", data)
+    for x in (tw.from_array(data, rows=7), tw.from_npy(tmp_path / "b.npy", rows=7)):
+        results = tw.compute(
+            tw.topk(x, 3),
+            x[np.array([5, 0, 2, 2])],
+            x[x[:, 0] > 0],
+            tw.sort_rows(x, by=-1),
+            np.unique(x),
+            executor=executor_name,
+        )
+        want = (
+            np.sort(data, axis=0)[::-1][:3],
+            data[[5, 0, 2, 2]],
+            data[data[:, 0] > 0],
+            _sort_rows(data),
+            np.unique(data),
+        )
+        for got, expected in zip(results, want, strict=True):
+            assert _mismatch(got, expected) is None, _mismatch(got, expected)

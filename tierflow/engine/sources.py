@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import BlockError, SourceError
 from ..operators import byteorder
-from ..storage import identity
+from ..storage import identity, sharing
 from ..storage.sources import ArraySource, FileSource
 from . import portable
 
@@ -283,9 +283,10 @@ class ArrayReader(Reader):
         self._token: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # The array by value (a spill file by path under multiprocessing); the source is
-        # made again around what arrives, which may be in RAM where this one was mapped.
-        return {"array": self.array, "_token": self._token}
+        # The array by value (a spill file by path under multiprocessing), in its byte
+        # order; the source is made again around what arrives, which may be in RAM
+        # where this one was mapped.
+        return {"array": sharing.in_byte_order(self.array), "_token": self._token}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["array"])  # type: ignore[misc]
