@@ -1,9 +1,10 @@
 """np.unique, np.bincount and tw.value_counts on lazy arrays, against NumPy.
 
 Property tests draw odd shapes, block sizes and dtypes (bool, integers, float16 to
-float64 with NaN, infinities, signed zeros and many ties, in either byte order); results must equal NumPy's,
-dtypes included. The spilling path is forced by a limit of a few hundred bytes (a tiny
-budget), and its partition files must be gone after a success, an error and Ctrl-C.
+float64 with NaN, infinities, signed zeros and many ties), in either byte order; results
+must equal NumPy's, dtypes included. The spilling path is forced by a limit of a few
+hundred bytes (a tiny budget), and its partition files must be gone after a success, an
+error and Ctrl-C.
 """
 
 from __future__ import annotations

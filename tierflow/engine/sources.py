@@ -185,7 +185,8 @@ def unfit(values: np.ndarray, dtype: np.dtype) -> Unfit | None:
     not whole; for a float ``dtype``, a finite value beyond its largest (it would become
     infinite). Casts to bool keep NumPy's truth value; rounding to a float's precision is
     not a change of value here. Sources that cast what they read (``from_parquet``'s
-    ``dtype``, ``from_files``' ``dtype``) refuse such values instead of wrapping them."""
+    ``dtype``, ``from_files``' ``dtype``, ``from_dask``'s chunks of another dtype than the
+    dask array's) refuse such values instead of wrapping them."""
     dtype = np.dtype(dtype)
     if dtype.kind == "b" or values.size == 0 or np.can_cast(values.dtype, dtype, "safe"):
         return None

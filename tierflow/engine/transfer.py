@@ -142,8 +142,9 @@ _fill_lock = threading.Lock()
 
 
 def _fill(host: np.ndarray, block: np.ndarray) -> None:
-    """``host[...] = block`` (``host`` in native byte order, ``block`` in either); a big block in row pieces on :data:`FILL_THREADS` threads
-    (NumPy's copy releases the GIL), so filling a pinned buffer keeps up with the bus."""
+    """``host[...] = block`` (``host`` in native byte order, ``block`` in either); a big
+    block in row pieces on :data:`FILL_THREADS` threads (NumPy's copy releases the GIL),
+    so filling a pinned buffer keeps up with the bus."""
     global _fill_pool
     rows = block.shape[0] if block.ndim else 0
     pieces = min(FILL_THREADS, rows, block.nbytes // FILL_PIECE_BYTES)
