@@ -126,6 +126,19 @@ def test_from_files_errors_name_the_file(tmp_path: Path, data: np.ndarray) -> No
         y.compute()
 
 
+def test_from_files_refuses_a_loaded_value_out_of_the_dtypes_range(tmp_path: Path) -> None:
+    """A ``dtype=`` narrower than what ``load`` returns is a cast: a value it cannot hold
+    is refused, naming the file, not wrapped (300 would be 44 as int8)."""
+    paths = [tmp_path / f"{i}.txt" for i in range(3)]
+    for p, v in zip(paths, [1, 2, 300], strict=True):
+        p.write_text(str(v))
+    x = tw.from_files(paths, lambda p: np.int64(Path(p).read_text()), dtype=np.int8, row_shape=())
+    with pytest.raises(BlockError, match=r"load returned 300 for file 2 of 3 .*int8's range"):
+        x.compute()
+    y = tw.from_files(paths[:2], lambda p: np.int64(Path(p).read_text()), dtype=np.int8)
+    np.testing.assert_array_equal(y.compute(), np.array([1, 2], np.int8))
+
+
 def test_shape_mismatch_names_both_shapes(data: np.ndarray) -> None:
     x = tw.from_array(data)
     # NumPy's own message: "operands could not be broadcast together with shapes ..."

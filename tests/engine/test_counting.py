@@ -1,9 +1,10 @@
 """np.unique, np.bincount and tw.value_counts on lazy arrays, against NumPy.
 
 Property tests draw odd shapes, block sizes and dtypes (bool, integers, float16 to
-float64 with NaN, infinities, signed zeros and many ties); results must equal NumPy's,
-dtypes included. The spilling path is forced by a limit of a few hundred bytes (a tiny
-budget), and its partition files must be gone after a success, an error and Ctrl-C.
+float64 with NaN, infinities, signed zeros and many ties), in either byte order; results
+must equal NumPy's, dtypes included. The spilling path is forced by a limit of a few
+hundred bytes (a tiny budget), and its partition files must be gone after a success, an
+error and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def arrays(
     dt = np.dtype(draw(st.sampled_from(dtypes)))
     rows = draw(st.sampled_from([0, 1, 2, 5, 13, 31, 64]))
     row_shape = draw(st.sampled_from(row_shapes))
-    # Every element drawn (no fill value), so NaN and ties land in several blocks.
-    return draw(hnp.arrays(dt, (rows, *row_shape), elements=elements(dt), fill=st.nothing()))
+    # Every element drawn (no fill value), so NaN and ties land in several blocks; in
+    # either byte order (unique's keys are the values' bits).
+    a = draw(hnp.arrays(dt, (rows, *row_shape), elements=elements(dt), fill=st.nothing()))
+    return a.astype(dt.newbyteorder()) if draw(st.booleans()) else a
 
 
 def same(result: Any, expected: Any) -> None:

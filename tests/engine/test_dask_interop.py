@@ -366,6 +366,21 @@ def test_a_chunk_of_the_wrong_shape_is_named() -> None:
         tw.from_dask(complex_).compute()
 
 
+def test_a_chunk_holding_a_value_its_declared_dtype_cannot_hold_is_refused() -> None:
+    """A chunk computed to a wider dtype than the dask array says is cast to it; a value
+    the cast would wrap (300 as int8) is refused, naming it, rather than changed."""
+    values = np.arange(40, dtype=np.int64)
+    values[25] = 300
+    d = da.from_array(values, chunks=10)
+    lying = d.map_blocks(lambda b: b, dtype=np.int8)  # int64 chunks
+    with pytest.raises(BlockError, match=r"row chunk 2 .* holds 300, outside int8's range"):
+        tw.from_dask(lying).compute()
+    fits = da.from_array(np.arange(40, dtype=np.int64), chunks=10).map_blocks(
+        lambda b: b, dtype=np.int8
+    )
+    np.testing.assert_array_equal(tw.from_dask(fits).compute(), np.arange(40, dtype=np.int8))
+
+
 @pytest.mark.executors("threads")
 def test_without_dask_both_directions_say_which_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,

@@ -4,6 +4,7 @@ blocks on chunks and row groups, clear errors, staleness, every executor."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -211,6 +212,63 @@ def test_parquet_nulls_are_nan_or_refused(tmp_path: Path) -> None:
         tw.from_parquet(tmp_path / "n.parquet", nulls="raise").compute()
     with pytest.raises(SourceError, match=r"int64 has no NaN: pass a float dtype"):
         tw.from_parquet(tmp_path / "n.parquet", columns=["b"], dtype="int64").compute()
+
+
+def test_parquet_values_out_of_the_dtypes_range_are_refused_naming_column_and_value(
+    executor_name: str, tmp_path: Path
+) -> None:
+    table = pa.table({"a": np.array([1, 2, 3], np.int64), "b": np.array([5, 300, -7], np.int64)})
+    pq.write_table(table, tmp_path / "t.parquet")
+    x = tw.from_parquet(tmp_path / "t.parquet", dtype="int8")
+    message = r"column 'b' holds 300 \(row 1 of row group 0\), outside int8's range -128..127"
+    with pytest.raises(SourceError, match=message):
+        x.compute(executor=executor_name)
+    ok = tw.from_parquet(tmp_path / "t.parquet", columns=["a"], dtype="int8").compute()
+    assert ok.dtype == np.int8 and ok[:, 0].tolist() == [1, 2, 3]
+
+
+@pytest.mark.executors("threads")
+@pytest.mark.parametrize(
+    ("values", "dtype", "bad"),
+    [
+        (np.array([0, 255, 256], np.int64), "uint8", "256"),
+        (np.array([0, -1, 4], np.int32), "uint16", "-1"),
+        (np.array([2**40, 0], np.int64), "int32", "1099511627776"),
+        (np.array([2**63, 1], np.uint64), "int64", "9223372036854775808"),
+        (np.array([1.0, 2.5], np.float64), "int32", "2.5"),
+        (np.array([1.0, np.nan], np.float64), "int64", "nan"),
+        (np.array([1.0, np.inf], np.float64), "int16", "inf"),
+        (np.array([1.0, 1e300], np.float64), "float32", "1e+300"),
+        (np.array([1.0, -7e4], np.float64), "float16", "-70000.0"),
+        (np.array([1, 70000], np.int64), "float16", "70000"),
+    ],
+)
+def test_every_narrowing_cast_a_parquet_source_makes_is_checked(
+    tmp_path: Path, values: np.ndarray, dtype: str, bad: str
+) -> None:
+    pq.write_table(pa.table({"v": values}), tmp_path / "t.parquet")
+    with pytest.raises(SourceError, match=rf"column 'v' holds {re.escape(bad)} "):
+        tw.from_parquet(tmp_path / "t.parquet", dtype=dtype).compute()
+
+
+@pytest.mark.executors("threads")
+def test_parquet_casts_that_keep_every_value_are_made(tmp_path: Path) -> None:
+    """Whole floats to integers, floats to a smaller float within its range (NaN and the
+    infinities too), booleans, any byte order: the values NumPy's cast gives."""
+    table = pa.table(
+        {
+            "i": np.array([-3, 0, 127], np.int64),
+            "f": np.array([-3.0, 0.0, 127.0], np.float64),
+            "w": np.array([np.nan, np.inf, -1.5], np.float64),
+            "b": np.array([True, False, True]),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    ints = tw.from_parquet(tmp_path / "t.parquet", columns=["i", "f", "b"], dtype="int8")
+    np.testing.assert_array_equal(ints.compute(), [[-3, -3, 1], [0, 0, 0], [127, 127, 1]])
+    floats = tw.from_parquet(tmp_path / "t.parquet", dtype=">f4").compute()
+    assert floats.dtype == np.dtype(">f4")
+    np.testing.assert_array_equal(floats[:, 2], np.array([np.nan, np.inf, -1.5], np.float32))
 
 
 def test_a_parquet_file_changed_after_the_build_is_refused(tmp_path: Path) -> None:

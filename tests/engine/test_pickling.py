@@ -88,6 +88,38 @@ def test_a_pipeline_over_each_source_computes_the_same_after_a_round_trip(
 
 
 @pytest.mark.parametrize("dumps", sorted(DUMPS))
+def test_an_array_in_the_other_byte_order_keeps_it_whatever_the_pickler(
+    tmp_path: Path, dumps: str
+) -> None:
+    """NumPy's own pickle (below protocol 5, as ``pickle.dumps`` and multiprocessing use
+    by default) would bring the array back native: blocks would no longer have the
+    array's dtype."""
+    data = (np.arange(40, dtype=np.int64).reshape(20, 2) * 300 - 3000).astype(">i4")
+    np.save(tmp_path / "b.npy", data)
+    for x in (tw.from_array(data, rows=6), tw.from_npy(tmp_path / "b.npy", rows=6)):
+        back = pickle.loads(DUMPS[dumps](x))
+        assert back.dtype == data.dtype
+        got, total, ordered = tw.compute(back, back.sum(axis=0), np.sort(back, axis=0))
+        assert got.dtype == ordered.dtype == data.dtype
+        np.testing.assert_array_equal(got, data)
+        np.testing.assert_array_equal(total, data.sum(axis=0))
+        np.testing.assert_array_equal(ordered, np.sort(data, axis=0))
+
+
+def test_a_block_tasks_result_keeps_its_arrays_byte_order_under_protocol_4() -> None:
+    """Dask's scheduler and multiprocessing pickle results with protocol 4."""
+    from tierflow.engine.tasks import BlockResult
+
+    swapped = np.array([1, 256, 70000], ">i4")
+    result = BlockResult((swapped, [swapped, (swapped[:1], "x")], None), (swapped, None))
+    back = pickle.loads(pickle.dumps(result, protocol=4))
+    arrays = [back.partials[0], *back.partials[1][:1], back.partials[1][1][0], back.blocks[0]]
+    assert [a.dtype.str for a in arrays] == [">i4"] * 4
+    np.testing.assert_array_equal(back.partials[1][0], swapped)
+    assert back.partials[1][1][1] == "x" and back.partials[2] is None
+
+
+@pytest.mark.parametrize("dumps", sorted(DUMPS))
 def test_user_functions_travel_by_value_whatever_the_pickler(tmp_path: Path, dumps: str) -> None:
     data = _data()
     path = tmp_path / "x.npy"

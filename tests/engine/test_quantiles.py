@@ -126,6 +126,8 @@ def arrays(draw: Any) -> np.ndarray:
         if draw(st.booleans()) and a.size:
             nan = rng.random(shape) < draw(st.sampled_from([0.05, 0.5, 1.0]))
             a[nan] = np.nan
+    if draw(st.booleans()):  # the search's keys are the values' bits: the other order too
+        a = a.astype(a.dtype.newbyteorder())
     return a
 
 

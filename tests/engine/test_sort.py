@@ -37,7 +37,8 @@ SETTINGS = settings(
 
 @st.composite
 def arrays(draw: st.DrawFn, row_shapes: tuple[tuple[int, ...], ...] = ((), (1,), (3,), (2, 3))):
-    """Odd row counts, every dtype; few distinct values (ties), NaN, -0.0, constant columns."""
+    """Odd row counts, every dtype in either byte order; few distinct values (ties), NaN,
+    -0.0, constant columns."""
     dt = np.dtype(draw(st.sampled_from(DTYPES)))
     rows = draw(st.sampled_from([0, 1, 2, 5, 13, 31, 64]))
     row_shape = draw(st.sampled_from(row_shapes))
@@ -51,6 +52,8 @@ def arrays(draw: st.DrawFn, row_shapes: tuple[tuple[int, ...], ...] = ((), (1,),
     a = draw(hnp.arrays(dt, (rows, *row_shape), elements=elements))
     if rows and row_shape and draw(st.booleans()):
         a.reshape(rows, -1)[:, 0] = a.reshape(rows, -1)[0, 0]  # a constant column
+    if draw(st.booleans()):  # the sort keys are the values' bits: the other order too
+        a = a.astype(a.dtype.newbyteorder())
     return a
 
 

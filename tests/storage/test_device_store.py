@@ -126,7 +126,7 @@ class _TorchOnCpu:
     def zeros(self, shape: tuple[int, ...], dtype: Any, index: int) -> Any:
         import torch
 
-        return torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
+        return torch.zeros(shape, dtype=gpu.torch_dtype(dtype))
 
     def owner(self, x: Any) -> Any:
         return x
@@ -147,6 +147,24 @@ def test_torch_tensors_are_copied_in_and_out() -> None:
     np.testing.assert_array_equal(store.host("a"), a)
     assert torch.equal(store.get("a"), torch.from_numpy(a))  # read back
     np.testing.assert_array_equal(store.host("b"), b)
+
+
+def test_blocks_in_the_other_byte_order_go_through_torch_and_come_back_in_it() -> None:
+    """Tensors have only the native byte order: a ``'>f4'`` block is swapped on its way
+    to the device and back, and the host copy keeps the block's dtype."""
+    torch = pytest.importorskip("torch")
+    gpu.use_backend(_TorchOnCpu())
+    store = _store(30)
+    swapped = np.dtype(np.float32).newbyteorder()
+    a, b = _block(40, 1).astype(swapped), _block(40, 2).astype(swapped)
+    store.put("a", a)
+    assert torch.equal(store.get("a"), torch.from_numpy(a.astype(np.float32)))
+    store.put("b", b)  # a spilled into a host array of its own dtype
+    assert store.where("a") == "ram"
+    for key, block in (("a", a), ("b", b)):
+        back = store.host(key)
+        assert back.dtype == swapped
+        np.testing.assert_array_equal(back, block)
 
 
 def test_threads_never_take_the_device_over_its_budget() -> None:

@@ -270,6 +270,25 @@ def test_plain_arrays_and_foreign_memmaps_pickle_by_value(tmp_path: Path) -> Non
     assert file_range(_roundtrip(foreign)) is None
 
 
+def test_arrays_in_the_other_byte_order_keep_it_across_processes() -> None:
+    """NumPy's pickle below protocol 5 rebuilds a ``'>i4'`` array as a native one;
+    multiprocessing pickles with protocol 4, so the reducer puts the order back."""
+    swapped = np.dtype(np.int32).newbyteorder()
+    for x in (
+        np.array([1, 256, 70000], swapped),
+        np.arange(12, dtype=swapped).reshape(3, 4)[:, ::2],
+        np.asfortranarray(np.arange(6.0).reshape(2, 3).astype(">f8")),
+    ):
+        back = _roundtrip(x)
+        assert back.dtype == x.dtype and back.flags.writeable
+        np.testing.assert_array_equal(back, x)
+        plain = pickle.loads(pickle.dumps(sharing.in_byte_order(x), protocol=2))
+        assert plain.dtype == x.dtype
+        np.testing.assert_array_equal(plain, x)
+    native = np.arange(4)
+    assert sharing.in_byte_order(native) is native
+
+
 def test_plain_pickle_of_a_spilled_array_copies() -> None:
     x = _spilled(1000)
     x[:] = 1.0

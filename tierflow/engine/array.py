@@ -267,7 +267,10 @@ def from_files(  # noqa: PLR0913 -- public: dtype and row_shape as map_blocks na
     files are loaded (like after a boolean mask).
 
     ``dtype`` and ``row_shape`` default to those of ``load(paths[0])``, which is then
-    called once now (the only work done before a compute; give both to skip it).
+    called once now (the only work done before a compute; give both to skip it). What
+    ``load`` returns is cast to ``dtype`` (``same_kind``); a value ``dtype`` cannot hold
+    (300 for int8, 1e300 for float32) raises :class:`~tierflow.errors.BlockError`
+    naming the file, rather than wrap.
     ``rows`` is rows per block (files per block when row counts are unknown); it
     defaults to the budget's block size, and to at most ``len(paths) / (4 x cores)``
     files per block, so every core gets files to load.

@@ -61,10 +61,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BlockError, missing_dependency
+from ..operators import byteorder
 from . import blocksize, counting, graph, portable
 from .graph import Chunked, Node, Value
 from .lower import lower_pass
-from .sources import Reader
+from .sources import Reader, unfit
 from .types import BlockIndex, Request, RowRange
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _joined(parts: Any) -> np.ndarray:
     while isinstance(probe, (list, tuple)):
         depth += 1
         probe = probe[0]
-    return np.concatenate(inner, axis=inner[0].ndim - depth)
+    return np.concatenate(inner, axis=inner[0].ndim - depth, dtype=inner[0].dtype)
 
 
 # -- from_dask ----------------------------------------------------------------------------
@@ -209,6 +210,16 @@ class DaskReader(Reader):
                     start=start,
                     stop=stop,
                 )
+            found = unfit(block, self.dtype)
+            if found is not None:
+                raise BlockError(
+                    f"from_dask: row chunk {i} of {self.name} computed to {block.dtype} and "
+                    f"holds {found.text()}, {found.why} (the dask array says {self.dtype}); "
+                    f"give map_blocks the right dtype= ({block.dtype})",
+                    index=i,
+                    start=start,
+                    stop=stop,
+                )
             block = block.astype(self.dtype)
         return block
 
@@ -224,7 +235,7 @@ class DaskReader(Reader):
             lo, hi = max(a, bounds[i]) - bounds[i], min(b, bounds[i + 1]) - bounds[i]
             whole = lo == 0 and hi == bounds[i + 1] - bounds[i]
             parts.append(self.chunk(i) if whole else self._piece(i, lo, hi))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else byteorder.join(parts)
 
     def _piece(self, i: int, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of row chunk ``i``, read in pieces (a block cut to fit the

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..operators import byteorder
 from ..storage.device_store import DeviceStore
 from ..system import devices
 from .sources import ArrayReader, Reader
@@ -64,7 +65,7 @@ class DeviceReader(Reader):
             start = self.bounds[k]
             block = self.store.host(k)
             pieces.append(block[max(a, start) - start : min(b, self.bounds[k + 1]) - start])
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return pieces[0] if len(pieces) == 1 else byteorder.join(pieces)
 
     def on_device(self, k: int) -> Any:
         """Block ``k`` on the device (read back if it was spilled)."""

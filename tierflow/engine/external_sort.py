@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from ..operators import sorting
+from ..operators import byteorder, sorting
 from ..operators.types import block_bytes
 from ..storage import identity, spill
 from . import graph
@@ -277,9 +277,11 @@ class RunFiles:
 
 
 def _columns(block: np.ndarray) -> np.ndarray:
-    """``block``'s columns as rows of a C-contiguous ``[columns, rows]`` copy."""
+    """``block``'s columns as rows of a C-contiguous ``[columns, rows]`` copy in native
+    byte order, always a copy: the sort writes into it, and a block may be a read-only
+    view of a file (a 1-D or one-column block is already in this layout)."""
     n = block.shape[0]
-    return np.ascontiguousarray(block.reshape(n, -1).T)
+    return np.array(block.reshape(n, -1).T, dtype=byteorder.native_dtype(block.dtype), order="C")
 
 
 def _row_key(block: np.ndarray, how: Sorting) -> np.ndarray:
@@ -499,7 +501,7 @@ def merge(runs: Runs, node: SortedRows, a: int, b: int) -> np.ndarray:
         pieces = [r.read("keys", i, j) for (r, _), i, j in zip(each, lo, hi, strict=True)]
         _, order = sorting.merge_order(pieces)
         picked = [r.read("rows", i, j) for (r, _), i, j in zip(each, lo, hi, strict=True)]
-        return np.take(np.concatenate(picked), order, axis=0)
+        return np.take(byteorder.join(picked), order, axis=0)
     width = math.prod(row_shape)
     out = np.empty((rows, width), dtype)
     for c in range(width):

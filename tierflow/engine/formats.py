@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import IncompleteError, SourceError, missing_dependency
 from .destination import chunk_key
-from .sources import Reader, check_identity, file_stat
+from .sources import Reader, check_identity, file_stat, unfit
 
 __all__ = ["Hdf5Reader", "ParquetReader", "ZarrReader", "parquet_paths"]
 
@@ -677,9 +677,23 @@ class ParquetReader(Reader):
                 column = table.column(name)
                 if column.null_count:
                     self._nulls(name, i, g, column.null_count)
-                values = column.to_numpy(zero_copy_only=False)
-                out[lo - a : hi - a, j] = values[lo - start : hi - start]
+                values = column.to_numpy(zero_copy_only=False)[lo - start : hi - start]
+                self._check_fits(values, name, k, lo - start)
+                out[lo - a : hi - a, j] = values
         return out
+
+    def _check_fits(self, values: np.ndarray, name: str, k: int, first: int) -> None:
+        """Refuse values of column ``name`` (rows from ``first`` of row group ``k``) that
+        the array's dtype cannot hold, rather than wrap or truncate them."""
+        found = unfit(values, self.dtype)
+        if found is None:
+            return
+        i, g, _ = self.groups[k]
+        raise SourceError(
+            f"{self.paths[i]}: column {name!r} holds {found.text()} (row {first + found.index} "
+            f"of row group {g}), {found.why}; pass a dtype that holds it, such as the "
+            f"column's own: from_parquet(..., dtype={values.dtype.name!r})"
+        )
 
     def _nulls(self, name: str, i: int, g: int, count: int) -> None:
         if self.nulls == "raise" or self.dtype.kind != "f":

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..operators import byteorder
 from ..operators.types import block_bytes
 from ..storage import placement, spill
 from ..system import budget
@@ -71,17 +72,23 @@ _MIN_LIMIT = 64 << 10  # however small the budget, a partial may hold this much
 
 
 def _key_dtype(dtype: np.dtype, row_shape: tuple[int, ...], rows: bool) -> np.dtype:
-    """The dtype of keys: the values', or one field per column for unique rows."""
+    """The dtype of keys, in native byte order: the values', or one field per column
+    for unique rows (keys of every block merge and compare alike, and a row becomes a
+    key by a view of its bytes: :mod:`tierflow.operators.byteorder`)."""
+    dtype = byteorder.native_dtype(dtype)
     if not rows:
         return dtype
     return np.dtype([(f"f{i}", dtype) for i in range(math.prod(row_shape))])
 
 
 def _keys(block: np.ndarray, key_dtype: np.dtype, rows: bool) -> np.ndarray:
+    """The keys of ``block`` (of :func:`_key_dtype`): a copy where its byte order is not
+    the keys'."""
     if not rows:
-        return block.reshape(-1)
+        return byteorder.native(block.reshape(-1))
     columns = len(key_dtype.names or ())
-    return np.ascontiguousarray(block.reshape(block.shape[0], columns)).view(key_dtype).reshape(-1)
+    values = np.ascontiguousarray(block.reshape(block.shape[0], columns), dtype=key_dtype[0])
+    return values.view(key_dtype).reshape(-1)
 
 
 def _table_dtype(dtype: np.dtype, row_shape: tuple[int, ...], fields: Sequence[str]) -> np.dtype:
@@ -183,7 +190,8 @@ class UniqueTable:
         """A run as records of the table."""
         n = len(run)
         table = np.empty(n, self.out_dtype)
-        table["value"] = run.keys.view(self.in_dtype).reshape(n, *self.value_shape)
+        values = run.keys.view(self.key_dtype[0]) if self.rows else run.keys
+        table["value"] = values.reshape(n, *self.value_shape)
         if run.counts is not None:
             table["count"] = run.counts
         if run.first is not None:

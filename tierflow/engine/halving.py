@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import OutOfMemoryError
+from ..operators import byteorder
 from ..storage import oom
 from ..system import tally
 
@@ -194,7 +195,7 @@ def _block(
             _block(op, fn, [x[a:b] for x in blocks], None if out is None else out[a:b], tried)
             for a, b in pieces
         ]
-        return out if out is not None else np.concatenate(results)
+        return out if out is not None else byteorder.join(results)
     try:
         return fn(*blocks, out=out)
     except Exception as exc:

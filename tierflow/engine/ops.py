@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..operators import byteorder
 from ..operators.types import Partial, block_bytes
 from . import transfer
 from .gpu_tier import current_device
@@ -79,10 +80,11 @@ def to_device(block: Any, device: str) -> Any:
         moved = block.to(target)
     else:
         array = np.asarray(block)
-        if not array.flags.writeable or not array.flags.c_contiguous:
-            # torch shares the buffer and warns about read-only memory (a file's pages);
-            # one copy avoids both, and the copy to the GPU costs it anyway.
-            array = np.array(array, order="C")
+        if not (array.flags.writeable and array.flags.c_contiguous and array.dtype.isnative):
+            # torch shares the buffer, warns about read-only memory (a file's pages) and
+            # has no other byte order; one copy avoids all three, and the copy to the GPU
+            # costs it anyway.
+            array = np.array(array, dtype=byteorder.native_dtype(array.dtype), order="C")
         moved = torch.from_numpy(array).to(target, non_blocking=False)
     if device.startswith("cuda") and moved is not block:
         transfer.count(device, h2d=1, h2d_bytes=moved.nbytes)
@@ -179,7 +181,7 @@ class MapBlocks:
         if not _is_tensor(result):
             result = torch.as_tensor(np.asarray(result), device=tensors[0].device)
         self._check(tuple(tensors[0].shape), tuple(result.shape), numpy_dtype(result))
-        target = torch.from_numpy(np.empty(0, self.out_dtype)).dtype
+        target = torch.from_numpy(np.empty(0, byteorder.native_dtype(self.out_dtype))).dtype
         return result if result.dtype == target else result.to(target)
 
     def _check(self, block_shape: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> None:
@@ -429,7 +431,7 @@ class Head:
             return b
         if b is None or len(a) >= self.n:
             return a
-        return np.concatenate([a, b[: self.n - len(a)]])
+        return byteorder.join([a, b[: self.n - len(a)]])
 
     def complete(self, partial: Partial) -> bool:
         """Whether ``partial`` (of a prefix of the blocks) already has the ``n`` rows."""
@@ -479,7 +481,7 @@ class Collect:
     def aggregate(self, partial: Partial) -> Any:
         if not partial:
             return np.empty((0, *self.row_shape), self.out_dtype)
-        return np.concatenate(partial) if len(partial) > 1 else partial[0]
+        return byteorder.join(partial) if len(partial) > 1 else partial[0]
 
     def temp_bytes(self, rows: int) -> int:
         return block_bytes(rows, self.row_shape, self.out_dtype)

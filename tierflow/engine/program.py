@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, OutOfMemoryError
-from ..operators import selection, torch_ops
+from ..operators import byteorder, selection, torch_ops
 from ..operators.types import block_bytes
 from ..storage import pages
 from ..storage.pool import Pool
@@ -165,14 +165,19 @@ class Step(abc.ABC):
 
     def host(self, ctx: Context, req: Request) -> np.ndarray:
         """The rows ``req`` asks for as a NumPy block (brought back once from the device
-        when this step ran there)."""
+        when this step ran there, in the node's byte order: tensors have only the
+        native one)."""
         value = self.eval(ctx, req)
         if ctx.lane is None or isinstance(value, np.ndarray):
             return value
         key = (id(self), req, "host")
         found = ctx.memo.get(key)
         if found is None:
-            found = ctx.memo[key] = ctx.lane.to_host(value)
+            found = ctx.lane.to_host(value)
+            dtype = self.node.dtype
+            if isinstance(found, np.ndarray) and dtype is not None and found.dtype != dtype:
+                found = found.astype(dtype)
+            ctx.memo[key] = found
         return found
 
     def on_device(self, ctx: Context, req: Request) -> Any:
@@ -429,7 +434,7 @@ class TakeStep(Step):
         parts = [self.source.host(ctx, RowRange(a, b))[take] for a, b, take in spans]
         if len(parts) == 1:
             return parts[0]
-        return np.concatenate(parts)
+        return byteorder.join(parts)
 
     def children(self) -> list[Step]:
         return [self.source]
@@ -531,7 +536,7 @@ class CountedStep(Step):
             return parts[0]
         if not parts:
             return np.empty((0, *self.node.row_shape), self.node.dtype)
-        return np.concatenate(parts)
+        return byteorder.join(parts)
 
     def children(self) -> list[Step]:
         return [self.source]

@@ -47,6 +47,7 @@ import numpy as np
 from numpy.lib.format import dtype_to_descr
 
 from ..config import format_bytes
+from ..operators import byteorder
 from ..storage import pages, placement, spill
 from ..system import budget as budget_module
 from ..system import pressure
@@ -624,7 +625,7 @@ class ZarrSink:
         return row + len(block)
 
     def _flush(self, whole: bool) -> None:
-        rows = np.concatenate(self._tail) if len(self._tail) > 1 else self._tail[0]
+        rows = byteorder.join(self._tail) if len(self._tail) > 1 else self._tail[0]
         take = (len(rows) // self.align) * self.align if whole else len(rows)
         start = self._written
         self.array.resize((start + take, *self.row_shape))

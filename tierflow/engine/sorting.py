@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..operators import byteorder
 from ..operators import sorting as kernels
 from . import graph
 from .array import Array, _deferred, _describe_shape, _value_apply, _wrap, from_array
@@ -161,7 +162,7 @@ class TopK:
             return b
         if b is None:
             return a
-        return _top(np.concatenate([a, b]), self.k)
+        return _top(byteorder.join([a, b]), self.k)
 
     def aggregate(self, partial: np.ndarray | None) -> np.ndarray:
         rows = 0 if partial is None else partial.shape[0]

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BlockError, SourceError
-from ..storage import identity
+from ..operators import byteorder
+from ..storage import identity, sharing
 from ..storage.sources import ArraySource, FileSource
 from . import portable
 
@@ -40,8 +41,10 @@ __all__ = [
     "FileReader",
     "FilesReader",
     "Reader",
+    "Unfit",
     "check_identity",
     "file_stat",
+    "unfit",
 ]
 
 # In-memory arrays above this size are told apart by identity within a compute, and
@@ -162,6 +165,78 @@ class FileReader(Reader):
         return [self.path]
 
 
+@dataclass(frozen=True)
+class Unfit:
+    """A value a cast would change: where it is (``index`` into the flattened values),
+    the value, and why, as text that follows it in a message."""
+
+    index: int
+    value: Any
+    why: str
+
+    def text(self) -> str:
+        """The value as a message gives it (``300``, ``2.5``, ``nan``, ``1e+300``)."""
+        return str(self.value) if isinstance(self.value, int) else repr(self.value)
+
+
+def unfit(values: np.ndarray, dtype: np.dtype) -> Unfit | None:
+    """The first of ``values`` that casting to ``dtype`` would not keep, or None: for an
+    integer ``dtype``, a value outside its range, and a float that is NaN, infinite or
+    not whole; for a float ``dtype``, a finite value beyond its largest (it would become
+    infinite). Casts to bool keep NumPy's truth value; rounding to a float's precision is
+    not a change of value here. Sources that cast what they read (``from_parquet``'s
+    ``dtype``, ``from_files``' ``dtype``, ``from_dask``'s chunks of another dtype than the
+    dask array's) refuse such values instead of wrapping them."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b" or values.size == 0 or np.can_cast(values.dtype, dtype, "safe"):
+        return None
+    flat = values.reshape(-1)
+    if flat.dtype.kind == "b":
+        return None
+    if dtype.kind == "f":
+        return _unfit_float(flat, dtype)
+    info = np.iinfo(dtype)
+    lo, past = int(info.min), int(info.max) + 1
+    span = f"outside {dtype}'s range {lo}..{past - 1}"
+    if flat.dtype.kind in "iu":
+        if lo <= int(flat.min()) and int(flat.max()) < past:  # two passes, no scratch
+            return None
+        at = int(np.argmax((flat < lo) | (flat >= past)))
+        return Unfit(at, int(flat[at]), span)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(flat) | (flat < float(lo)) | (flat >= float(past)) | (flat % 1 != 0)
+    if not bad.any():
+        return None
+    at = int(np.argmax(bad))
+    value = float(flat[at])
+    if not np.isfinite(value):
+        return Unfit(at, value, f"which {dtype} has no value for")
+    if value < lo or value >= past:
+        return Unfit(at, value, span)
+    return Unfit(at, value, f"not a whole number, which {dtype} would truncate")
+
+
+def _unfit_float(flat: np.ndarray, dtype: np.dtype) -> Unfit | None:
+    largest = float(np.finfo(dtype).max)
+    low, high = float(flat.min()), float(flat.max())  # NaN if there is one
+    if -largest <= low and high <= largest:
+        return None
+    with np.errstate(invalid="ignore"):
+        big = np.abs(flat) > largest  # NaN and infinities stay what they are
+    big &= np.isfinite(flat)
+    if not big.any():
+        return None
+    with np.errstate(over="ignore"):
+        # Values within half a step of the largest round to it: only those that would
+        # become infinite are refused.
+        bad = np.flatnonzero(big)[~np.isfinite(flat[big].astype(dtype))]
+    if not len(bad):
+        return None
+    at = int(bad[0])
+    value = flat[at].item()
+    return Unfit(at, value, f"beyond {dtype}'s largest value {largest:.6g}")
+
+
 def file_stat(path: str) -> tuple[int, int, int, int]:
     """A file's identity: size, modification time (ns), inode, device."""
     st = os.stat(path)
@@ -209,9 +284,10 @@ class ArrayReader(Reader):
         self._token: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # The array by value (a spill file by path under multiprocessing); the source is
-        # made again around what arrives, which may be in RAM where this one was mapped.
-        return {"array": self.array, "_token": self._token}
+        # The array by value (a spill file by path under multiprocessing), in its byte
+        # order; the source is made again around what arrives, which may be in RAM
+        # where this one was mapped.
+        return {"array": sharing.in_byte_order(self.array), "_token": self._token}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["array"])  # type: ignore[misc]
@@ -337,6 +413,15 @@ class FilesReader(Reader):
                     start=i,
                     stop=i + 1,
                 )
+            found = unfit(value, self.dtype)
+            if found is not None:
+                raise BlockError(
+                    f"from_files: load returned {found.text()} for {where}, {found.why}; "
+                    f"return values that fit, or pass dtype={value.dtype.name!r}",
+                    index=i,
+                    start=i,
+                    stop=i + 1,
+                )
             value = value.astype(self.dtype, casting="same_kind")
         return value
 
@@ -346,7 +431,7 @@ class FilesReader(Reader):
             return parts[0]
         if not parts:
             return np.empty((0, *self.row_shape), self.dtype)
-        return np.concatenate(parts)
+        return byteorder.join(parts)
 
     def read(self, a: int, b: int) -> np.ndarray:
         k = self.rows_per_file

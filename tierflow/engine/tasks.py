@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from ..errors import PortabilityError
+from ..storage import sharing
 from .callsites import CallSite
 from .types import Request
 
@@ -87,7 +89,23 @@ class BlockResult:
     trace: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (BlockResult, (self.partials, self.blocks, self.cache, self.warnings, self.trace))
+        # Dask and multiprocessing pickle results below protocol 5, where NumPy would
+        # rebuild an array in the other byte order as a native one.
+        partials, blocks = _in_byte_order(self.partials), _in_byte_order(self.blocks)
+        return (BlockResult, (partials, blocks, self.cache, self.warnings, self.trace))
+
+
+def _in_byte_order(value: Any) -> Any:
+    """``value`` (a partial or a block, or tuples and lists of them) with every array in
+    the other byte order replaced by a stand-in that unpickles as it, byte order kept
+    (:func:`tierflow.storage.sharing.in_byte_order`)."""
+    if isinstance(value, np.ndarray):
+        return sharing.in_byte_order(value)
+    if type(value) in (tuple, list) and any(
+        isinstance(v, (np.ndarray, tuple, list)) for v in value
+    ):
+        return type(value)(_in_byte_order(v) for v in value)
+    return value
 
 
 _lock = threading.Lock()

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import missing_dependency
+from ..operators import byteorder
 from ..system import devices
 
 __all__ = [
@@ -141,13 +142,14 @@ _fill_lock = threading.Lock()
 
 
 def _fill(host: np.ndarray, block: np.ndarray) -> None:
-    """``host[...] = block``; a big block in row pieces on :data:`FILL_THREADS` threads
-    (NumPy's copy releases the GIL), so filling a pinned buffer keeps up with the bus."""
+    """``host[...] = block`` (``host`` in native byte order, ``block`` in either); a big
+    block in row pieces on :data:`FILL_THREADS` threads (NumPy's copy releases the GIL),
+    so filling a pinned buffer keeps up with the bus."""
     global _fill_pool
     rows = block.shape[0] if block.ndim else 0
     pieces = min(FILL_THREADS, rows, block.nbytes // FILL_PIECE_BYTES)
     if pieces < 2:
-        np.copyto(host, block, casting="no")
+        np.copyto(host, block, casting="equiv")
         return
     with _fill_lock:
         if _fill_pool is None:
@@ -155,7 +157,7 @@ def _fill(host: np.ndarray, block: np.ndarray) -> None:
         pool = _fill_pool
     cuts = np.linspace(0, rows, pieces + 1).astype(int)
     done = [
-        pool.submit(np.copyto, host[a:b], block[a:b], casting="no")
+        pool.submit(np.copyto, host[a:b], block[a:b], casting="equiv")
         for a, b in itertools.pairwise(cuts.tolist())
     ]
     for future in done:
@@ -284,7 +286,8 @@ class Lane:
         block = np.asarray(block)
         nbytes = block.nbytes
         buf = self._staging.take(max(nbytes, 1))
-        host = buf[:nbytes].numpy().view(block.dtype).reshape(block.shape)
+        # Tensors have only the native byte order: _fill swaps a block in the other.
+        host = buf[:nbytes].numpy().view(byteorder.native_dtype(block.dtype)).reshape(block.shape)
         _fill(host, block)
         src = torch.from_numpy(host)
         if self.fake:
@@ -370,9 +373,12 @@ class Lane:
         return array
 
     def to_host_into(self, value: Any, out: np.ndarray) -> np.ndarray:
-        """A tensor copied into ``out`` (a sink's block), cast as NumPy casts unsafe."""
+        """A tensor copied into ``out`` (a sink's block), cast as NumPy casts unsafe; by
+        way of a native C-contiguous copy where ``out`` is not one (torch has neither
+        strides across a sink's rows nor another byte order)."""
         torch = self._torch
-        dest = np.empty(out.shape, out.dtype) if not out.flags.c_contiguous else out
+        direct = out.flags.c_contiguous and out.dtype.isnative
+        dest = out if direct else np.empty(out.shape, byteorder.native_dtype(out.dtype))
         host = torch.from_numpy(dest) if dest.size else None
         if host is not None:
             host.copy_(value.detach().reshape(dest.shape))

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .byteorder import native, native_dtype
 from .reductions import reduce_rows
 from .types import Partial
 
@@ -77,10 +78,12 @@ def to_keys(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     them may give either zero). A NaN's key lies outside the keys of every other value,
     so a range of keys between two numbers never holds one. ``out``: a buffer of the
     keys' dtype and the values' shape to write them into (reused: no page faults).
+    Values in either byte order (:mod:`tierflow.operators.byteorder`).
 
     >>> to_keys(np.array([-1.5, -0.0, 0.0, 2.0])).argsort().tolist()
     [0, 1, 2, 3]
     """
+    values = native(values)
     dtype = values.dtype
     kind, size = dtype.kind, dtype.itemsize
     key = key_dtype(dtype)
@@ -113,7 +116,8 @@ def to_keys(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def from_keys(keys: np.ndarray, dtype: Any) -> np.ndarray:
-    """The values of ``dtype`` whose keys are ``keys`` (inverse of :func:`to_keys`)."""
+    """The values of ``dtype`` whose keys are ``keys`` (inverse of :func:`to_keys`), in
+    ``dtype``'s byte order."""
     dtype = np.dtype(dtype)
     keys = np.asarray(keys).astype(key_dtype(dtype))
     if dtype.kind == "f":
@@ -121,7 +125,7 @@ def from_keys(keys: np.ndarray, dtype: Any) -> np.ndarray:
         sign = unsigned.type(1 << (8 * dtype.itemsize - 1))
         small = keys.astype(unsigned)
         bits = np.where(small >= sign, small ^ sign, ~small)
-        return bits.astype(unsigned).view(dtype)
+        return bits.astype(unsigned).view(native_dtype(dtype)).astype(dtype, copy=False)
     if dtype.kind == "i":
         top = keys.dtype.type(1 << (8 * keys.dtype.itemsize - 1))
         return (keys ^ top).view(f"i{keys.dtype.itemsize}").astype(dtype)
@@ -461,6 +465,7 @@ class Narrowing:
             buffer = np.empty(shape, key_dtype(self.in_dtype))
             index = np.empty(shape, np.intp)
         for piece in _pieces(values):
+            piece = native(piece)  # keys of every column and job come from this copy
             for col, jobs in self._by_col.items():
                 column = piece[:, col]
                 for kind, k in jobs:
@@ -501,8 +506,10 @@ class Narrowing:
         return self.search.after(self.plan, partial) if self.search is not None else None
 
     def temp_bytes(self, rows: int) -> int:
-        """Keys, bin indices and masks of one sub-block, and one histogram's counts."""
-        return 24 * min(_SUB_ELEMENTS, rows * self.row_elements) + 8 * self.limits.bins
+        """Keys, bin indices and masks of one sub-block (and its copy in native byte
+        order, for values in the other), and one histogram's counts."""
+        per_value = 24 + (0 if self.in_dtype.isnative else self.in_dtype.itemsize)
+        return per_value * min(_SUB_ELEMENTS, rows * self.row_elements) + 8 * self.limits.bins
 
     def partial_bytes(self) -> int:
         """The most a pass may hold (the same before and after the search is known)."""

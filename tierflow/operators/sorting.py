@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .byteorder import native, native_dtype
+
 __all__ = [
     "check_sortable",
     "descending_key",
@@ -72,8 +74,10 @@ def descending_key(values: np.ndarray) -> np.ndarray:
 
 
 def ordered_uint(values: np.ndarray) -> np.ndarray:
-    """``values`` as unsigned integers of the same size that compare as the values compare
-    in NumPy's sort order (NaN last, all NaN equal, ``-0.0 == 0.0``)."""
+    """``values`` as native unsigned integers of the same size that compare as the values
+    compare in NumPy's sort order (NaN last, all NaN equal, ``-0.0 == 0.0``); values in
+    either byte order (:mod:`tierflow.operators.byteorder`)."""
+    values = native(values)
     kind = values.dtype.kind
     size = values.dtype.itemsize
     unsigned = np.dtype(f"u{size}")
@@ -100,12 +104,12 @@ def ordered_bytes(values: np.ndarray) -> np.ndarray:
 
 def row_key(columns: Sequence[np.ndarray], descending: bool = False) -> np.ndarray:
     """One sortable key per row from the key columns (1-D, equal lengths), the first
-    column deciding first: the column itself (a contiguous copy) when there is one,
-    else the packed byte strings of the module docstring. ``descending`` reverses
-    every column's order (NaN still last)."""
+    column deciding first: the column itself (a contiguous copy in native byte order)
+    when there is one, else the packed byte strings of the module docstring.
+    ``descending`` reverses every column's order (NaN still last)."""
     cols = [descending_key(c) if descending else c for c in columns]
     if len(cols) == 1:
-        return np.ascontiguousarray(cols[0])
+        return np.ascontiguousarray(cols[0], dtype=native_dtype(cols[0].dtype))
     parts = [ordered_bytes(c) for c in cols]
     joined = np.ascontiguousarray(np.concatenate(parts, axis=1))
     return joined.view(f"S{joined.shape[1]}").reshape(len(joined))

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .byteorder import native_dtype
 from .elementwise import Apply, AsType, Clip, Expr, Input, Round, Where, infer, walk
 from .reductions import RowReduction
 
@@ -150,10 +151,11 @@ _REDUCTIONS = frozenset({"sum", "prod", "min", "max", "any", "all", "mean", "cou
 
 
 def torch_dtype(dtype: Any) -> Any:
-    """The torch dtype of a NumPy dtype in :data:`TORCH_DTYPES`."""
+    """The torch dtype of a NumPy dtype in :data:`TORCH_DTYPES`, in either byte order
+    (tensors have only the native one)."""
     import torch
 
-    return torch.from_numpy(np.zeros(0, np.dtype(dtype))).dtype
+    return torch.from_numpy(np.zeros(0, native_dtype(dtype))).dtype
 
 
 def _dtype_of(value: Any) -> np.dtype | None:

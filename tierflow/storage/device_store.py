@@ -329,21 +329,28 @@ class DeviceStore:
 
 
 def _copy_in(device: Any, host: np.ndarray) -> None:
-    """Copy the host array ``host`` into the device array ``device`` (same shape)."""
+    """Copy the host array ``host`` into the device array ``device`` (same shape); a
+    host array in the other byte order is swapped on the way (device arrays have only
+    the native one)."""
     if isinstance(device, np.ndarray):  # the fake backend's
         device[...] = host
-    elif hasattr(device, "copy_"):  # torch
+        return
+    native = np.ascontiguousarray(host, dtype=host.dtype.newbyteorder("="))
+    if hasattr(device, "copy_"):  # torch
         import torch
 
-        device.copy_(torch.from_numpy(np.ascontiguousarray(host)))
+        device.copy_(torch.from_numpy(native))
     else:  # cupy
-        device.set(np.ascontiguousarray(host))
+        device.set(native)
 
 
 def _copy_out(device: Any, host: np.ndarray) -> None:
-    """Copy the device array ``device`` into the host array ``host`` (RAM or a map)."""
+    """Copy the device array ``device`` into the host array ``host`` (RAM or a map), in
+    the host array's byte order."""
     if isinstance(device, np.ndarray):
         host[...] = device.view(np.ndarray)
+    elif hasattr(device, "copy_") and not host.dtype.isnative:
+        host[...] = device.cpu().numpy()
     elif hasattr(device, "copy_"):
         import torch
 

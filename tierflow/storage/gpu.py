@@ -69,11 +69,12 @@ class FakeBackend:
 
 
 def torch_dtype(dtype: np.dtype[Any]) -> Any:
-    """The torch dtype of a NumPy dtype; ``TypeError`` when torch has none."""
+    """The torch dtype of a NumPy dtype, in either byte order (tensors have only the
+    native one); ``TypeError`` when torch has none."""
     import torch
 
     try:
-        return torch.from_numpy(np.zeros(0, dtype)).dtype
+        return torch.from_numpy(np.zeros(0, np.dtype(dtype).newbyteorder("="))).dtype
     except TypeError:
         raise TypeError(f"torch has no dtype for {dtype}; use a numeric dtype") from None
 
@@ -122,7 +123,7 @@ class CupyBackend:
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype[Any], index: int) -> Any:
         with self._cupy.cuda.Device(index):
-            return self._cupy.zeros(shape, dtype)
+            return self._cupy.zeros(shape, np.dtype(dtype).newbyteorder("="))
 
     def owner(self, x: Any) -> Any | None:
         if not isinstance(x, self._cupy.ndarray):

@@ -10,8 +10,10 @@ write through either side is seen by the other.
 How: reducers registered with ``multiprocessing.reduction.ForkingPickler``, the pickler
 behind ``multiprocessing.Queue``, ``Pipe``, ``Pool``, ``Process(args=...)`` under spawn
 and forkserver, and ``concurrent.futures.ProcessPoolExecutor``. They are installed when
-tierflow is imported (:func:`install`, idempotent). Everything else pickles exactly as
-before: plain arrays and memmaps tierflow did not make by value, plain torch tensors
+tierflow is imported (:func:`install`, idempotent). Everything else pickles as before,
+but for byte order: plain arrays and memmaps tierflow did not make by value (an array in
+the other byte order keeps it, where NumPy's pickle below protocol 5, multiprocessing's
+default, would rebuild it native: :func:`reduce_in_byte_order`), plain torch tensors
 through torch's own reducer (``torch.multiprocessing.reductions``, /dev/shm), and
 ordinary ``pickle.dumps`` of a spilled array still copies its values. torch is never
 imported here: its reducer is wrapped when torch was imported before tierflow, or on
@@ -59,7 +61,14 @@ from .spill import spill_file_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["install", "remember_mapping", "shared_range", "to_tensor"]
+__all__ = [
+    "in_byte_order",
+    "install",
+    "reduce_in_byte_order",
+    "remember_mapping",
+    "shared_range",
+    "to_tensor",
+]
 
 _MARK = "_tierflow_reducer"
 _ORIGIN = "_tierflow_origin"  # attribute on a torch storage made by to_tensor
@@ -136,12 +145,49 @@ def _array_reducer(previous: Callable[[Any], Any] | None) -> Callable[[np.ndarra
                 return previous(x)
             # What the pickler itself would call: multiprocessing always pickles with
             # the default protocol (ForkingPickler.dumps(obj) with protocol=None).
+            if not x.dtype.isnative:
+                return reduce_in_byte_order(x, pickle.DEFAULT_PROTOCOL)
             return x.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
         writable = found.writable and bool(x.flags.writeable)
         return (_rebuild_array, (found, x.dtype, x.shape, x.strides, writable))
 
     setattr(reduce_array, _MARK, True)
     return reduce_array
+
+
+def reduce_in_byte_order(x: np.ndarray, protocol: int) -> str | tuple[Any, ...]:
+    """``x``'s reduction for ``protocol`` that keeps its byte order: below protocol 5
+    NumPy rebuilds an array in the other byte order as a native one (the same values,
+    another dtype), which would change the dtype of what a process receives."""
+    if x.dtype.isnative or protocol >= 5:
+        return x.__reduce_ex__(protocol)
+    return (_rebuild_in_byte_order, (x.__reduce_ex__(protocol), x.dtype))
+
+
+def _rebuild_in_byte_order(reduced: tuple[Any, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    rebuild, args, state = reduced
+    array = rebuild(*args)
+    array.__setstate__(state)
+    return array.astype(dtype, copy=False)
+
+
+class _InByteOrder:
+    """An array in the other byte order that pickles as itself, byte order kept, under
+    any pickler and protocol (see :func:`in_byte_order`)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __reduce_ex__(self, protocol: Any) -> str | tuple[Any, ...]:
+        return reduce_in_byte_order(self.array, int(protocol))
+
+
+def in_byte_order(x: np.ndarray) -> Any:
+    """``x`` for an object's pickled state: ``x`` itself when it is in native byte order
+    (it pickles as usual, by path where it is a spill file); else a stand-in that
+    unpickles as a copy of ``x`` in its own byte order, whatever the protocol (a plain
+    ``pickle.dumps`` below protocol 5 would give it back native)."""
+    return x if x.dtype.isnative else _InByteOrder(x)
 
 
 def _check_file(path: str, needed: int, what: str) -> None:
