@@ -322,3 +322,13 @@ def test_a_counted_block_projects_the_whole_blocks_it_is_cut_from() -> None:
     (counted,) = [s for s in plan.programs[0].steps() if type(s).__name__ == "CountedStep"]
     assert counted.memory(33, False).temps >= (100 - 33) * 3 * 8
     assert block.memory.total >= counted.memory(33, False).total
+
+
+def test_an_in_memory_operand_written_first_combines_with_masked_rows() -> None:
+    a = np.arange(12.0).reshape(6, 2)
+    x = tw.from_array(a, rows=4)
+    kept = a[:, 0] > 3
+    m = tw.from_array(kept, rows=4)
+    row = np.array([1.0, -2.0])
+    np.testing.assert_array_equal((row + x[m]).compute(), row + a[kept])
+    np.testing.assert_array_equal(np.arctan2(row, x[m]).compute(), np.arctan2(row, a[kept]))
