@@ -1523,8 +1523,9 @@ class Array:
         return ndarray_methods.to_device(self, device, stream)
 
     def conj(self) -> Array:
-        """The complex conjugate (lazy)."""
-        return _ufunc(np.conjugate, self)
+        """The complex conjugate (lazy); ``self`` for real data, as ``ndarray.conj``
+        (``np.conjugate`` would turn booleans into int8)."""
+        return _ufunc(np.conjugate, self) if self.dtype.kind == "c" else self
 
     conjugate = conj
 
