@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -216,3 +217,18 @@ def test_scalar_conversion_computes_one_element(data: np.ndarray) -> None:
     with pytest.raises(TypeError, match="cannot be iterated"):
         list(x)
     np.testing.assert_array_equal(np.asarray(x[:3]), data[:3])
+
+
+@pytest.mark.parametrize("convert", [bool, int, float, complex])
+def test_python_numbers_of_one_element_follow_numpy(convert: Any) -> None:
+    # NumPy 2 converts only 0-d arrays to numbers, and any one element to a truth value.
+    a = np.array([[4]], np.int32)
+    x = tw.from_array(a)
+    try:
+        expected = convert(a)
+    except TypeError:
+        with pytest.raises(TypeError):
+            convert(x)
+    else:
+        assert convert(x) == expected and type(convert(x)) is type(expected)
+    assert convert(x.sum()) == convert(a.sum())

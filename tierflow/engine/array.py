@@ -808,13 +808,16 @@ class Array:
         result = np.asarray(self.compute())
         return result if dtype is None else result.astype(dtype, copy=False)
 
-    def _scalar(self) -> Any:
+    def _one(self) -> np.ndarray:
+        """The computed array of one element, for ``bool()``, ``int()``, ``float()`` and
+        ``complex()``: NumPy's conversion then decides (NumPy 2 converts only 0-d arrays
+        to numbers, and any array of one element to a truth value)."""
         if self.size != 1:
             raise TypeError(
                 f"only arrays with one element convert to a Python scalar; this one has "
                 f"shape {_describe_shape(self.shape)}"
             )
-        return np.asarray(self.compute()).reshape(())[()]
+        return np.asarray(self.compute())
 
     def __bool__(self) -> bool:
         if self.size != 1:
@@ -822,16 +825,16 @@ class Array:
                 "The truth value of an array with more than one element is ambiguous. Use "
                 "a.any() or a.all()"
             )
-        return bool(self._scalar())
+        return bool(self._one())
 
     def __float__(self) -> float:
-        return float(self._scalar())
+        return float(self._one())
 
     def __int__(self) -> int:
-        return int(self._scalar())
+        return int(self._one())
 
     def __complex__(self) -> complex:
-        return complex(self._scalar())
+        return complex(self._one())
 
     # -- elementwise ------------------------------------------------------------------
 
