@@ -733,3 +733,13 @@ def test_a_mean_from_float32_moments_keeps_float32_accuracy() -> None:
     assert np.all(np.abs(got.astype(np.float64) - want) <= 5e-11 * sigma + 4e-7 * np.abs(want))
     # A float64 mean wants float64 sums: it does not come from float32 moments.
     assert reduction("mean", np.float32, (4,), axis=0, dtype=np.float64).derive_from(var) is None
+
+
+def test_argmin_of_complex_values_with_nan_parts_does_not_warn_as_numpys_does_not() -> None:
+    x = np.array([1 + 1j, complex(np.nan, 2), 3j, complex(0, np.nan), -1 + 0j, 2 + 0j])
+    for kind in ("argmin", "argmax"):
+        op = reduction(kind, x.dtype, (), axis=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = run_blockwise(op, x, 2)
+        np.testing.assert_array_equal(got, getattr(np, kind)(x, axis=0))

@@ -1019,8 +1019,10 @@ class _ArgReduction(RowReduction):
     def _combine(self, a: Partial, b: Partial) -> Partial:
         va, ia = a
         vb, ib = b
-        wins = self.better(vb, va)
-        tie = vb == va
+        # NaN is ranked below; complex comparisons with NaN parts would warn meanwhile.
+        with np.errstate(invalid="ignore"):
+            wins = self.better(vb, va)
+            tie = vb == va
         if self.has_nan:
             nan_a, nan_b = np.isnan(va), np.isnan(vb)
             wins = wins | (nan_b & ~nan_a)
