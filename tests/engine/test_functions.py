@@ -245,3 +245,19 @@ def test_functions_along_an_axis_as_methods_fused_and_after_a_mask(
     np.testing.assert_array_equal(masked.compute(), np.sort(a[a[:, 0] > 0], axis=1))
     total = x.sum(axis=0)  # an in-memory value: NumPy's function applies to it
     np.testing.assert_allclose(np.cumsum(total).compute(), np.cumsum(a.sum(axis=0)))
+
+
+def test_ufunc_reductions_take_numpys_dtype() -> None:
+    a = np.array([[3, 1], [2, 250], [7, 0]], np.uint8)
+    x = tw.from_array(a, rows=2)
+    for reduce in (
+        lambda v: np.maximum.reduce(v, dtype=np.float64),
+        lambda v: np.minimum.reduce(v, axis=None, dtype=np.int8),
+        lambda v: np.logical_and.reduce(v, axis=1, dtype=bool, keepdims=True),
+        lambda v: np.add.reduce(v, dtype=np.float32),
+    ):
+        got, want = np.asarray(reduce(x).compute()), reduce(a)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="No loop matching"):
+        np.logical_or.reduce(x, dtype=np.float64)

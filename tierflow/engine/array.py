@@ -988,14 +988,7 @@ class Array:
                 return _ufunc(ufunc, *inputs, **kwargs)
             return functions.multi_output(ufunc, inputs, kwargs)
         if method == "reduce" and ufunc in functions.REDUCE_UFUNCS and len(inputs) == 1:
-            kind = functions.REDUCE_UFUNCS[ufunc]
-            axis = kwargs.pop("axis", 0)
-            unknown = set(kwargs) - {"dtype", "keepdims"}
-            if unknown:
-                raise TypeError(
-                    f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}"
-                )
-            return from_array(inputs[0])._reduce(kind, axis=axis, **kwargs)
+            return functions.reduce_ufunc(ufunc, inputs[0], **kwargs)
         raise TypeError(
             f"np.{ufunc.__name__}.{method} is not supported on lazy arrays; use map_blocks, "
             "or compute() first"

@@ -31,7 +31,16 @@ from .array import (
 )
 from .graph import Chunked, ElemOp, Value
 
-__all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
+__all__ = [
+    "FUNCTIONS",
+    "REDUCE_UFUNCS",
+    "concatenate",
+    "matmul",
+    "multi_output",
+    "reduce_ufunc",
+    "stack",
+    "where",
+]
 
 
 def _contract_later(left: Any, right: Any) -> Array:
@@ -158,6 +167,30 @@ REDUCE_UFUNCS = {
     np.logical_or: "any",
     np.logical_and: "all",
 }
+
+
+# Reductions whose kernels take no dtype: NumPy's reduce with one casts the values first.
+_CAST_FIRST = frozenset({"min", "max", "any", "all"})
+
+
+def reduce_ufunc(ufunc: np.ufunc, a: Any, axis: Any = 0, **kwargs: Any) -> Array:
+    """``np.add.reduce(a, axis, dtype, keepdims)`` and the other :data:`REDUCE_UFUNCS`.
+
+    ``np.maximum.reduce(a, dtype=d)`` is the maximum of ``a`` cast to ``d`` (unsafely,
+    as NumPy casts for a reduce); a dtype the ufunc has no loop for raises NumPy's
+    TypeError, found by NumPy on one row of zeros."""
+    kind = REDUCE_UFUNCS[ufunc]
+    unknown = set(kwargs) - {"dtype", "keepdims"}
+    if unknown:
+        raise TypeError(f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}")
+    array = from_array(a)
+    dtype = kwargs.pop("dtype", None)
+    if dtype is None or kind not in _CAST_FIRST:
+        return array._reduce(kind, axis=axis, dtype=dtype, **kwargs)
+    sample = np.zeros((1, *array.shape[1:]), array.dtype)
+    with graph._quiet():
+        ufunc.reduce(sample, axis=axis, dtype=dtype, **kwargs)
+    return array.astype(dtype)._reduce(kind, axis=axis, **kwargs)
 
 
 # -- module functions -------------------------------------------------------------------
