@@ -261,3 +261,16 @@ def test_ufunc_reductions_take_numpys_dtype() -> None:
         np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="No loop matching"):
         np.logical_or.reduce(x, dtype=np.float64)
+
+
+def test_concatenate_casts_to_dtype_by_numpys_casting_rule() -> None:
+    a = np.array([[1.5 + 1j], [2.0 - 1j]], np.complex64)
+    x = tw.from_array(a, rows=1)
+    with pytest.raises(TypeError, match="according to the rule 'same_kind'"):
+        np.concatenate([x, x], dtype=np.float64)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = np.concatenate([x, x], dtype=np.float64, casting="unsafe").compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = np.concatenate([a, a], dtype=np.float64, casting="unsafe")
+    np.testing.assert_array_equal(got, want)
+    assert np.concatenate([x, x], dtype=np.complex128).compute().dtype == np.complex128

@@ -34,6 +34,7 @@ from .graph import Chunked, ElemOp, Value
 __all__ = [
     "FUNCTIONS",
     "REDUCE_UFUNCS",
+    "cast_joined",
     "concatenate",
     "matmul",
     "multi_output",
@@ -351,8 +352,20 @@ def _concatenate(
 ) -> Any:
     if out is not None or axis is None:
         raise TypeError("np.concatenate on lazy arrays takes neither out= nor axis=None")
-    result = concatenate(arrays, axis=axis)
-    return result.astype(dtype) if dtype is not None else result
+    return cast_joined(concatenate(arrays, axis=axis), dtype, casting)
+
+
+def cast_joined(result: Array, dtype: Any, casting: str) -> Array:
+    """The ``dtype=`` and ``casting=`` of np.concatenate, np.vstack and np.hstack:
+    ``result`` cast to ``dtype``, or NumPy's TypeError where ``casting`` forbids it."""
+    if dtype is None:
+        return result
+    if not np.can_cast(result.dtype, dtype, casting=casting):  # type: ignore[arg-type]
+        raise TypeError(
+            f"Cannot cast array data from dtype('{result.dtype}') to dtype('{np.dtype(dtype)}') "
+            f"according to the rule '{casting}'"
+        )
+    return result.astype(dtype)
 
 
 def _clip(  # noqa: PLR0913 -- np.clip's own signature, for __array_function__

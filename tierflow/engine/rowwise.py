@@ -460,7 +460,7 @@ def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
     """``np.vstack``: arrays of two or more dimensions one after the other along the
     rows (lazy, nothing copied until computed). A 1-D lazy array would become one
     row: refused."""
-    from .functions import concatenate
+    from .functions import cast_joined, concatenate
 
     items = [from_array(a) for a in _sequence("vstack", tup)]
     for item in items:
@@ -471,17 +471,17 @@ def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
                 "or np.stack(..., axis=1), or reshape it to (-1, 1) first"
             )
     items = [i if i.ndim >= 2 else _in_memory(np.atleast_2d, "atleast_2d", i) for i in items]
-    return _cast(concatenate(items, axis=0), dtype, casting)
+    return cast_joined(concatenate(items, axis=0), dtype, casting)
 
 
 def hstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind") -> Any:
     """``np.hstack``: 1-D arrays one after the other (along the rows); arrays of two or
     more dimensions side by side along axis 1 (they must have the same rows)."""
-    from .functions import concatenate
+    from .functions import cast_joined, concatenate
 
     items = [from_array(a) for a in _sequence("hstack", tup)]
     axis = 0 if items and items[0].ndim == 1 else 1
-    return _cast(concatenate(items, axis=axis), dtype, casting)
+    return cast_joined(concatenate(items, axis=axis), dtype, casting)
 
 
 def column_stack(tup: Sequence[Any]) -> Any:
@@ -500,17 +500,6 @@ def _sequence(name: str, tup: Any) -> list[Any]:
     if not tup:
         raise ValueError("need at least one array to concatenate")
     return list(tup)
-
-
-def _cast(result: Array, dtype: Any, casting: str) -> Array:
-    if dtype is None:
-        return result
-    if not np.can_cast(result.dtype, dtype, casting=casting):  # type: ignore[arg-type]
-        raise TypeError(
-            f"Cannot cast array data from dtype('{result.dtype}') to dtype('{np.dtype(dtype)}') "
-            f"according to the rule '{casting}'"
-        )
-    return result.astype(dtype)
 
 
 # -- nan-reductions ---------------------------------------------------------------------
