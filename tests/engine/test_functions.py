@@ -274,3 +274,16 @@ def test_concatenate_casts_to_dtype_by_numpys_casting_rule() -> None:
         want = np.concatenate([a, a], dtype=np.float64, casting="unsafe")
     np.testing.assert_array_equal(got, want)
     assert np.concatenate([x, x], dtype=np.complex128).compute().dtype == np.complex128
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: np.vecdot(x, x),
+        lambda x: np.vecmat(x, np.ones((4, 2))),
+        lambda x: np.matvec(x[..., None], np.ones(1)),
+    ],
+)
+def test_generalized_ufuncs_other_than_matmul_are_refused_by_name(x: tw.Array, call: Any) -> None:
+    with pytest.raises(TypeError, match=r"generalized ufunc with signature .* use map_blocks"):
+        call(x)

@@ -984,6 +984,12 @@ class Array:
         if method == "__call__":
             if ufunc is np.matmul:
                 return functions.matmul(*inputs)
+            if ufunc.signature is not None:
+                raise TypeError(
+                    f"np.{ufunc.__name__} is a generalized ufunc with signature "
+                    f"{ufunc.signature}; lazy arrays take elementwise ufuncs and np.matmul: "
+                    "use map_blocks for a row-wise call, or compute() first"
+                )
             if ufunc.nout == 1:
                 return _ufunc(ufunc, *inputs, **kwargs)
             return functions.multi_output(ufunc, inputs, kwargs)
