@@ -185,3 +185,16 @@ def test_the_conjugate_of_real_data_keeps_its_dtype(dtype: str) -> None:
         result = got.compute()
         assert result.dtype == want.dtype
         np.testing.assert_array_equal(result, want)
+
+
+def test_dot_with_a_number_multiplies_as_numpys() -> None:
+    a = np.array([1.5, -2.0, 4.0])
+    x = tw.from_array(a, rows=2)
+    for got, want in (
+        (x.dot(2), a.dot(2)),
+        (np.dot(x, 0.5), np.dot(a, 0.5)),
+        (np.dot(3, x), np.dot(3, a)),
+    ):
+        result = got.compute()
+        assert result.dtype == want.dtype
+        np.testing.assert_array_equal(result, want)

@@ -36,6 +36,7 @@ __all__ = [
     "REDUCE_UFUNCS",
     "cast_joined",
     "concatenate",
+    "dot",
     "matmul",
     "multi_output",
     "reduce_ufunc",
@@ -160,7 +161,7 @@ def _multi_output_later(
     return tuple(outputs)
 
 
-REDUCE_UFUNCS = {
+REDUCE_UFUNCS: dict[np.ufunc, str] = {
     np.add: "sum",
     np.multiply: "prod",
     np.minimum: "min",
@@ -188,7 +189,7 @@ def reduce_ufunc(ufunc: np.ufunc, a: Any, axis: Any = 0, **kwargs: Any) -> Array
     dtype = kwargs.pop("dtype", None)
     if dtype is None or kind not in _CAST_FIRST:
         return array._reduce(kind, axis=axis, dtype=dtype, **kwargs)
-    sample = np.zeros((1, *array.shape[1:]), array.dtype)
+    sample = np.zeros((1, *(int(n or 0) for n in array.shape[1:])), array.dtype)
     with graph._quiet():
         ufunc.reduce(sample, axis=axis, dtype=dtype, **kwargs)
     return array.astype(dtype)._reduce(kind, axis=axis, **kwargs)
@@ -397,10 +398,17 @@ def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
     return where(condition, x, y)
 
 
+def dot(a: Any, b: Any) -> Array:
+    """``np.dot(a, b)``: ``a @ b``, and ``a * b`` where either is 0-d, as NumPy's."""
+    if np.ndim(a) == 0 or np.ndim(b) == 0:
+        return np.multiply(a, b)
+    return matmul(a, b)
+
+
 def _dot(a: Any, b: Any, out: Any = None) -> Any:
     if out is not None:
         raise TypeError("np.dot(..., out=...) is not supported on lazy arrays")
-    return matmul(a, b)
+    return dot(a, b)
 
 
 def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:
