@@ -743,3 +743,17 @@ def test_argmin_of_complex_values_with_nan_parts_does_not_warn_as_numpys_does_no
             warnings.simplefilter("error")
             got = run_blockwise(op, x, 2)
         np.testing.assert_array_equal(got, getattr(np, kind)(x, axis=0))
+
+
+def test_complex_min_and_max_give_the_first_value_holding_a_nan() -> None:
+    x = np.array([3 + 1j, complex(np.nan, -5), 2j, complex(7, np.nan), complex(np.nan, 1)] * 40)
+    x = x.reshape(50, 4)
+    rng = np.random.default_rng(3)
+    for kind in ("min", "max"):
+        for axis in (None, 0):
+            op = reduction(kind, x.dtype, (4,), axis=axis)
+            for _ in range(5):
+                got = run_blockwise(op, x, 3, rng)
+                want = getattr(np, kind)(x, axis=axis)
+                np.testing.assert_array_equal(np.asarray(got).imag, np.asarray(want).imag)
+                np.testing.assert_array_equal(np.isnan(np.asarray(got).real), np.isnan(want.real))
