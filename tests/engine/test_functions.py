@@ -287,3 +287,18 @@ def test_concatenate_casts_to_dtype_by_numpys_casting_rule() -> None:
 def test_generalized_ufuncs_other_than_matmul_are_refused_by_name(x: tw.Array, call: Any) -> None:
     with pytest.raises(TypeError, match=r"generalized ufunc with signature .* use map_blocks"):
         call(x)
+
+
+def test_clip_without_bounds_is_numpys_clip() -> None:
+    a = np.array([[3, -1], [0, 250]], np.int16)
+    x = tw.from_array(a, rows=1)
+    try:
+        want = np.clip(a, None, None)
+    except ValueError:
+        with pytest.raises(ValueError, match="One of max or min must be given"):
+            np.clip(x, None, None)
+    else:
+        for lazy in (np.clip(x, None, None), x.clip()):
+            got = lazy.compute()
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)

@@ -967,9 +967,11 @@ class Array:
         return _elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
 
     def clip(self, min: Any = None, max: Any = None) -> Array:
-        """``np.clip(x, min, max)``; one bound may be None."""
+        """``np.clip(x, min, max)``; either bound may be None (both: ``x``, as NumPy 2.1
+        on gives; older NumPy raises its ValueError)."""
         if min is None and max is None:
-            raise ValueError("One of max or min must be given")
+            np.clip(np.zeros(1, self.dtype), None, None)  # NumPy's answer on this NumPy
+            return self
         bounds = [b for b in (min, max) if b is not None]
         op = ElemOp("clip", has_lo=min is not None, has_hi=max is not None)
         return _elementwise(op, self, *bounds)
