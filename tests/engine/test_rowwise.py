@@ -336,3 +336,16 @@ def test_stacks_follow_numpy() -> None:
         np.hstack([x, x[:10]])
     with pytest.raises(TypeError, match="Cannot cast array data"):
         np.vstack([x, x], dtype=np.int8, casting="safe")
+
+
+def test_nanvar_and_nanstd_of_complex_data_center_on_the_complex_mean() -> None:
+    a = np.array([[1 + 1j, 2], [3j, complex(np.nan, 1)], [2, 1], [-1j, 4 - 2j]], np.complex64)
+    x = tw.from_array(a, rows=3)
+    for fn in (np.nanvar, np.nanstd):
+        for axis in (None, 0):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no ComplexWarning: nothing is cast to real
+                got = np.asarray(fn(x, axis=axis).compute())
+            want = fn(a, axis=axis)
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -696,7 +696,8 @@ def _nan_moment(  # noqa: PLR0913 -- NumPy's signature
     if not over_rows:
         return _within_rows(name, fn, array, axis=axis, dtype=dtype, ddof=ddof, keepdims=keep)
     result = _numpy_dtype(fn, array.dtype, _row_shape(array), dtype=dtype)
-    total, count = _nan_sums(array, axis, True, result)
+    # The mean of complex data is complex, though its variance is real.
+    total, count = _nan_sums(array, axis, True, np.result_type(array.dtype, result))
     center = _in_memory(_center, "nanmean", total, count)
     missing = _lazy(np.isnan, array)
     deviations = _fill(array - center, missing, 0)
