@@ -249,8 +249,12 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
         axis=axis, keepdims=keepdims,
     )  # fmt: skip
     values = array if array.dtype.kind in "fc" else array.astype(np.float64)
-    if axis is None and ord is None:
-        squares = _squares(values).sum(axis=None, dtype=np.float64, keepdims=keepdims)
+    # NumPy's norm of every value (its square root of re.re + im.im over the raveled x).
+    every = ord is None or (ord in ("f", "fro") and ndim == 2) or (ord == 2 and ndim == 1)
+    if axis is None and every:
+        squares = _squares(values, by_parts=True).sum(
+            axis=None, dtype=np.float64, keepdims=keepdims
+        )
         return _in_memory(_cast_result, "norm", dtype, _lazy(np.sqrt, squares))
     if len(axes) == 1 or (axis is None and ndim == 1):
         result = _vector_norm(values, ord, axes[0], keepdims)
@@ -261,10 +265,17 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
     return _in_memory(_cast_result, "norm", dtype, result)
 
 
-def _squares(values: Array) -> Array:
-    """``|values|**2`` in float64."""
+def _squares(values: Array, by_parts: bool = False) -> Array:
+    """``|values|**2`` in float64, as NumPy's norm finds it for complex data:
+    ``(conj(x) * x).real``, or ``re**2 + im**2`` with ``by_parts`` (its norm of all
+    values). Either way an infinite part beside a NaN part gives NaN, where ``abs(x)``
+    would give inf; the first also warns as NumPy's does (``inf - inf`` inside)."""
     if values.dtype.kind == "c":
-        return _lazy(np.square, _lazy(np.abs, values.astype(np.complex128)))
+        wide = values.astype(np.complex128)
+        if by_parts:
+            re, im = wide.real, wide.imag
+            return re * re + im * im
+        return (_lazy(np.conjugate, wide) * wide).real
     wide = values.astype(np.float64)
     return wide * wide
 
