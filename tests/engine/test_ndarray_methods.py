@@ -187,8 +187,9 @@ def test_the_conjugate_of_real_data_keeps_its_dtype(dtype: str) -> None:
         np.testing.assert_array_equal(result, want)
 
 
-def test_dot_with_a_number_multiplies_as_numpys() -> None:
-    a = np.array([1.5, -2.0, 4.0])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int8"])
+def test_dot_with_a_number_multiplies_as_numpys(dtype: str) -> None:
+    a = np.array([1.5, -2.0, 4.0]).astype(dtype)
     x = tw.from_array(a, rows=2)
     for got, want in (
         (x.dot(2), a.dot(2)),

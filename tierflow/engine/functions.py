@@ -399,8 +399,10 @@ def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
 
 
 def dot(a: Any, b: Any) -> Array:
-    """``np.dot(a, b)``: ``a @ b``, and ``a * b`` where either is 0-d, as NumPy's."""
+    """``np.dot(a, b)``: ``a @ b``, and ``a * b`` where either is 0-d, as NumPy's (which
+    makes a Python number an array first: ``int8 . 2`` is int64, not NEP 50's int8)."""
     if np.ndim(a) == 0 or np.ndim(b) == 0:
+        a, b = (v if isinstance(v, Array) else np.asarray(v) for v in (a, b))
         return np.multiply(a, b)
     return matmul(a, b)
 
