@@ -448,6 +448,19 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
     return _wrap(graph.Apply(op.apply, tuple(aligned), name=op.label()))
 
 
+def _power_shortcut(dtype: np.dtype, exponent: Any) -> np.ufunc | None:
+    """The ufunc ``ndarray.__pow__`` calls instead of np.power for a Python number:
+    ``x ** 2`` is np.square, and for floats and complex numbers ``x ** -1`` is
+    np.reciprocal and ``x ** 0.5`` np.sqrt. Their answers differ from np.power's for
+    complex infinities and NaN, and np.square of booleans is int8 (np.power's int64)."""
+    inexact = np.dtype(dtype).kind in "fc"
+    if type(exponent) is int and (exponent == 2 or (exponent == -1 and inexact)):
+        return np.square if exponent == 2 else np.reciprocal
+    if type(exponent) is float and exponent == 0.5 and inexact:
+        return np.sqrt
+    return None
+
+
 def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
     return _elementwise(ElemOp("ufunc", ufunc=ufunc, kwargs=kwargs), *operands)
 
@@ -875,10 +888,9 @@ class Array:
         return _ufunc(np.remainder, other, self)
 
     def __pow__(self, other: Any) -> Array:
-        if type(other) is int and other == 2 and self.dtype == np.bool_:
-            # ndarray.__pow__ squares for an exponent of 2, and np.square of booleans
-            # gives int8 where np.power gives int64; x ** 2 keeps NumPy's answer.
-            return _ufunc(np.square, self)
+        shortcut = _power_shortcut(self.dtype, other)
+        if shortcut is not None:
+            return _ufunc(shortcut, self)
         return _ufunc(np.power, self, other)
 
     def __rpow__(self, other: Any) -> Array:
