@@ -29,7 +29,7 @@ import numpy as np
 import tierflow as tw
 from tierflow.engine import products
 
-from .conformance import EXACT, ROUNDED, SIGNED, SQUARES, Call, Operands, Point, Rule
+from .conformance import EXACT, PRODUCTS, ROUNDED, SIGNED, SQUARES, Call, Operands, Point, Rule
 
 Calls = Callable[[Point, Operands], list[Call]]
 
@@ -623,12 +623,12 @@ def _products(fn: Callable[[Any, Any], Any]) -> Calls:
     return calls
 
 
-CASES["np.dot"] = Case(_products(np.dot), SQUARES)
-CASES["np.matmul"] = Case(_products(np.matmul), SQUARES)
-CASES["Array.__matmul__"] = Case(_products(operator.matmul), SQUARES)
+CASES["np.dot"] = Case(_products(np.dot), PRODUCTS)
+CASES["np.matmul"] = Case(_products(np.matmul), PRODUCTS)
+CASES["Array.__matmul__"] = Case(_products(operator.matmul), PRODUCTS)
 
 
-@case("Array.dot", rule=SQUARES)
+@case("Array.dot", rule=PRODUCTS)
 def _dot_method(p: Point, o: Operands) -> list[Call]:
     if p.ndim == 1:
         return [
@@ -642,7 +642,7 @@ def _dot_method(p: Point, o: Operands) -> list[Call]:
     ]
 
 
-@case("Array.__rmatmul__", rule=SQUARES)
+@case("Array.__rmatmul__", rule=PRODUCTS)
 def _rmatmul(p: Point, o: Operands) -> list[Call]:
     return [
         Call("vector (n,) @ x", lambda o: vector(o) @ o.x),
@@ -650,7 +650,7 @@ def _rmatmul(p: Point, o: Operands) -> list[Call]:
     ]
 
 
-@case("np.transpose", "Array.transpose", "Array.T", rule=SQUARES)
+@case("np.transpose", "Array.transpose", "Array.T", rule=PRODUCTS)
 def _transpose(p: Point, o: Operands) -> list[Call]:
     out = [
         Call("np.transpose(x) @ y", lambda o: np.transpose(o.x) @ o.y),
@@ -679,7 +679,7 @@ def _vector_products(p: Point, o: Operands) -> list[Call]:
     ]
 
 
-@case("np.cov", "np.corrcoef", rule=SQUARES)
+@case("np.cov", "np.corrcoef", rule=PRODUCTS)
 def _covariances(p: Point, o: Operands) -> list[Call]:
     fns = {"cov": np.cov, "corrcoef": np.corrcoef}
     out: list[Call] = []
@@ -729,7 +729,7 @@ def _norm(p: Point, o: Operands) -> list[Call]:
     return out
 
 
-@case("np.einsum", rule=SQUARES)
+@case("np.einsum", rule=PRODUCTS)
 def _einsum(p: Point, o: Operands) -> list[Call]:
     if p.ndim == 1:
         return [
@@ -858,7 +858,7 @@ def _numpy_r(o: Operands) -> np.ndarray:
     return _flip_rows(np.linalg.qr(a, mode="r"))
 
 
-@case("tw.linalg.qr", "tw.linalg.svd", "tw.linalg.pca", rule=SQUARES)
+@case("tw.linalg.qr", "tw.linalg.svd", "tw.linalg.pca", rule=PRODUCTS)
 def _linalg(p: Point, o: Operands) -> list[Call]:
     complex_ = TypeError if p.kind == "c" else None
     if p.ndim == 1:
