@@ -215,23 +215,35 @@ def lazy_operands(point: Point, salt: str) -> Operands:
 
 @dataclass(frozen=True)
 class Rule:
-    """How a result is compared with NumPy's: ``exact`` (every value equal, NaN where
-    NumPy has NaN) or within the float tolerance of :func:`tolerance`; ``signed``: the
-    sign of a zero must be NumPy's too; ``power``: the power of the inputs a result's
-    terms have (2 for variances and products), for the tolerance's scale; ``blas``:
-    NumPy computes it with BLAS, which reports no floating-point error."""
+    """How a float result is compared with NumPy's (integers and booleans are always
+    exact; NaN must be where NumPy has NaN):
 
-    exact: bool = True
+    * ``floats``: ``"exact"`` (values moved or picked, not computed: sorts, selections,
+      quantiles), ``"ulps"`` (computed value by value, by NumPy's own kernels, whose
+      SIMD and plain loops may differ in the last place: within 4 units of it) or
+      ``"sums"`` (accumulated in another order and precision: :func:`tolerance`);
+    * ``signed``: the sign of a zero must be NumPy's too;
+    * ``power``: the power of the inputs a result's terms have (2 for variances and
+      products), for the tolerance's scale;
+    * ``blas``: NumPy computes it with BLAS, which reports no floating-point error."""
+
+    floats: str = "exact"
     signed: bool = False
     power: int = 1
     blas: bool = False
 
+    @property
+    def exact(self) -> bool:
+        return self.floats == "exact"
+
 
 EXACT = Rule()
 SIGNED = Rule(signed=True)
-ROUNDED = Rule(exact=False)  # sums, products and means of the values
-SQUARES = Rule(exact=False, power=2)  # variances and norms
-PRODUCTS = Rule(exact=False, power=2, blas=True)  # x @ w, x.T @ y, einsum, covariances
+ELEMENTWISE = Rule("ulps", signed=True)  # ufuncs and operators
+UNSIGNED_ELEMENTWISE = Rule("ulps")  # max, min, fmax, fmin: the sign of tied zeros is free
+ROUNDED = Rule("sums")  # sums, products and means of the values
+SQUARES = Rule("sums", power=2)  # variances and norms
+PRODUCTS = Rule("sums", power=2, blas=True)  # x @ w, x.T @ y, einsum, covariances
 
 
 @dataclass(frozen=True)
@@ -368,7 +380,7 @@ def assert_conforms(got: Outcome, want: Outcome, rule: Rule, ops: Operands) -> N
 
     Two allowances for RuntimeWarning (not its subclasses, such as ComplexWarning),
     where the inputs hold a NaN or an infinity (the results are compared as they are):
-    a sum (a rule that is not exact) adds in another order than NumPy's, and whether
+    a sum (a rule of ``"sums"``) adds in another order than NumPy's, and whether
     ``inf - inf`` comes before a NaN depends on that order; and NumPy's products
     through BLAS (``rule.blas``) report no floating-point error at all, where
     tierflow's float64 partials do."""
@@ -386,7 +398,7 @@ def assert_conforms(got: Outcome, want: Outcome, rule: Rule, ops: Operands) -> N
         ) from got.error
     warned = {"got": set(got.warned), "want": set(want.warned)}
     nan, infinite = _special(ops)
-    if (not rule.exact and nan) or (rule.blas and (nan or infinite)):
+    if (rule.floats == "sums" and nan) or (rule.blas and (nan or infinite)):
         for found in warned.values():
             found.discard(RuntimeWarning)
     assert _names(warned["got"]) == _names(warned["want"]), (
@@ -436,7 +448,11 @@ def same(  # noqa: PLR0913 -- the values, the rule and what the tolerance needs
     # A result's byte order is how it is stored, not its value.
     assert _native(g.dtype) == _native(w.dtype), f"{where}: dtype {g.dtype}, NumPy's {w.dtype}"
     assert g.shape == w.shape, f"{where}: shape {g.shape}, NumPy's {w.shape}"
-    tol = tolerance(w.real.dtype, scale, terms) if w.dtype.kind in "fc" else (0.0, 0.0)
+    tol = (0.0, 0.0)
+    if w.dtype.kind in "fc" and rule.floats == "sums":
+        tol = tolerance(w.real.dtype, scale, terms)
+    elif w.dtype.kind in "fc" and rule.floats == "ulps":
+        tol = (4 * float(np.finfo(w.real.dtype).eps), 0.0)
     if w.dtype.kind == "c":
         same_values(g.real, w.real, rule, tol, where + ".real")
         same_values(g.imag, w.imag, rule, tol, where + ".imag")

@@ -29,7 +29,19 @@ import numpy as np
 import tierflow as tw
 from tierflow.engine import products
 
-from .conformance import EXACT, PRODUCTS, ROUNDED, SIGNED, SQUARES, Call, Operands, Point, Rule
+from .conformance import (
+    ELEMENTWISE,
+    EXACT,
+    PRODUCTS,
+    ROUNDED,
+    SIGNED,
+    SQUARES,
+    UNSIGNED_ELEMENTWISE,
+    Call,
+    Operands,
+    Point,
+    Rule,
+)
 
 Calls = Callable[[Point, Operands], list[Call]]
 
@@ -1220,7 +1232,8 @@ def ufunc_case(ufunc: np.ufunc) -> Case | None:
             out.append(Call(f"{s!r}, x", lambda o, s=s: ufunc(s, o.x)))
         return out
 
-    return Case(calls, SIGNED)
+    free_zero = ufunc in (np.maximum, np.minimum, np.fmax, np.fmin)  # ties of 0.0 and -0.0
+    return Case(calls, UNSIGNED_ELEMENTWISE if free_zero else ELEMENTWISE)
 
 
 _PROTOCOLS: dict[str, Callable[..., Any]] = {
@@ -1263,13 +1276,13 @@ def operator_case(name: str) -> Case | None:
         return None
     fn, reflected = found
     if core in _UNARY:
-        return Case(lambda p, o: [Call(f"{core} x", lambda o: fn(o.x))], SIGNED)
+        return Case(lambda p, o: [Call(f"{core} x", lambda o: fn(o.x))], ELEMENTWISE)
     if reflected:
         return Case(
             lambda p, o: [
                 Call(f"{s!r} {core[1:]} x", lambda o, s=s: fn(s, o.x)) for s in (*_SCALARS, 2)
             ],
-            SIGNED,
+            ELEMENTWISE,
         )
 
     def calls(p: Point, o: Operands) -> list[Call]:
@@ -1280,7 +1293,7 @@ def operator_case(name: str) -> Case | None:
         out += [Call(f"x {core} {s!r}", lambda o, s=s: fn(o.x, s)) for s in (*_SCALARS, 2)]
         return out
 
-    return Case(calls, SIGNED)
+    return Case(calls, ELEMENTWISE)
 
 
 @case("Array.__iter__")

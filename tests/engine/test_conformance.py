@@ -249,7 +249,7 @@ KNOWN: list[Known] = [
     ),
     Known(
         "3",
-        "zero rows: np.einsum over no rows gives NaN where NumPy gives zeros",
+        "zero rows: np.einsum over no rows gives NaN (floats) or raises TypeError (integers) where NumPy gives zeros",
         {
             "threads:np.einsum-ij->-float64-0x1-b1-mask_some-plain",
         },
