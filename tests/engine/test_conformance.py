@@ -19,11 +19,13 @@ plain values and edge values (NaN, ±inf, -0.0; the integer types' limits).
 
 **The comparison** (:func:`conformance.assert_conforms`, one rule): where NumPy raises,
 tierflow raises the same type (or a subclass); where NumPy answers, tierflow gives the
-same warning categories, dtypes (byte order aside), shapes and values: exact for
-integers and booleans, and for floats exact too, except sums, means, variances and
-products, compared within a tolerance by precision (``conformance.tolerance``); NaN in
-the same places; the sign of a zero compared where the function decides it
-(elementwise functions, sorts, selections).
+same warning categories, dtypes (byte order aside), shapes and values. Integers and
+booleans are exact; floats by the case's :class:`conformance.Rule`: exact for values
+moved or picked (sorts, selections, quantiles), within 4 units in the last place for
+values computed one by one (ufuncs and operators: NumPy's SIMD and plain loops differ
+there), within a tolerance by precision for sums, means, variances and products
+(``conformance.tolerance``: tierflow accumulates in float64); NaN in the same places;
+the sign of a zero compared where the function decides it.
 
 **Sampling.** The corpus has about 4,000 points and the table about 270 entries, so
 each entry gets :data:`SAMPLES` pairs of a point and one of its calls: 8 on the threads
