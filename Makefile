@@ -37,10 +37,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check tierflow tests examples
 	$(VENV)/bin/mypy
 
-# The property tests (hypothesis) with fresh seeds and 20 times the examples: for a
-# local run now and then, not for CI. A failure found is replayed first next time.
+# The property tests (hypothesis) with fresh seeds and 20 times the examples, and the
+# conformance suite with a fresh seed and 20 times the samples per entry (its failures
+# print the seed to replay: TIERFLOW_CONFORMANCE_SEED=...): for a local run now and
+# then, not for CI. A hypothesis failure found is replayed first next time.
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m hypothesis --timeout=3600
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -m "hypothesis or conformance" --timeout=3600
 
 # The tests that race (clusters, worker processes, computes at once) STRESS_RUNS times in
 # a row, each run under a watchdog that prints every thread's stack before it kills a hung

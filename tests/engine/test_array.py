@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,3 +232,38 @@ def test_scalar_conversion_computes_one_element(data: np.ndarray) -> None:
     with pytest.raises(TypeError, match="cannot be iterated"):
         list(x)
     np.testing.assert_array_equal(np.asarray(x[:3]), data[:3])
+
+
+@pytest.mark.parametrize("convert", [bool, int, float, complex])
+def test_python_numbers_of_one_element_follow_numpy(convert: Any) -> None:
+    # NumPy 2 converts only 0-d arrays to numbers, and any one element to a truth value.
+    a = np.array([[4]], np.int32)
+    x = tw.from_array(a)
+    try:
+        expected = convert(a)
+    except TypeError:
+        with pytest.raises(TypeError):
+            convert(x)
+    else:
+        assert convert(x) == expected and type(convert(x)) is type(expected)
+    assert convert(x.sum()) == convert(a.sum())
+
+
+@pytest.mark.parametrize("exponent", [2, -1, 0.5, 2.0, 3])
+@pytest.mark.parametrize("dtype", ["complex128", "float32", "bool", "int16"])
+def test_a_power_of_a_python_number_is_ndarrays(exponent: Any, dtype: str) -> None:
+    # ndarray.__pow__ calls np.square, np.reciprocal or np.sqrt for these exponents,
+    # whose answers for complex infinities and NaN are not np.power's.
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        a = np.array([complex(np.inf, 1), complex(np.nan, np.inf), 2 - 1j, -0.0, 1]).astype(dtype)
+        x = tw.from_array(a, rows=2)
+        try:
+            want = a**exponent
+        except ValueError:
+            with pytest.raises(ValueError):
+                (x**exponent).compute()
+            return
+        got = (x**exponent).compute()
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)

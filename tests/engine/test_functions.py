@@ -246,3 +246,60 @@ def test_functions_along_an_axis_as_methods_fused_and_after_a_mask(
     np.testing.assert_array_equal(masked.compute(), np.sort(a[a[:, 0] > 0], axis=1))
     total = x.sum(axis=0)  # an in-memory value: NumPy's function applies to it
     np.testing.assert_allclose(np.cumsum(total).compute(), np.cumsum(a.sum(axis=0)))
+
+
+def test_ufunc_reductions_take_numpys_dtype() -> None:
+    a = np.array([[3, 1], [2, 250], [7, 0]], np.uint8)
+    x = tw.from_array(a, rows=2)
+    for reduce in (
+        lambda v: np.maximum.reduce(v, dtype=np.float64),
+        lambda v: np.minimum.reduce(v, axis=None, dtype=np.int8),
+        lambda v: np.logical_and.reduce(v, axis=1, dtype=bool, keepdims=True),
+        lambda v: np.add.reduce(v, dtype=np.float32),
+    ):
+        got, want = np.asarray(reduce(x).compute()), reduce(a)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="No loop matching"):
+        np.logical_or.reduce(x, dtype=np.float64)
+
+
+def test_concatenate_casts_to_dtype_by_numpys_casting_rule() -> None:
+    a = np.array([[1.5 + 1j], [2.0 - 1j]], np.complex64)
+    x = tw.from_array(a, rows=1)
+    with pytest.raises(TypeError, match="according to the rule 'same_kind'"):
+        np.concatenate([x, x], dtype=np.float64)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = np.concatenate([x, x], dtype=np.float64, casting="unsafe").compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = np.concatenate([a, a], dtype=np.float64, casting="unsafe")
+    np.testing.assert_array_equal(got, want)
+    assert np.concatenate([x, x], dtype=np.complex128).compute().dtype == np.complex128
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: np.vecdot(x, x),
+        lambda x: np.vecmat(x, np.ones((4, 2))),
+        lambda x: np.matvec(x[..., None], np.ones(1)),
+    ],
+)
+def test_generalized_ufuncs_other_than_matmul_are_refused_by_name(x: tw.Array, call: Any) -> None:
+    with pytest.raises(TypeError, match=r"generalized ufunc with signature .* use map_blocks"):
+        call(x)
+
+
+def test_clip_without_bounds_is_numpys_clip() -> None:
+    a = np.array([[3, -1], [0, 250]], np.int16)
+    x = tw.from_array(a, rows=1)
+    try:
+        want = np.clip(a, None, None)
+    except ValueError:
+        with pytest.raises(ValueError, match="One of max or min must be given"):
+            np.clip(x, None, None)
+    else:
+        for lazy in (np.clip(x, None, None), x.clip()):
+            got = lazy.compute()
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)

@@ -175,3 +175,27 @@ def test_every_refused_ndarray_name_says_what_to_do(x: tw.Array, name: str) -> N
 def test_an_attribute_numpy_does_not_have_stays_an_attribute_error(x: tw.Array) -> None:
     with pytest.raises(AttributeError):
         x.no_such_thing  # noqa: B018
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", ">i4", "float16"])
+def test_the_conjugate_of_real_data_keeps_its_dtype(dtype: str) -> None:
+    a = np.array([True, False, True, True]).astype(dtype)
+    x = tw.from_array(a, rows=3)
+    for got, want in ((x.conj(), a.conj()), (x.conjugate(), a.conjugate())):
+        result = got.compute()
+        assert result.dtype == want.dtype
+        np.testing.assert_array_equal(result, want)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int8"])
+def test_dot_with_a_number_multiplies_as_numpys(dtype: str) -> None:
+    a = np.array([1.5, -2.0, 4.0]).astype(dtype)
+    x = tw.from_array(a, rows=2)
+    for got, want in (
+        (x.dot(2), a.dot(2)),
+        (np.dot(x, 0.5), np.dot(a, 0.5)),
+        (np.dot(3, x), np.dot(3, a)),
+    ):
+        result = got.compute()
+        assert result.dtype == want.dtype
+        np.testing.assert_array_equal(result, want)

@@ -336,3 +336,34 @@ def test_stacks_follow_numpy() -> None:
         np.hstack([x, x[:10]])
     with pytest.raises(TypeError, match="Cannot cast array data"):
         np.vstack([x, x], dtype=np.int8, casting="safe")
+
+
+def test_nanvar_and_nanstd_of_complex_data_center_on_the_complex_mean() -> None:
+    a = np.array([[1 + 1j, 2], [3j, complex(np.nan, 1)], [2, 1], [-1j, 4 - 2j]], np.complex64)
+    x = tw.from_array(a, rows=3)
+    for fn in (np.nanvar, np.nanstd):
+        for axis in (None, 0):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no ComplexWarning: nothing is cast to real
+                got = np.asarray(fn(x, axis=axis).compute())
+            want = fn(a, axis=axis)
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"axis": 0}, {"ord": "fro"}, {"axis": 0, "ord": 2}, {"axis": 1}]
+)
+def test_the_norm_of_complex_values_with_infinite_parts_is_numpys(kwargs: dict[str, Any]) -> None:
+    # |inf + nan j| is inf, but NumPy's norm squares by parts and gets NaN, and its
+    # conj(x) * x warns for an infinite part.
+    a = np.array([[1 + 1j, complex(np.inf, np.nan)], [complex(np.inf, 1), 2], [3j, 1]])
+    x = tw.from_array(a, rows=2)
+    with warnings.catch_warnings(record=True) as numpys:
+        warnings.simplefilter("always")
+        want = np.linalg.norm(a, **kwargs)
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        got = np.linalg.norm(x, **kwargs).compute()
+    np.testing.assert_array_equal(got, want)
+    assert {w.category for w in ours} == {w.category for w in numpys}

@@ -326,6 +326,16 @@ def test_a_counted_block_projects_the_whole_blocks_it_is_cut_from() -> None:
     assert block.memory.total >= counted.memory(33, False).total
 
 
+def test_an_in_memory_operand_written_first_combines_with_masked_rows() -> None:
+    a = np.arange(12.0).reshape(6, 2)
+    x = tw.from_array(a, rows=4)
+    kept = a[:, 0] > 3
+    m = tw.from_array(kept, rows=4)
+    row = np.array([1.0, -2.0])
+    np.testing.assert_array_equal((row + x[m]).compute(), row + a[kept])
+    np.testing.assert_array_equal(np.arctan2(row, x[m]).compute(), np.arctan2(row, a[kept]))
+
+
 # -- results of a sort, a top k, np.unique, np.bincount or head after a mask ----------------
 #
 # Each is a lazy array like any other: every operation that needs its row count (or, for

@@ -184,3 +184,15 @@ def test_an_error_from_the_users_errstate_handler_names_the_users_line() -> None
     with np.errstate(divide="call", call=refuse), pytest.raises(TypeError) as info:
         z.compute()
     assert f"raised by the operation built at {HERE}:{built}" in info.value.__notes__
+
+
+def test_a_ufunc_with_two_outputs_warns_only_for_the_data(
+    caught: list[warnings.WarningMessage],
+) -> None:
+    # The outputs' dtypes are found on zeros, where np.divmod(0, 0) divides by zero.
+    a = np.array([[7, -3], [5, 9]])
+    x = tw.from_array(a, rows=1)
+    quotient, remainder = tw.compute(*np.divmod(x, np.array([2, 4])))
+    np.testing.assert_array_equal(quotient, a // [2, 4])
+    np.testing.assert_array_equal(remainder, a % [2, 4])
+    assert [str(w.message) for w in caught] == []

@@ -733,3 +733,27 @@ def test_a_mean_from_float32_moments_keeps_float32_accuracy() -> None:
     assert np.all(np.abs(got.astype(np.float64) - want) <= 5e-11 * sigma + 4e-7 * np.abs(want))
     # A float64 mean wants float64 sums: it does not come from float32 moments.
     assert reduction("mean", np.float32, (4,), axis=0, dtype=np.float64).derive_from(var) is None
+
+
+def test_argmin_of_complex_values_with_nan_parts_does_not_warn_as_numpys_does_not() -> None:
+    x = np.array([1 + 1j, complex(np.nan, 2), 3j, complex(0, np.nan), -1 + 0j, 2 + 0j])
+    for kind in ("argmin", "argmax"):
+        op = reduction(kind, x.dtype, (), axis=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = run_blockwise(op, x, 2)
+        np.testing.assert_array_equal(got, getattr(np, kind)(x, axis=0))
+
+
+def test_complex_min_and_max_give_the_first_value_holding_a_nan() -> None:
+    x = np.array([3 + 1j, complex(np.nan, -5), 2j, complex(7, np.nan), complex(np.nan, 1)] * 40)
+    x = x.reshape(50, 4)
+    rng = np.random.default_rng(3)
+    for kind in ("min", "max"):
+        for axis in (None, 0):
+            op = reduction(kind, x.dtype, (4,), axis=axis)
+            for _ in range(5):
+                got = run_blockwise(op, x, 3, rng)
+                want = getattr(np, kind)(x, axis=axis)
+                np.testing.assert_array_equal(np.asarray(got).imag, np.asarray(want).imag)
+                np.testing.assert_array_equal(np.isnan(np.asarray(got).real), np.isnan(want.real))

@@ -475,6 +475,19 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
     return _wrap(graph.Apply(op.apply, tuple(aligned), name=op.label()))
 
 
+def _power_shortcut(dtype: np.dtype, exponent: Any) -> np.ufunc | None:
+    """The ufunc ``ndarray.__pow__`` calls instead of np.power for a Python number:
+    ``x ** 2`` is np.square, and for floats and complex numbers ``x ** -1`` is
+    np.reciprocal and ``x ** 0.5`` np.sqrt. Their answers differ from np.power's for
+    complex infinities and NaN, and np.square of booleans is int8 (np.power's int64)."""
+    inexact = np.dtype(dtype).kind in "fc"
+    if type(exponent) is int and (exponent == 2 or (exponent == -1 and inexact)):
+        return np.square if exponent == 2 else np.reciprocal
+    if type(exponent) is float and exponent == 0.5 and inexact:
+        return np.sqrt
+    return None
+
+
 def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
     return _elementwise(ElemOp("ufunc", ufunc=ufunc, kwargs=kwargs), *operands)
 
@@ -1006,13 +1019,16 @@ class Array:
         result = np.asarray(self.compute())
         return result if dtype is None else result.astype(dtype, copy=False)
 
-    def _scalar(self) -> Any:
+    def _one(self) -> np.ndarray:
+        """The computed array of one element, for ``bool()``, ``int()``, ``float()`` and
+        ``complex()``: NumPy's conversion then decides (NumPy 2 converts only 0-d arrays
+        to numbers, and any array of one element to a truth value)."""
         if self.size != 1:
             raise TypeError(
                 f"only arrays with one element convert to a Python scalar; this one has "
                 f"shape {_describe_shape(self.shape)}"
             )
-        return np.asarray(self.compute()).reshape(())[()]
+        return np.asarray(self.compute())
 
     def __bool__(self) -> bool:
         if self.size != 1:
@@ -1020,16 +1036,16 @@ class Array:
                 "The truth value of an array with more than one element is ambiguous. Use "
                 "a.any() or a.all()"
             )
-        return bool(self._scalar())
+        return bool(self._one())
 
     def __float__(self) -> float:
-        return float(self._scalar())
+        return float(self._one())
 
     def __int__(self) -> int:
-        return int(self._scalar())
+        return int(self._one())
 
     def __complex__(self) -> complex:
-        return complex(self._scalar())
+        return complex(self._one())
 
     # -- elementwise ------------------------------------------------------------------
 
@@ -1070,10 +1086,9 @@ class Array:
         return _ufunc(np.remainder, other, self)
 
     def __pow__(self, other: Any) -> Array:
-        if type(other) is int and other == 2 and self.dtype == np.bool_:
-            # ndarray.__pow__ squares for an exponent of 2, and np.square of booleans
-            # gives int8 where np.power gives int64; x ** 2 keeps NumPy's answer.
-            return _ufunc(np.square, self)
+        shortcut = _power_shortcut(self.dtype, other)
+        if shortcut is not None:
+            return _ufunc(shortcut, self)
         return _ufunc(np.power, self, other)
 
     def __rpow__(self, other: Any) -> Array:
@@ -1162,10 +1177,10 @@ class Array:
         return _elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
 
     def clip(self, min: Any = None, max: Any = None) -> Array:
-        """``np.clip(x, min, max)``; either bound may be None (both: ``x``, where the
-        installed NumPy allows it)."""
+        """``np.clip(x, min, max)``; either bound may be None (both: ``x``, as NumPy 2.1
+        on gives; older NumPy raises its ValueError)."""
         if min is None and max is None:
-            np.clip(np.empty(0, self.dtype), None, None)  # NumPy's error, where it has one
+            np.clip(np.zeros(1, self.dtype), None, None)  # NumPy's answer on this NumPy
             return self
         bounds = [b for b in (min, max) if b is not None]
         op = ElemOp("clip", has_lo=min is not None, has_hi=max is not None)
@@ -1181,18 +1196,17 @@ class Array:
         if method == "__call__":
             if ufunc is np.matmul:
                 return functions.matmul(*inputs)
+            if ufunc.signature is not None:
+                raise TypeError(
+                    f"np.{ufunc.__name__} is a generalized ufunc with signature "
+                    f"{ufunc.signature}; lazy arrays take elementwise ufuncs and np.matmul: "
+                    "use map_blocks for a row-wise call, or compute() first"
+                )
             if ufunc.nout == 1:
                 return _ufunc(ufunc, *inputs, **kwargs)
             return functions.multi_output(ufunc, inputs, kwargs)
         if method == "reduce" and ufunc in functions.REDUCE_UFUNCS and len(inputs) == 1:
-            kind = functions.REDUCE_UFUNCS[ufunc]
-            axis = kwargs.pop("axis", 0)
-            unknown = set(kwargs) - {"dtype", "keepdims", "initial"}
-            if unknown:
-                raise TypeError(
-                    f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}"
-                )
-            return from_array(inputs[0])._reduce(kind, axis=axis, **kwargs)
+            return functions.reduce_ufunc(ufunc, inputs[0], **kwargs)
         raise TypeError(
             f"np.{ufunc.__name__}.{method} is not supported on lazy arrays; use map_blocks, "
             "or compute() first"
@@ -1748,8 +1762,9 @@ class Array:
         return ndarray_methods.to_device(self, device, stream)
 
     def conj(self) -> Array:
-        """The complex conjugate (lazy)."""
-        return _ufunc(np.conjugate, self)
+        """The complex conjugate (lazy); ``self`` for real data, as ``ndarray.conj``
+        (``np.conjugate`` would turn booleans into int8)."""
+        return _ufunc(np.conjugate, self) if self.dtype.kind == "c" else self
 
     conjugate = conj
 

@@ -33,7 +33,18 @@ from .array import (
 )
 from .graph import Chunked, ElemOp, Value
 
-__all__ = ["FUNCTIONS", "REDUCE_UFUNCS", "concatenate", "matmul", "multi_output", "stack", "where"]
+__all__ = [
+    "FUNCTIONS",
+    "REDUCE_UFUNCS",
+    "cast_joined",
+    "concatenate",
+    "dot",
+    "matmul",
+    "multi_output",
+    "reduce_ufunc",
+    "stack",
+    "where",
+]
 
 
 def _contract_later(left: Any, right: Any, numpy_fn: Callable[..., Any]) -> Array:
@@ -179,7 +190,7 @@ def _value_outputs(
     )
 
 
-REDUCE_UFUNCS = {
+REDUCE_UFUNCS: dict[np.ufunc, str] = {
     np.add: "sum",
     np.multiply: "prod",
     np.minimum: "min",
@@ -187,6 +198,31 @@ REDUCE_UFUNCS = {
     np.logical_or: "any",
     np.logical_and: "all",
 }
+
+
+# Reductions whose kernels take no dtype: NumPy's reduce with one casts the values first.
+_CAST_FIRST = frozenset({"min", "max", "any", "all"})
+
+
+def reduce_ufunc(ufunc: np.ufunc, a: Any, axis: Any = 0, **kwargs: Any) -> Array:
+    """``np.add.reduce(a, axis, dtype, keepdims, initial)`` and the other
+    :data:`REDUCE_UFUNCS`.
+
+    ``np.maximum.reduce(a, dtype=d)`` is the maximum of ``a`` cast to ``d`` (unsafely,
+    as NumPy casts for a reduce); a dtype the ufunc has no loop for raises NumPy's
+    TypeError, found by NumPy on one row of zeros."""
+    kind = REDUCE_UFUNCS[ufunc]
+    unknown = set(kwargs) - {"dtype", "keepdims", "initial"}
+    if unknown:
+        raise TypeError(f"np.{ufunc.__name__}.reduce: unsupported keywords {sorted(unknown)}")
+    array = from_array(a)
+    dtype = kwargs.pop("dtype", None)
+    if dtype is None or kind not in _CAST_FIRST:
+        return array._reduce(kind, axis=axis, dtype=dtype, **kwargs)
+    sample = np.zeros((1, *(int(n or 0) for n in array.shape[1:])), array.dtype)
+    with graph._quiet():
+        ufunc.reduce(sample, axis=axis, dtype=dtype, **kwargs)
+    return array.astype(dtype)._reduce(kind, axis=axis, **kwargs)
 
 
 # -- module functions -------------------------------------------------------------------
@@ -351,8 +387,20 @@ def _concatenate(
 ) -> Any:
     if out is not None or axis is None:
         raise TypeError("np.concatenate on lazy arrays takes neither out= nor axis=None")
-    result = concatenate(arrays, axis=axis)
-    return result.astype(dtype) if dtype is not None else result
+    return cast_joined(concatenate(arrays, axis=axis), dtype, casting)
+
+
+def cast_joined(result: Array, dtype: Any, casting: str) -> Array:
+    """The ``dtype=`` and ``casting=`` of np.concatenate, np.vstack and np.hstack:
+    ``result`` cast to ``dtype``, or NumPy's TypeError where ``casting`` forbids it."""
+    if dtype is None:
+        return result
+    if not np.can_cast(result.dtype, dtype, casting=casting):  # type: ignore[arg-type]
+        raise TypeError(
+            f"Cannot cast array data from dtype('{result.dtype}') to dtype('{np.dtype(dtype)}') "
+            f"according to the rule '{casting}'"
+        )
+    return result.astype(dtype)
 
 
 def _clip(  # noqa: PLR0913 -- np.clip's own signature, for __array_function__
@@ -384,10 +432,19 @@ def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
     return where(condition, x, y)
 
 
+def dot(a: Any, b: Any) -> Array:
+    """``np.dot(a, b)``: ``a @ b``, and ``a * b`` where either is 0-d, as NumPy's (which
+    makes a Python number an array first: ``int8 . 2`` is int64, not NEP 50's int8)."""
+    if np.ndim(a) == 0 or np.ndim(b) == 0:
+        a, b = (v if isinstance(v, Array) else np.asarray(v) for v in (a, b))
+        return np.multiply(a, b)
+    return matmul(a, b, np.dot)
+
+
 def _dot(a: Any, b: Any, out: Any = None) -> Any:
     if out is not None:
         raise TypeError("np.dot(..., out=...) is not supported on lazy arrays")
-    return matmul(a, b, np.dot)
+    return dot(a, b)
 
 
 def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:

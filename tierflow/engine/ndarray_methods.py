@@ -281,10 +281,10 @@ def _view_block(block: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def dot(x: Array, other: Any) -> Array:
-    """``x @ other`` (``np.dot`` for 1-D and 2-D operands)."""
-    from .functions import matmul
+    """``np.dot(x, other)``: ``x @ other``, or ``x * other`` for a 0-d ``other``."""
+    from .functions import dot
 
-    return matmul(x, other)
+    return dot(x, other)
 
 
 # -- computed now -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ They follow the operators layer's contracts (:mod:`tierflow.operators.types`): a
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -376,7 +377,12 @@ class UfuncOutput:
         self.n_inputs = len(dtypes)
         self.template = list(call.template) or [None] * len(dtypes)
         self.values = list(values)
-        probe = self._call([np.zeros((1, *s), d) for d, s in zip(dtypes, row_shapes, strict=False)])
+        # Zeros stand in for values: np.divmod(0, 0) must not warn for the real data.
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            probe = self._call(
+                [np.zeros((1, *s), d) for d, s in zip(dtypes, row_shapes, strict=False)]
+            )
         self.out_dtype = probe.dtype
         self.out_row_shape = tuple(probe.shape[1:])
 

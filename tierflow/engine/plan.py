@@ -868,8 +868,9 @@ def upper_rows(node: Chunked, j: int) -> int:
         return upper_rows(node.inputs[k], jj)  # type: ignore[arg-type]
     if isinstance(node, external_sort.SortedRows):  # equal shares of the rows
         return node.share(upper_rows)
-    source = node.inputs[0]
-    assert isinstance(source, Chunked)
+    # The rows come from the chunked inputs (an in-memory operand may come first:
+    # ``row + x[m]``); those of one node line up, so any of them bounds the block.
+    source = next(n for n in node.inputs if isinstance(n, Chunked))
     scale = 1
     if isinstance(node, graph.Filter) and node.mask_ndim > 1:
         scale = math.prod(source.row_shape[: node.mask_ndim - 1])

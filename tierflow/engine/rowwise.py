@@ -251,8 +251,12 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
     if 0 not in axes:
         return _per_block("norm", np.linalg.norm, [array], ord=ord, axis=axis, keepdims=keepdims)
     values = array if array.dtype.kind in "fc" else array.astype(np.float64)
-    if axis is None and ord is None:
-        squares = _squares(values).sum(axis=None, dtype=np.float64, keepdims=keepdims)
+    # NumPy's norm of every value (its square root of re.re + im.im over the raveled x).
+    every = ord is None or (ord in ("f", "fro") and ndim == 2) or (ord == 2 and ndim == 1)
+    if axis is None and every:
+        squares = _squares(values, by_parts=True).sum(
+            axis=None, dtype=np.float64, keepdims=keepdims
+        )
         return _in_memory(_cast_result, "norm", dtype, _lazy(np.sqrt, squares))
     if len(axes) == 1 or (axis is None and ndim == 1):
         result = _vector_norm(values, ord, axes[0], keepdims)
@@ -263,10 +267,17 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
     return _in_memory(_cast_result, "norm", dtype, result)
 
 
-def _squares(values: Array) -> Array:
-    """``|values|**2`` in float64."""
+def _squares(values: Array, by_parts: bool = False) -> Array:
+    """``|values|**2`` in float64, as NumPy's norm finds it for complex data:
+    ``(conj(x) * x).real``, or ``re**2 + im**2`` with ``by_parts`` (its norm of all
+    values). Either way an infinite part beside a NaN part gives NaN, where ``abs(x)``
+    would give inf; the first also warns as NumPy's does (``inf - inf`` inside)."""
     if values.dtype.kind == "c":
-        return _lazy(np.square, _lazy(np.abs, values.astype(np.complex128)))
+        wide = values.astype(np.complex128)
+        if by_parts:
+            re, im = wide.real, wide.imag
+            return re * re + im * im
+        return (_lazy(np.conjugate, wide) * wide).real
     wide = values.astype(np.float64)
     return wide * wide
 
@@ -497,7 +508,7 @@ def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
     """``np.vstack``: arrays of two or more dimensions one after the other along the
     rows (lazy, nothing copied until computed). A 1-D lazy array would become one
     row: refused."""
-    from .functions import concatenate
+    from .functions import cast_joined, concatenate
 
     items = [from_array(a) for a in _sequence("vstack", tup)]
     for item in items:
@@ -508,17 +519,17 @@ def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
                 "or np.stack(..., axis=1), or reshape it to (-1, 1) first"
             )
     items = [i if i.ndim >= 2 else _in_memory(np.atleast_2d, "atleast_2d", i) for i in items]
-    return _cast(concatenate(items, axis=0), dtype, casting)
+    return cast_joined(concatenate(items, axis=0), dtype, casting)
 
 
 def hstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind") -> Any:
     """``np.hstack``: 1-D arrays one after the other (along the rows); arrays of two or
     more dimensions side by side along axis 1 (they must have the same rows)."""
-    from .functions import concatenate
+    from .functions import cast_joined, concatenate
 
     items = [from_array(a) for a in _sequence("hstack", tup)]
     axis = 0 if items and items[0].ndim == 1 else 1
-    return _cast(concatenate(items, axis=axis), dtype, casting)
+    return cast_joined(concatenate(items, axis=axis), dtype, casting)
 
 
 def column_stack(tup: Sequence[Any]) -> Any:
@@ -537,17 +548,6 @@ def _sequence(name: str, tup: Any) -> list[Any]:
     if not tup:
         raise ValueError("need at least one array to concatenate")
     return list(tup)
-
-
-def _cast(result: Array, dtype: Any, casting: str) -> Array:
-    if dtype is None:
-        return result
-    if not np.can_cast(result.dtype, dtype, casting=casting):  # type: ignore[arg-type]
-        raise TypeError(
-            f"Cannot cast array data from dtype('{result.dtype}') to dtype('{np.dtype(dtype)}') "
-            f"according to the rule '{casting}'"
-        )
-    return result.astype(dtype)
 
 
 # -- nan-reductions ---------------------------------------------------------------------
@@ -734,7 +734,8 @@ def _nan_moment(  # noqa: PLR0913 -- NumPy's signature
     if not over_rows:
         return _within_rows(name, fn, array, axis=axis, dtype=dtype, ddof=ddof, keepdims=keep)
     result = _numpy_dtype(fn, array.dtype, _row_shape(array), dtype=dtype)
-    total, count = _nan_sums(array, axis, True, result)
+    # The mean of complex data is complex, though its variance is real.
+    total, count = _nan_sums(array, axis, True, np.result_type(array.dtype, result))
     center = _in_memory(_center, "nanmean", total, count)
     missing = _lazy(np.isnan, array)
     deviations = _fill(array - center, missing, 0)

@@ -631,14 +631,21 @@ class _UfuncReduction(RowReduction):
             self.acc = np.dtype(bool)
         else:
             self.acc = None
+        # NumPy's complex min and max give the first value holding a NaN (its other part
+        # shows which): values are folded in NumPy's order, blocks in row order.
+        self._in_order = self.kind in ("min", "max") and self.in_dtype.kind == "c"
+        self.commutative = not self._in_order
 
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        if self._in_order:  # every reduced axis at once, in NumPy's order
+            axes = (0, *(a + 1 for a in self.trailing))
+            return np.asarray(self.ufunc.reduce(block, axis=axes))
         return self._reduce(self.ufunc, block, self.acc)
 
     def _accumulator(self, rows: int) -> _Accumulator | None:
         row_elements = math.prod(self.in_row_shape)
         fold = _lane_fold(row_elements, rows)
-        if fold < 2:
+        if fold < 2 or self._in_order:
             return None
         dtype = _lane_dtype(self.ufunc, self.in_dtype, self.acc)
         return _Accumulated(self, _UfuncLanes(self.ufunc, dtype, row_elements, fold))
@@ -1056,8 +1063,10 @@ class _ArgReduction(RowReduction):
     def _combine(self, a: Partial, b: Partial) -> Partial:
         va, ia = a
         vb, ib = b
-        wins = self.better(vb, va)
-        tie = vb == va
+        # NaN is ranked below; complex comparisons with NaN parts would warn meanwhile.
+        with np.errstate(invalid="ignore"):
+            wins = self.better(vb, va)
+            tie = vb == va
         if self.has_nan:
             nan_a, nan_b = np.isnan(va), np.isnan(vb)
             wins = wins | (nan_b & ~nan_a)
