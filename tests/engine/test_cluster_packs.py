@@ -4,6 +4,7 @@ test_clusters.py)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -111,3 +112,51 @@ def test_a_task_whose_backup_won_leaves_its_pack_running() -> None:
     assert executor.cancelled == []  # the pack still carries task 1
     executor._landed(pack, shared, [_ran(0.3), _ran(0.3)], None)
     assert calls[1:] == [(1, ("result", 0.3), None)]  # task 0's second result is dropped
+
+
+# -- a compute stopped while its attempts are being launched ---------------------------
+
+
+class Slow(Recording):
+    """Its launches wait for ``go``: a stop can come while one is on the way."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.handles: list[Any] = []
+
+    def _launch(self, pack: Any, stems: Any, cap: int | None, prefer: str | None) -> Any:
+        self.entered.set()
+        assert self.go.wait(10)
+        self.launched.append(len(pack))
+        self.handles.append(object())
+        return self.handles[-1]
+
+
+def test_a_stop_during_a_launch_cancels_that_attempt_and_launches_no_other() -> None:
+    # The stop waits for the launch on its way and cancels it with the others; no task
+    # is launched after it (an engine told to launch and cancel at once can run the
+    # task all the same).
+    executor = Slow(1)
+    executor._kinds["p"] = cluster._Kind(count=100, probed=True)
+    for index in range(6):
+        desc = BlockTask("p", index, RowRange(10 * index, 10 * index + 10))
+        executor.submit_task(desc, lambda out, err: None)
+    assert executor.entered.wait(10)
+    stopper = threading.Thread(target=lambda: executor.shutdown(cancel=True))
+    stopper.start()
+    assert not _joined(stopper, 0.2)  # it waits for the launch on its way
+    executor.go.set()
+    assert _joined(stopper, 10)
+    launched = len(executor.launched)
+    assert 1 <= launched <= 2  # at most the room of one slot, all before the stop
+    assert [id(h) for h in executor.cancelled] == [id(h) for h in executor.handles]
+    executor._launch_wake.set()  # the launch thread looks at the queue again
+    executor.close()
+    assert len(executor.launched) == launched
+
+
+def _joined(thread: threading.Thread, seconds: float) -> bool:
+    thread.join(seconds)
+    return not thread.is_alive()

@@ -359,6 +359,12 @@ class ClusterExecutor(abc.ABC):
         # engine's submit and the handle being recorded would leave an attempt nobody
         # cancels, and its shared-folder files nobody removes.
         self._launches: list[_Pending] = []
+        # Held from the check that a task still runs until its attempt is recorded, and
+        # by a cancelling shutdown while it collects the attempts: an attempt is either
+        # recorded before the shutdown (which cancels it) or never launched. Launching
+        # and cancelling at once would race in the engine (a cancel that reaches it
+        # before the task is known cancels nothing, and the task runs on).
+        self._launch_lock = threading.Lock()
         self._flying: set[int] = set()  # ids of the engine tasks in flight
         self._launch_wake = threading.Event()
         self._launcher: threading.Thread | None = None
@@ -608,32 +614,37 @@ class ClusterExecutor(abc.ABC):
             )
 
     def _attempt(self, pack: list[_Pending], kind: _Kind) -> None:
-        """Launch one attempt of each task of ``pack`` (one program's), as one engine
-        task."""
-        prefer = self._prefer(kind, pack[0])
-        for pending in pack:
-            pending.tries += 1
-            pending.cap = kind.cap
-            if pending.tries > 1:
-                prefer = None  # sent again: wherever there is room
-        stems = self._stems(len(pack))
-        handle = self._launch(pack, stems, kind.cap, prefer)
-        if len(pack) > 1:
-            self.packed += len(pack)
-        buried: list[str] = []
-        with self._lock:
-            self._flying.add(id(handle))
-            for pending, stem in zip(pack, stems, strict=True):
-                if pending.finished:  # stopped (Ctrl-C) or won while this one started
+        """Launch one attempt of each task of ``pack`` (one program's) that has not
+        ended, as one engine task."""
+        with self._launch_lock:
+            with self._lock:
+                pack = [p for p in pack if not p.finished]  # stopped, or a twin won
+            if not pack:
+                return
+            prefer = self._prefer(kind, pack[0])
+            for pending in pack:
+                pending.tries += 1
+                pending.cap = kind.cap
+                if pending.tries > 1:
+                    prefer = None  # sent again: wherever there is room
+            stems = self._stems(len(pack))
+            handle = self._launch(pack, stems, kind.cap, prefer)
+            if len(pack) > 1:
+                self.packed += len(pack)
+            buried: list[str] = []
+            with self._lock:
+                self._flying.add(id(handle))
+                for pending, stem in zip(pack, stems, strict=True):
+                    if pending.finished:  # a backup's twin won while this one started
+                        if stem is not None:
+                            buried.append(stem)
+                        continue
+                    pending.handles.append(handle)
+                    if len(pack) > 1:
+                        pending.packed.add(id(handle))
                     if stem is not None:
-                        buried.append(stem)
-                    continue
-                pending.handles.append(handle)
-                if len(pack) > 1:
-                    pending.packed.add(id(handle))
-                if stem is not None:
-                    pending.stems[id(handle)] = stem
-            self._clock_front(perf_counter())
+                        pending.stems[id(handle)] = stem
+                self._clock_front(perf_counter())
         if len(buried) == len(pack):
             self._cancel([handle])
             self._flew(handle)
@@ -813,7 +824,7 @@ class ClusterExecutor(abc.ABC):
 
     def shutdown(self, *, cancel: bool = False) -> None:
         if cancel:
-            with self._lock:
+            with self._launch_lock, self._lock:
                 dropped = list(self._pending.values())
                 self._pending.clear()
                 self._launches = []
