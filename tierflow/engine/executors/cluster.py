@@ -38,7 +38,9 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   sent again alone; a backup copy is sent alone, and the pack carrying its twin runs on.
 * **Attempts are launched on a thread of their own**, never on the computing thread,
   so that a Ctrl-C there cannot fall between an engine's submit and the driver's record
-  of the attempt.
+  of the attempt. A stop waits for an attempt on its way and cancels it with the
+  others; no attempt is launched for a task that has ended (an engine told to run a
+  task and to cancel it at once may run it all the same).
 * **Sources are probed**: before a program's first task, every node checks that it sees
   each file the program reads; a compute whose source a node cannot see is refused, with
   the file and the worker named.
