@@ -24,6 +24,7 @@ import pytest
 from hypothesis import settings
 
 from tierflow import config
+from tierflow.engine.executors import close_cluster_executors
 from tierflow.system import pressure
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
@@ -60,6 +61,7 @@ def dask_client() -> Iterator[Any]:
     try:
         yield client
     finally:
+        close_cluster_executors("dask")  # no thread of theirs reaches the closed client
         client.close()
         cluster.close()
 
@@ -82,6 +84,9 @@ def ray_runtime() -> Iterator[Any]:
     try:
         yield ray
     finally:
+        # After ray.shutdown(), a call into Ray ends the process: the executors made on
+        # this runtime stop first.
+        close_cluster_executors("ray")
         ray.shutdown()
 
 

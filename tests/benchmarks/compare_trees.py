@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from _harness import ensure_warm, make_npy
@@ -27,16 +28,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_child(tree: Path, kind: str, path: str, timeout: float) -> float | None:
-    """Seconds of one ``bench_engine.py --child`` run under ``tree``; None if it failed."""
+    """Seconds of one ``bench_engine.py --child`` run under ``tree``; None if it failed.
+    A kind that writes a file (``tw-std``) writes a new one beside ``path``, removed
+    afterwards."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     script = tree / "tests" / "benchmarks" / "bench_engine.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "--child", kind, path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as scratch:
+        command = [sys.executable, str(script), "--child", kind, path]
+        if kind.endswith("-std"):
+            command += ["--out", os.path.join(scratch, "out.npy")]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode != 0 or not lines:
         print(f"{tree} {kind}: failed ({run.returncode}): {run.stderr[-1000:]}", file=sys.stderr)

@@ -309,14 +309,31 @@ def test_a_cluster_executor_without_its_package_names_the_extra(
 
 @pytest.mark.slow  # starts a local Ray
 def test_executor_ray_without_ray_starts_a_local_one_and_says_so(tmp_path: Path) -> None:
+    # And once that Ray is shut down, the executor made on it refuses to launch (a call
+    # into Ray after ray.shutdown() would end the process, with no exception), and
+    # executor="ray" makes a new one on a new local Ray.
     code = (
-        "import numpy as np, tierflow as tw\n"
-        "print('sum', tw.from_array(np.ones((40, 2)), rows=8).sum().compute(executor='ray'))\n"
+        "import numpy as np, ray, tierflow as tw\n"
+        "from tierflow.engine.executors import make_executor\n"
+        "x = tw.from_array(np.ones((40, 2)), rows=8)\n"
+        "print('sum', x.sum().compute(executor='ray'))\n"
+        "old = make_executor('ray')[0]\n"
+        "ray.shutdown()\n"
+        "try:\n"
+        "    x.sum().compute(executor=old)\n"
+        "except tw.errors.TierflowError as exc:\n"
+        "    print('refused:', exc)\n"
+        "old.close()\n"
+        "print('again', x.sum().compute(executor='ray'), make_executor('ray')[0] is not old)\n"
     )
     result = _run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "sum 80.0" in result.stdout
     assert "executor='ray' started a local Ray instance" in result.stderr
+    assert "refused: the Ray instance this RayExecutor was made on has been shut down" in (
+        result.stdout
+    )
+    assert "again 80.0 True" in result.stdout
 
 
 def test_a_dask_task_declares_its_bytes_when_they_matter_to_a_worker(

@@ -51,6 +51,7 @@ __all__ = [
     "ThreadExecutor",
     "WorkerDied",
     "WorkerLost",
+    "close_cluster_executors",
     "default_is_set",
     "default_workers",
     "in_task",
@@ -71,13 +72,17 @@ _clusters: dict[tuple[str, int | None, int], ClusterExecutor] = {}
 
 
 def _cluster(name: str, workers: int | None) -> Executor:
-    """The cluster executor for ``name``, made once per client (Dask) or per process
-    (Ray): making one registers a worker plugin or starts Ray."""
+    """The cluster executor for ``name``, made once per client (Dask) or per Ray
+    instance (a new one after ``ray.shutdown()`` and ``ray.init``): making one registers
+    a worker plugin or starts Ray."""
     from . import dask as dask_module
 
     client = dask_module.current_client() if name == "dask" else None
     key = (name, workers, id(client))
     found = _clusters.get(key)
+    if isinstance(found, RayExecutor) and not found.connected():
+        found.close()  # made on a Ray instance that was shut down since
+        found = None
     if found is None or (client is not None and getattr(found, "client", None) is not client):
         found = (
             DaskExecutor(client, workers=workers)
@@ -86,6 +91,16 @@ def _cluster(name: str, workers: int | None) -> Executor:
         )
         _clusters[key] = found
     return found
+
+
+def close_cluster_executors(name: str | None = None) -> None:
+    """Close the cluster executors that ``executor="dask"`` or ``executor="ray"`` made in
+    this process (``name``: those of that engine only); the next compute by name makes a
+    new one. Call it before ``ray.shutdown()`` or ``client.close()`` so that no thread
+    of theirs still reaches the engine: after ``ray.shutdown()``, a call into Ray ends
+    the process."""
+    for key in [k for k in _clusters if name is None or k[0] == name]:
+        _clusters.pop(key).close()
 
 
 # None: not set (threads, unless a compute's sources prefer worker processes: see

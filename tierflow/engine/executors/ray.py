@@ -25,7 +25,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 from ... import config
-from ...errors import missing_dependency
+from ...errors import TierflowError, missing_dependency
 from . import cluster
 from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files, run_pack
 
@@ -63,6 +63,16 @@ def _ray_block(
     return run_pack(descs, data, settings, cap, stems)
 
 
+def _session(ray: Any) -> str | None:
+    """Which Ray instance this process is connected to (None: none): its GCS address."""
+    if not ray.is_initialized():
+        return None
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:
+        return None
+
+
 def _ray_probe(paths: list[str]) -> tuple[str, list[str]]:
     ray = _ray()
     return ray.get_runtime_context().get_node_id(), probe_files(paths)
@@ -97,10 +107,28 @@ class RayExecutor(ClusterExecutor):
         self.one_host = all(n.get("NodeManagerAddress") in here for n in nodes)
         self._nodes = [n["NodeID"] for n in nodes]
         self._task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_ray_block)
+        self.session = _session(ray)
+
+    def connected(self) -> bool:
+        """Whether the Ray instance this executor was made on still runs in this process.
+
+        After ``ray.shutdown()`` any call into Ray ends the process at once (Ray's core
+        worker exits it, with no exception to catch), so an executor whose Ray is gone
+        makes none: a launch raises :class:`~tierflow.errors.TierflowError`, a cancel does
+        nothing (the shutdown stopped the tasks)."""
+        return bool(self._ray.is_initialized()) and _session(self._ray) == self.session
+
+    def _refuse_unless_connected(self) -> None:
+        if not self.connected():
+            raise TierflowError(
+                "the Ray instance this RayExecutor was made on has been shut down "
+                "(ray.shutdown()); make a new executor (executor='ray' does) after ray.init"
+            )
 
     # -- ClusterExecutor --------------------------------------------------------------
 
     def _send_program(self, data: bytes) -> Any:
+        self._refuse_unless_connected()
         return self._ray.put(data)
 
     def _launch(
@@ -113,6 +141,7 @@ class RayExecutor(ClusterExecutor):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(prefer, soft=True)
+        self._refuse_unless_connected()
         task = self._task.options(**options) if options else self._task
         program = self._program(pack[0].desc.program)
         ref = task.remote([p.desc for p in pack], program, self._settings(), cap, stems)
@@ -126,6 +155,8 @@ class RayExecutor(ClusterExecutor):
         return ref
 
     def _cancel(self, handles: Sequence[Any]) -> None:
+        if not self.connected():
+            return
         for ref in handles:
             with contextlib.suppress(Exception):
                 self._ray.cancel(ref, force=True)
@@ -151,6 +182,7 @@ class RayExecutor(ClusterExecutor):
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        self._refuse_unless_connected()
         probe = self._ray.remote(_ray_probe)
         refs = [
             probe.options(
