@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,15 @@ def run_once(number: int, args: list[str], watchdog: float, logs: Path) -> tuple
     return ("passed" if rc == 0 else f"failed (rc {rc})"), seconds
 
 
+def _summary(log: Path) -> str:
+    """pytest's last line of counts in ``log``, or what its absence means."""
+    text = log.read_text(errors="replace")
+    found = re.findall(r"^=* ?(\d+ (?:passed|failed|error).*?) ?=*$", text, re.MULTILINE)
+    if found:
+        return found[-1]
+    return "no summary: the test process ended before pytest could print one (killed or exited)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="runs in a row (default 20)")
@@ -109,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         times.append(seconds)
         print(f"run {number}/{options.runs}: {outcome} in {seconds:.0f} s", flush=True)
         if outcome != "passed":
-            print(f"stopped: see {logs / f'run-{number:03d}.log'}", flush=True)
+            log = logs / f"run-{number:03d}.log"
+            print(f"stopped: {_summary(log)}; see {log}", flush=True)
             return 1
     print(
         f"{options.runs} runs passed in a row: {min(times):.0f}-{max(times):.0f} s each, "
