@@ -1072,13 +1072,8 @@ def _head(p: Point, o: Operands) -> list[Call]:
 
 @case("Array.rechunk")
 def _rechunk(p: Point, o: Operands) -> list[Call]:
-    def unknown(o: Operands) -> type[BaseException] | None:
-        # It needs the row count, unknown after a mask until counted (persist first).
-        return ValueError if o.x.shape[0] is None else None
-
     return [
-        Call(f"rechunk({k})", lambda o, k=k: o.x.rechunk(k), oracle=lambda o: o.x, refused=unknown)
-        for k in (1, 5)
+        Call(f"rechunk({k})", lambda o, k=k: o.x.rechunk(k), oracle=lambda o: o.x) for k in (1, 5)
     ]
 
 

@@ -249,6 +249,21 @@ def test_python_numbers_of_one_element_follow_numpy(convert: Any) -> None:
     assert convert(x.sum()) == convert(a.sum())
 
 
+@pytest.mark.parametrize("threshold", [6.5, 100, 3])
+def test_python_numbers_after_a_mask_count_the_rows_first(threshold: float) -> None:
+    # One row kept, none, or several: NumPy's answer or NumPy's error, as for known rows.
+    a = np.arange(8.0)
+    x = tw.from_array(a, rows=3)
+    for convert in (bool, int, float, complex):
+        try:
+            expected: Any = convert(a[a > threshold])
+        except (TypeError, ValueError) as exc:
+            with pytest.raises(type(exc), match=str(exc)[:30].replace("(", r"\(")):
+                convert(x[x > threshold])
+        else:
+            assert convert(x[x > threshold]) == expected
+
+
 @pytest.mark.parametrize("exponent", [2, -1, 0.5, 2.0, 3])
 @pytest.mark.parametrize("dtype", ["complex128", "float32", "bool", "int16"])
 def test_a_power_of_a_python_number_is_ndarrays(exponent: Any, dtype: str) -> None:

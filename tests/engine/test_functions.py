@@ -303,3 +303,13 @@ def test_clip_without_bounds_is_numpys_clip() -> None:
             got = lazy.compute()
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(got, want)
+
+
+def test_np_size_counts_the_rows_after_a_mask_as_len_does(a: np.ndarray, x: tw.Array) -> None:
+    masked, kept = x[x[:, 0] > 0], a[a[:, 0] > 0]
+    assert np.size(masked, 1) == 4  # no count needed
+    assert np.size(masked, 0) == np.size(masked, -2) == len(kept)
+    assert masked.shape == kept.shape  # counted once, known from now on
+    assert np.size(x[x[:, 1] > 0]) == np.size(a[a[:, 1] > 0])
+    with pytest.raises(np.exceptions.AxisError):
+        np.size(masked, 2)

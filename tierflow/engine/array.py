@@ -641,6 +641,18 @@ def _reduce_value(kind: str) -> Callable[..., Any]:
 _VALUED = frozenset({"prepend", "append"})
 
 
+def _filtered(node: graph.Filter) -> Array:
+    """The rows ``node`` keeps: unknown until counted, but none of none, so the rows of
+    an array without rows are counted at once (its blocks keep none), as a count would
+    leave them."""
+    source = node.inputs[0]
+    assert isinstance(source, Chunked)
+    if source.n_rows != 0:
+        return _wrap(node)
+    node.row_counts = (0,) * node.nblocks
+    return _wrap(graph.Counted(node, node.row_counts))
+
+
 # -- operations that wait for row counts ------------------------------------------------
 #
 # An operation that needs the row count of an array whose rows are unknown (after a
@@ -869,19 +881,35 @@ class Array:
         return self._node.key
 
     def __len__(self) -> int:
-        n = self.shape[0] if self.shape else None
-        if not self.shape:
+        if not self.ndim:
             raise TypeError("len() of a 0-d array")
-        if n is None:
-            # One pass that counts rows per block (the mask's true values), or that
-            # computes a value whose length depends on the data; the counts (the
-            # length) are kept, so later operations and computes do not count again.
+        return self._counted_shape()[0]
+
+    def _counted_shape(self) -> tuple[int, ...]:
+        """The shape, its row count counted first where it is unknown.
+
+        This is the one rule for what needs the row count now: a call that answers
+        with a number (``len(x)``, ``np.size(x)``, ``x.item(i)``, ``bool(x)``) counts,
+        as NumPy's answer is a number; the attributes (``shape``, ``size``,
+        ``nbytes``) and ``np.shape`` never run anything and show None until counted.
+        Counting is one pass that counts rows per block (the mask's true values), or
+        that computes a value whose length depends on the data; the counts (the
+        length) are kept, so later operations, computes and ``shape`` do not count
+        again."""
+        shape = self.shape
+        if None in shape:
             from .compute import resolve_rows
 
-            n = resolve_rows(self._node).shape[0]
-        if n is None:
-            raise TypeError(f"len() of {self._node.label()}: its length is unknown until computed")
-        return n
+            shape = resolve_rows(self._node).shape
+        if None in shape:
+            raise TypeError(f"the length of {self._node.label()} is unknown until computed")
+        return shape  # type: ignore[return-value]
+
+    def _standin(self) -> np.ndarray:
+        """An array of the counted shape and dtype that holds no data (every stride 0),
+        for NumPy's own checks of a call that answers with a number: NumPy raises its
+        error (an index out of range, an array not of one element) on it."""
+        return np.broadcast_to(np.zeros((), self.dtype), self._counted_shape())
 
     def __iter__(self) -> Any:
         raise TypeError(
@@ -1019,33 +1047,31 @@ class Array:
         result = np.asarray(self.compute())
         return result if dtype is None else result.astype(dtype, copy=False)
 
-    def _one(self) -> np.ndarray:
-        """The computed array of one element, for ``bool()``, ``int()``, ``float()`` and
-        ``complex()``: NumPy's conversion then decides (NumPy 2 converts only 0-d arrays
-        to numbers, and any array of one element to a truth value)."""
-        if self.size != 1:
-            raise TypeError(
+    def _one(self, convert: Callable[[np.ndarray], Any]) -> Any:
+        """``convert`` (``bool``, ``int``, ``float``, ``complex``) of the computed array
+        of one element: NumPy's conversion decides (NumPy 2 converts only 0-d arrays to
+        numbers, and any array of one element to a truth value). An array of more or
+        fewer elements (its rows counted first) gets NumPy's error, computing nothing."""
+        standin = self._standin()
+        if standin.size != 1:
+            convert(standin)  # NumPy's error: more than one element, or none
+            raise TypeError(  # where a NumPy would convert it after all
                 f"only arrays with one element convert to a Python scalar; this one has "
-                f"shape {_describe_shape(self.shape)}"
+                f"shape {_describe_shape(standin.shape)}"
             )
-        return np.asarray(self.compute())
+        return convert(np.asarray(self.compute()))
 
     def __bool__(self) -> bool:
-        if self.size != 1:
-            raise ValueError(
-                "The truth value of an array with more than one element is ambiguous. Use "
-                "a.any() or a.all()"
-            )
-        return bool(self._one())
+        return bool(self._one(bool))
 
     def __float__(self) -> float:
-        return float(self._one())
+        return float(self._one(float))
 
     def __int__(self) -> int:
-        return int(self._one())
+        return int(self._one(int))
 
     def __complex__(self) -> complex:
-        return complex(self._one())
+        return complex(self._one(complex))
 
     # -- elementwise ------------------------------------------------------------------
 
@@ -1469,7 +1495,7 @@ class Array:
         node = self._node
         if not isinstance(node, Chunked):
             raise TypeError("filter selects rows of a chunked array")
-        return _wrap(graph.Filter(node, None, fn))
+        return _filtered(graph.Filter(node, None, fn))
 
     def head(self, n: int = 5) -> Array:
         """The first ``n`` rows (lazy). Only the blocks that hold them are computed."""
@@ -1721,7 +1747,7 @@ class Array:
             meta = (node.dtype, tuple(node.shape[max(1, mnode.ndim) :]))
             out = _defer_method(node, "_mask", (mnode, ()), meta, "mask")
             return out._trailing(trailing) if trailing else out
-        out = _wrap(graph.Filter(node, mnode))
+        out = _filtered(graph.Filter(node, mnode))
         return out._trailing(trailing) if trailing else out
 
     # -- the ndarray methods a NumPy user reaches for (see ndarray_methods) ------------
