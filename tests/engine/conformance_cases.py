@@ -813,6 +813,7 @@ def _stack(p: Point, o: Operands) -> list[Call]:
     return [
         Call("[x, y], axis=1", lambda o: np.stack([o.x, o.y], axis=1)),
         Call("[x, y], axis=-1", lambda o: np.stack([o.x, o.y], axis=-1)),
+        Call("[x, y], axis=1, dtype=float32", lambda o: np.stack([o.x, o.y], 1, dtype=np.float32)),
         Call(
             "tw: [x, y, x]",
             lambda o: tw.stack([o.x, o.y, o.x]),

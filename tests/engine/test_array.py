@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -262,6 +263,29 @@ def test_python_numbers_after_a_mask_count_the_rows_first(threshold: float) -> N
                 convert(x[x > threshold])
         else:
             assert convert(x[x > threshold]) == expected
+
+
+def test_a_cast_of_complex_values_to_reals_warns_at_the_users_line_without_rows_too() -> None:
+    for rows in (0, 5):
+        x = tw.from_array(np.ones((rows, 2), np.complex64) * (1 + 2j), rows=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            y = x.astype(np.float32) * 2
+            np.add(x, 1, dtype=np.int16, casting="unsafe")
+            got = y.compute()
+        np.testing.assert_array_equal(got, np.full((rows, 2), 2, np.float32))
+        # Once, when the cast is built, where NumPy's astype would warn (none from blocks).
+        where = [(w.category, w.filename, w.lineno) for w in caught]
+        complex_warning = np.exceptions.ComplexWarning
+        assert where[0] == (complex_warning, __file__, line), where
+        assert (complex_warning, __file__, line + 1) in where
+        assert all(w[1] == __file__ for w in where), where
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x.astype(bool).compute()  # no part is discarded
+            x.real.astype(np.float16).compute()
+        assert not caught
 
 
 @pytest.mark.parametrize("exponent", [2, -1, 0.5, 2.0, 3])

@@ -209,14 +209,6 @@ KNOWN: list[Known] = [
         },
     ),
     Known(
-        "3",
-        "zero rows: a cast of complex data to a real dtype gives no ComplexWarning where NumPy warns",
-        {
-            "threads:np.astype-methodfloat16-complex64-swapped-0x1-b7-mask_none-edges",
-            "threads:np.astype-np.astypeint64-complex64-swapped-0x1-b1-mask_none-edges",
-        },
-    ),
-    Known(
         "-",
         "var and std of complex data with a real dtype=: NumPy takes the mean of the real parts (ComplexWarning) and the deviations of the complex values; tierflow the complex mean",
         {

@@ -313,3 +313,18 @@ def test_np_size_counts_the_rows_after_a_mask_as_len_does(a: np.ndarray, x: tw.A
     assert np.size(x[x[:, 1] > 0]) == np.size(a[a[:, 1] > 0])
     with pytest.raises(np.exceptions.AxisError):
         np.size(masked, 2)
+
+
+def test_stack_casts_to_dtype_by_numpys_casting_rule() -> None:
+    a = np.array([[1.5 + 1j], [2.0 - 1j]], np.complex64)
+    x = tw.from_array(a, rows=1)
+    with pytest.raises(TypeError, match="according to the rule 'same_kind'"):
+        np.stack([x, x], axis=1, dtype=np.float64)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = np.stack([x, x], axis=1, dtype=np.float64, casting="unsafe").compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = np.stack([a, a], axis=1, dtype=np.float64, casting="unsafe")
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    ints = tw.from_array(np.arange(6).reshape(3, 2), rows=2)
+    assert np.stack([ints, ints], axis=-1, dtype=np.float32).compute().dtype == np.float32

@@ -30,6 +30,7 @@ import html
 import math
 import operator
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ from ..operators import selection
 from ..storage import sources as storage_sources
 from ..storage import stream
 from ..system import devices
-from . import blocksize, counting, graph, ops, specs
+from . import blocksize, callsites, counting, graph, ops, specs
 from .graph import Chunked, ElemOp, Node, Value
 from .sources import ArrayReader, FileReader, FileRows, FilesReader
 
@@ -471,8 +472,39 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
         raise
     aligned = _align(nodes, shape)
     if any(isinstance(a, Chunked) for a in aligned):
-        return _wrap(graph.Elementwise(op, tuple(aligned)))
+        node = graph.Elementwise(op, tuple(aligned))
+        _cast_warning(op, node)
+        return _wrap(node)
     return _wrap(graph.Apply(op.apply, tuple(aligned), name=op.label()))
+
+
+def _cast_warning(op: ElemOp, node: graph.Elementwise) -> None:
+    """NumPy's ComplexWarning of ``op``, a cast of complex values to a real dtype
+    (``astype``, a ufunc with ``casting="unsafe"``), given now at the caller's line.
+
+    NumPy decides it by the dtypes alone and gives it whatever the values, for no rows
+    too, where no block runs: so it is given when the pipeline is built, as NumPy's
+    errors of the dtypes are, from ``op`` on stand-ins without rows. The blocks of an
+    ``astype`` then cast quietly (:mod:`tierflow.operators.fused`)."""
+    if np.dtype(node.dtype).kind == "c":
+        return
+    standins = [
+        np.zeros((0, *o.row_shape), o.dtype)
+        if isinstance(o, Chunked)
+        else graph.placeholder(o)
+        if isinstance(o, Node)
+        else o
+        for o in node.operands
+    ]
+    if not any(np.asarray(v).dtype.kind == "c" for v in standins):
+        return
+    with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
+        warnings.simplefilter("always")
+        op.apply(*standins)
+    for w in caught:
+        if issubclass(w.category, np.exceptions.ComplexWarning):
+            callsites.warn_here(str(w.message), w.category)
+            return
 
 
 def _power_shortcut(dtype: np.dtype, exponent: Any) -> np.ufunc | None:

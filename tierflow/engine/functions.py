@@ -447,10 +447,17 @@ def _dot(a: Any, b: Any, out: Any = None) -> Any:
     return dot(a, b)
 
 
-def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:
+def _stack(
+    arrays: Sequence[Any],
+    axis: int = 0,
+    out: Any = None,
+    *,
+    dtype: Any = None,
+    casting: str = "same_kind",
+) -> Any:
     if out is not None:
         raise TypeError("np.stack(..., out=...) is not supported on lazy arrays")
-    return stack(arrays, axis=axis)
+    return cast_joined(stack(arrays, axis=axis), dtype, casting)
 
 
 def _reshape(a: Any, *args: Any, **kwargs: Any) -> Any:
