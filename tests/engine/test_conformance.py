@@ -216,13 +216,6 @@ KNOWN: list[Known] = [
             "threads:np.var-axis=0,dtype=float64-complex128-1x3-b1-mask_none-edges",
         },
     ),
-    Known(
-        "-",
-        "np.diff(x, axis=1, append=<an array with x's rows>): each block gets the whole array (a concatenate ValueError) unless x has one row",
-        {
-            "threads:np.diff-axis=1,append=zeros(n,1)-complex64-swapped-0x3-b7-mask_some-edges",
-        },
-    ),
 ]
 
 

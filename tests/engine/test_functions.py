@@ -328,3 +328,26 @@ def test_stack_casts_to_dtype_by_numpys_casting_rule() -> None:
     np.testing.assert_array_equal(got, want)
     ints = tw.from_array(np.arange(6).reshape(3, 2), rows=2)
     assert np.stack([ints, ints], axis=-1, dtype=np.float32).compute().dtype == np.float32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_diff_joins_arrays_to_prepend_and_append_as_numpy_does(masked: bool) -> None:
+    a = np.arange(40.0).reshape(10, 4) ** 2
+    x = tw.from_array(a, rows=3)
+    if masked:
+        x, a = x[x[:, 0] > 30], a[a[:, 0] > 30]
+    n = len(a)
+    for kwargs in (
+        {"append": np.zeros((n, 1))},
+        {"prepend": np.ones((n, 2), np.float32), "append": 7},
+        {"prepend": -1, "append": np.arange(n)[:, None], "n": 2},
+        {"append": np.zeros((n, 2)), "n": 0},
+    ):
+        got, want = np.diff(x, axis=1, **kwargs).compute(), np.diff(a, axis=1, **kwargs)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        np.diff(x, axis=1, append=x).compute(), np.diff(a, axis=1, append=a)
+    )
+    with pytest.raises(ValueError, match="along dimension 0"):
+        np.diff(x, axis=1, append=np.zeros((n + 1, 1))).compute()

@@ -685,6 +685,23 @@ def _filtered(node: graph.Filter) -> Array:
     return _wrap(graph.Counted(node, node.row_counts))
 
 
+def _diff_joined(x: Array, axis: int, kwargs: dict[str, Any]) -> Array | None:
+    """``np.diff(x, n, axis, prepend=a, append=b)`` where ``a`` or ``b`` is an array (not
+    a number): NumPy joins them to ``x`` along ``axis`` (``np.concatenate``, whose error
+    it raises) and takes the differences of that. Such an array has ``x``'s rows, so the
+    join is a lazy concatenation, its rows cut as ``x``'s are; a number stays with each
+    block. None where there is no array to join (or ``n`` is not positive: NumPy then
+    returns ``x``, or raises, before it joins anything)."""
+    n = kwargs.get("n", 1)
+    arrays = {e: kwargs[e] for e in ("prepend", "append") if e in kwargs and np.ndim(kwargs[e])}
+    if not arrays or not isinstance(n, (int, np.integer)) or n <= 0:
+        return None
+    parts = [arrays.get("prepend"), x, arrays.get("append")]
+    rest = {k: v for k, v in kwargs.items() if k not in arrays}
+    joined = functions.concatenate([p for p in parts if p is not None], axis=axis)
+    return joined.along("diff", axis, **rest)
+
+
 # -- operations that wait for row counts ------------------------------------------------
 #
 # An operation that needs the row count of an array whose rows are unknown (after a
@@ -1579,6 +1596,10 @@ class Array:
                 f"np.{name} along axis 0 needs every row at once, and a lazy array is cut "
                 "into row blocks; give a trailing axis, or compute() first"
             )
+        if name == "diff":
+            joined = _diff_joined(self, k, kwargs)
+            if joined is not None:
+                return joined
         return _wrap(graph.BlockMap(specs.AlongAxisSpec(name, k, kwargs), (node,)))
 
     def cumsum(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Array:
