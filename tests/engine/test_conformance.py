@@ -202,13 +202,6 @@ ITEMS = {
 
 KNOWN: list[Known] = [
     Known(
-        "3",
-        "zero rows: np.nanpercentile(method='midpoint') of booleans raises NumPy's boolean-subtract TypeError where NumPy gives NaN",
-        {
-            "threads:np.nanpercentile-q=0.3,axis=0,method=midpoint-bool-23x1-b7-mask_all-plain",
-        },
-    ),
-    Known(
         "-",
         "var and std of complex data with a real dtype=: NumPy takes the mean of the real parts (ComplexWarning) and the deviations of the complex values; tierflow the complex mean",
         {
