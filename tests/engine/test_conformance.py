@@ -200,16 +200,7 @@ ITEMS = {
     "-": "outside issue 22",
 }
 
-KNOWN: list[Known] = [
-    Known(
-        "-",
-        "var and std of complex data with a real dtype=: NumPy takes the mean of the real parts (ComplexWarning) and the deviations of the complex values; tierflow the complex mean",
-        {
-            "threads:Array.std-axis=0,dtype=float64-complex128-swapped-23x1-whole-mask_none-plain",
-            "threads:np.var-axis=0,dtype=float64-complex128-1x3-b1-mask_none-edges",
-        },
-    ),
-]
+KNOWN: list[Known] = []
 
 
 # -- the samples -----------------------------------------------------------------------------

@@ -734,9 +734,12 @@ def _nan_moment(  # noqa: PLR0913 -- NumPy's signature
     if not over_rows:
         return _within_rows(name, fn, array, axis=axis, dtype=dtype, ddof=ddof, keepdims=keep)
     result = _numpy_dtype(fn, array.dtype, _row_shape(array), dtype=dtype)
-    # The mean of complex data is complex, though its variance is real.
+    # The mean of complex data is complex, though its variance is real; NumPy's mean in
+    # a real dtype= keeps the real parts (its ComplexWarning), and the deviations from
+    # it stay complex.
+    real_mean = array.dtype.kind == "c" and dtype is not None and np.dtype(dtype).kind != "c"
     total, count = _nan_sums(array, axis, True, np.result_type(array.dtype, result))
-    center = _in_memory(_center, "nanmean", total, count)
+    center = _in_memory(_center, "nanmean", total, count, real=real_mean)
     missing = _lazy(np.isnan, array)
     deviations = _fill(array - center, missing, 0)
     squares = _squares(deviations).sum(axis=axis, keepdims=keep)
@@ -746,7 +749,14 @@ def _nan_moment(  # noqa: PLR0913 -- NumPy's signature
     )
 
 
-def _center(total: Any, count: Any) -> Any:
+def _center(total: Any, count: Any, real: bool) -> Any:
+    if real:
+        warnings.warn(
+            "Casting complex values to real discards the imaginary part",
+            np.exceptions.ComplexWarning,
+            stacklevel=2,
+        )
+        total = np.real(total)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.true_divide(total, count)
 
