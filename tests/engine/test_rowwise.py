@@ -164,6 +164,18 @@ def test_nanvar_of_complex_values_with_a_real_dtype_is_numpys(function: Any) -> 
     np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+def test_nanmean_of_complex_values_with_a_real_dtype_sums_the_real_parts() -> None:
+    # NumPy sums in the real dtype=: an infinite imaginary part does not turn the real
+    # mean into NaN, as a complex mean divided by the count would.
+    a = np.array([[np.inf - 2j], [1 - np.inf * 1j], [np.nan + 0j], [3 + 1j]], np.complex64)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = np.nanmean(tw.from_array(a, rows=2), axis=0, dtype=np.float64).compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = np.nanmean(a, axis=0, dtype=np.float64)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_nan_reductions_refuse_out_and_where() -> None:
     lazy = tw.from_array(np.ones((10, 2)))
     with pytest.raises(TypeError, match=r"np\.nanmean\(\.\.\., out=\.\.\.\) is not supported"):
