@@ -285,11 +285,13 @@ def _medians(fn: Callable[..., Any]) -> Calls:
     return calls
 
 
-CASES["np.quantile"] = Case(_quantiles(np.quantile, False))
+# NumPy's quantiles of a column holding NaN interpolate it first (conformance.Rule).
+NAN_FILLED = Rule(nan_filled=True)
+CASES["np.quantile"] = Case(_quantiles(np.quantile, False), NAN_FILLED)
 CASES["np.nanquantile"] = Case(_quantiles(np.nanquantile, False))
-CASES["np.percentile"] = Case(_quantiles(np.percentile, True))
+CASES["np.percentile"] = Case(_quantiles(np.percentile, True), NAN_FILLED)
 CASES["np.nanpercentile"] = Case(_quantiles(np.nanpercentile, True))
-CASES["np.median"] = Case(_medians(np.median))
+CASES["np.median"] = Case(_medians(np.median), NAN_FILLED)
 CASES["np.nanmedian"] = Case(_medians(np.nanmedian))
 
 
