@@ -852,7 +852,13 @@ def _reshape(p: Point, o: Operands) -> list[Call]:
         Call(f"({n + 1}, -1) (wrong rows)", lambda o: np.reshape(o.x, (o.n + 1, -1))),
     ]
     if p.row_shape == (3,):
-        out.append(Call("(-1,) (mixes rows)", lambda o: np.reshape(o.x, (-1,)), refused=ValueError))
+        out.append(
+            Call(
+                "(-1,) (mixes rows)",
+                lambda o: np.reshape(o.x, (-1,)),
+                refused=_refused_with_rows(ValueError),
+            )
+        )
     else:
         out.append(Call("(-1,)", lambda o: np.reshape(o.x, (-1,))))
     return out

@@ -288,6 +288,21 @@ def test_a_cast_of_complex_values_to_reals_warns_at_the_users_line_without_rows_
         assert not caught
 
 
+@pytest.mark.parametrize(
+    ("shape", "new_shape"), [((0, 3), (1, -1)), ((0, 3), (2, 0, 5)), ((4, 0), (2, -1))]
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_reshape_without_values_is_numpys_whatever_its_rows(
+    shape: tuple[int, ...], new_shape: tuple[int, ...], masked: bool
+) -> None:
+    a = np.zeros(shape, ">i4")
+    x = tw.from_array(a, rows=2)
+    if masked:  # rows known once counted
+        x = x[tw.from_array(np.zeros(shape[0]), rows=2) < 1]
+    got, want = x.reshape(new_shape).compute(), a.reshape(new_shape)
+    assert got.shape == want.shape and got.dtype == want.dtype
+
+
 @pytest.mark.parametrize("exponent", [2, -1, 0.5, 2.0, 3])
 @pytest.mark.parametrize("dtype", ["complex128", "float32", "bool", "int16"])
 def test_a_power_of_a_python_number_is_ndarrays(exponent: Any, dtype: str) -> None:

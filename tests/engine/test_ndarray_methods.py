@@ -107,6 +107,25 @@ def test_item_after_a_mask_counts_the_rows_first(
             assert masked.item(*args) == expected
 
 
+@pytest.mark.parametrize("threshold", [1.8, 0.0, 100.0])
+def test_squeeze_after_a_mask_counts_the_rows_first(threshold: float) -> None:
+    # The row axis goes where one row is left: a count decides it, as len() does.
+    a = np.array([[0.5], [1.9], [-1.0], [0.3]])
+    x = tw.from_array(a, rows=1)
+    masked, kept = x[x[:, 0] > threshold], a[a[:, 0] > threshold]
+    for squeeze in (lambda v: v.squeeze(), lambda v: v.squeeze(axis=-1)):
+        got, want = squeeze(masked), squeeze(kept)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got.compute()), want)
+    try:
+        want = kept.squeeze(axis=0)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=str(exc)):
+            masked.squeeze(axis=0)
+    else:
+        np.testing.assert_array_equal(masked.squeeze(axis=0).compute(), want)
+
+
 def test_rechunk_cuts_new_blocks_lazily(a: np.ndarray, x: tw.Array, tmp_path: Path) -> None:
     r = x.rechunk(20)
     assert r.blocks == ((0, 20), (20, 40), (40, 50))

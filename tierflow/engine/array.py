@@ -1625,7 +1625,10 @@ class Array:
             return _value_apply(np.reshape, node, dims, name="reshape")
         assert isinstance(node, Chunked)
         if node.n_rows is not None:
-            _shape_only(node).reshape(dims)  # NumPy's errors: sizes, unknown dimensions
+            reshaped = _shape_only(node).reshape(dims)  # NumPy's errors: sizes, -1s
+            if reshaped.size == 0:
+                # No values: NumPy's empty array of the new shape, whatever its rows.
+                return from_array(np.empty(reshaped.shape, node.dtype))
         elif sum(d < 0 for d in dims) > 1:
             raise ValueError("can only specify one unknown dimension")
         if not dims:

@@ -230,15 +230,19 @@ def trace(  # noqa: PLR0913 -- ndarray.trace's signature
 
 def squeeze(x: Array, axis: Any = None) -> Array:
     """``x.squeeze(axis)``: trailing axes of length one dropped; the row axis too when
-    there is one row (then the result is an in-memory value, as a row is)."""
+    there is one row (then the result is an in-memory value, as a row is). Whether the
+    row axis goes depends on the row count: after a mask, ``squeeze()`` and
+    ``squeeze(axis=0)`` count the rows first, now, as ``len()`` does."""
     node = x._node
     if isinstance(node, Value):
         return _value_apply(np.squeeze, node, axis=axis, name="squeeze")
     shape = x.shape
-    if axis is None:
+    axes = None if axis is None else tuple(a % x.ndim for a in np.atleast_1d(axis).tolist())
+    if shape[0] is None and (axes is None or 0 in axes):
+        shape = x._counted_shape()
+    if axes is None:
         axes = tuple(i for i, n in enumerate(shape) if n == 1)
     else:
-        axes = tuple(a % x.ndim for a in ((axis,) if np.ndim(axis) == 0 else axis))
         for a in axes:
             if shape[a] != 1:
                 raise ValueError(
