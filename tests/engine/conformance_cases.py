@@ -32,6 +32,7 @@ from tierflow.engine import products
 from .conformance import (
     ELEMENTWISE,
     EXACT,
+    PRODUCT,
     PRODUCTS,
     ROUNDED,
     SIGNED,
@@ -164,12 +165,14 @@ def _method(name: str) -> Callable[..., Any]:
 
 
 _AS_F8 = ("axis=0, dtype=float64", {"axis": 0, "dtype": np.float64})
+# NumPy's nanvar keeps its deviations in the input's dtype (conformance.Rule).
+NAN_MOMENTS = Rule("sums", power=2, input_precision=True)
 _AS_I8 = ("axis=None, dtype=int64", {"axis": None, "dtype": np.int64})
 _DDOF = ("axis=0, ddof=1", {"axis": 0, "ddof": 1})
 
 for _name, _fn, _rule, _extras in [
     ("sum", np.sum, ROUNDED, (_AS_F8, _AS_I8)),
-    ("prod", np.prod, ROUNDED, (_AS_F8, _AS_I8)),
+    ("prod", np.prod, PRODUCT, (_AS_F8, _AS_I8)),
     ("mean", np.mean, ROUNDED, (_AS_F8,)),
     ("std", np.std, SQUARES, (_DDOF, _AS_F8)),
     ("var", np.var, SQUARES, (_DDOF, _AS_F8)),
@@ -183,10 +186,10 @@ for _name, _fn, _rule, _extras in [
     ("argmax", np.argmax, EXACT, ()),
     ("count_nonzero", np.count_nonzero, EXACT, ()),
     ("nansum", np.nansum, ROUNDED, (_AS_F8,)),
-    ("nanprod", np.nanprod, ROUNDED, (_AS_F8,)),
+    ("nanprod", np.nanprod, PRODUCT, (_AS_F8,)),
     ("nanmean", np.nanmean, ROUNDED, (_AS_F8,)),
-    ("nanstd", np.nanstd, SQUARES, (_DDOF, _AS_F8)),
-    ("nanvar", np.nanvar, SQUARES, (_DDOF, _AS_F8)),
+    ("nanstd", np.nanstd, NAN_MOMENTS, (_DDOF, _AS_F8)),
+    ("nanvar", np.nanvar, NAN_MOMENTS, (_DDOF, _AS_F8)),
     ("nanmin", np.nanmin, EXACT, ()),
     ("nanmax", np.nanmax, EXACT, ()),
     ("nanargmin", np.nanargmin, EXACT, ()),
@@ -210,7 +213,7 @@ def reduce_ufunc_case(ufunc: np.ufunc) -> Case:
         out.append(Call("axis=0, dtype=float64", lambda o: ufunc.reduce(o.x, axis=0, dtype="f8")))
         return out
 
-    rule = ROUNDED if ufunc in (np.add, np.multiply) else EXACT
+    rule = {np.add: ROUNDED, np.multiply: PRODUCT}.get(ufunc, EXACT)
     return Case(calls, rule)
 
 
@@ -436,7 +439,9 @@ def _partition(p: Point, o: Operands) -> list[Call]:
         Call(
             f"kth={n} (out of bounds), axis=0",
             lambda o: np.partition(o.x, o.n, axis=0),
-            refused=bad,
+            # NumPy's kth error, checked first where the rows are known; complex data
+            # is refused first where they are not (its kth is checked by the sort).
+            refused=None if bad is None else lambda o: bad if o.x.shape[0] is None else None,
         )
     )
     for a in trailing(p):
@@ -600,7 +605,14 @@ def _clip(p: Point, o: Operands) -> list[Call]:
     ]
 
 
-@case("np.round", "np.around", "Array.round", "Array.__round__", rule=SIGNED)
+# NumPy rounds integers to tens in float64 and casts back (conformance.Rule).
+@case(
+    "np.round",
+    "np.around",
+    "Array.round",
+    "Array.__round__",
+    rule=Rule(signed=True, cast_back=True),
+)
 def _round(p: Point, o: Operands) -> list[Call]:
     return [
         Call("decimals=0", lambda o: np.round(o.x)),
@@ -896,7 +908,12 @@ def _numpy_r(o: Operands) -> np.ndarray:
     return _flip_rows(np.linalg.qr(a, mode="r"))
 
 
-@case("tw.linalg.qr", "tw.linalg.svd", "tw.linalg.pca", rule=PRODUCTS)
+@case(
+    "tw.linalg.qr",
+    "tw.linalg.svd",
+    "tw.linalg.pca",
+    rule=Rule("sums", power=2, blas=True, lapack=True),
+)
 def _linalg(p: Point, o: Operands) -> list[Call]:
     complex_ = TypeError if p.kind == "c" else None
     if p.ndim == 1:
