@@ -108,6 +108,12 @@ def sortable(p: Point) -> type[BaseException] | None:
     return TypeError if p.kind == "c" else None
 
 
+def sortable_rows(p: Point) -> Any:
+    """As :func:`sortable` for NumPy's sorts along the rows, which give NumPy's answer
+    where the rows are known to be none (there is nothing to sort)."""
+    return None if p.kind != "c" else lambda o: None if o.x.shape[0] == 0 else TypeError
+
+
 def first_values(a: Any) -> Any:
     """Each row's first value (a block's or an array's), a 1-D array."""
     return a[:, 0] if a.ndim > 1 else a
@@ -385,7 +391,7 @@ def _sorts(fn: Callable[..., Any], numpy: Callable[..., Any]) -> Calls:
         )
 
     def calls(p: Point, o: Operands) -> list[Call]:
-        bad = sortable(p)
+        bad = sortable_rows(p)
         out = [
             call("axis=0", bad, axis=0),
             call("axis=0, stable", bad, axis=0, kind="stable"),
@@ -421,10 +427,25 @@ def _partitioned(kth: Any, axis: int) -> Callable[[Any], Any]:
     return post
 
 
+def _complex_partition(kth: Any) -> Callable[[Operands], type[BaseException] | None]:
+    """np.partition of complex data is refused (TypeError, as the sorts), except where
+    NumPy's answer comes first: no rows (known), or a ``kth`` out of bounds for known
+    rows (NumPy's ValueError: the rows are not counted for it)."""
+
+    def refusal(o: Operands) -> type[BaseException] | None:
+        n = o.x.shape[0]
+        if n is None:
+            return TypeError
+        out = any(not -n <= k < n for k in np.atleast_1d(kth).tolist())
+        return None if n == 0 or out else TypeError
+
+    return refusal
+
+
 @case("np.partition")
 def _partition(p: Point, o: Operands) -> list[Call]:
     n = o.n
-    bad = sortable(p)
+    complex_ = p.kind == "c"
     out = []
     for kth in (0, 2, -1, [0, 3]):
         out.append(
@@ -432,16 +453,14 @@ def _partition(p: Point, o: Operands) -> list[Call]:
                 f"kth={kth}, axis=0",
                 lambda o, k=kth: np.partition(o.x, k, axis=0),
                 post=_partitioned(kth, 0),
-                refused=bad,
+                refused=_complex_partition(kth) if complex_ else None,
             )
         )
     out.append(
         Call(
             f"kth={n} (out of bounds), axis=0",
             lambda o: np.partition(o.x, o.n, axis=0),
-            # NumPy's kth error, checked first where the rows are known; complex data
-            # is refused first where they are not (its kth is checked by the sort).
-            refused=None if bad is None else lambda o: bad if o.x.shape[0] is None else None,
+            refused=_complex_partition(n) if complex_ else None,
         )
     )
     for a in trailing(p):
@@ -568,7 +587,7 @@ def _along_method(p: Point, o: Operands) -> list[Call]:
             "sort, axis=0",
             lambda o: o.x.along("sort", 0),
             oracle=lambda o: np.sort(o.x, axis=0),
-            refused=sortable(p),
+            refused=sortable_rows(p),
         )
     )
     return out
