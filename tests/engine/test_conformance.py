@@ -34,8 +34,8 @@ executor, 4 others on the processes executor and one more on each of Dask and Ra
 by the entry's name: the same tests in every run and in CI, and a new entry's samples
 never move another's. A test id names the executor, the entry, the call and the point
 (``threads-np.median-axis=0-float32-swapped-23x3-b7-mask_some-edges``); the point alone
-rebuilds the input's values. The whole module takes about 100 s on a 2-core machine,
-40 of them on the clusters.
+rebuilds the input's values. The whole module takes about 60 s on a 2-core machine,
+half of it on the clusters.
 
 **make fuzz** (``HYPOTHESIS_PROFILE=fuzz``, ``-m conformance``) draws 20 times as many
 samples per entry, from a fresh seed each run (printed in the first line of a failure;
