@@ -445,7 +445,7 @@ class ZarrRows:
 # Zarr leaves a chunk equal to the fill value unwritten, and takes a complex chunk of
 # negative zeros for one (0j): it would read back as +0.0. A sink writes every chunk it
 # computed, so what it wrote reads back as it was, and a chunk not there was not written.
-WRITE_EVERY_CHUNK = {"write_empty_chunks": True}
+WRITE_EVERY_CHUNK: Any = {"write_empty_chunks": True}  # zarr's ArrayConfigParams
 
 
 def _open_zarr(url: str, storage_options: dict[str, Any], mode: str) -> Any:
