@@ -32,6 +32,7 @@ from tierflow.engine import products
 from .conformance import (
     ELEMENTWISE,
     EXACT,
+    PRODUCT,
     PRODUCTS,
     ROUNDED,
     SIGNED,
@@ -107,6 +108,12 @@ def sortable(p: Point) -> type[BaseException] | None:
     return TypeError if p.kind == "c" else None
 
 
+def sortable_rows(p: Point) -> Any:
+    """As :func:`sortable` for NumPy's sorts along the rows, which give NumPy's answer
+    where the rows are known to be none (there is nothing to sort)."""
+    return None if p.kind != "c" else lambda o: None if o.x.shape[0] == 0 else TypeError
+
+
 def first_values(a: Any) -> Any:
     """Each row's first value (a block's or an array's), a 1-D array."""
     return a[:, 0] if a.ndim > 1 else a
@@ -164,12 +171,14 @@ def _method(name: str) -> Callable[..., Any]:
 
 
 _AS_F8 = ("axis=0, dtype=float64", {"axis": 0, "dtype": np.float64})
+# NumPy's nanvar keeps its deviations in the input's dtype (conformance.Rule).
+NAN_MOMENTS = Rule("sums", power=2, input_precision=True)
 _AS_I8 = ("axis=None, dtype=int64", {"axis": None, "dtype": np.int64})
 _DDOF = ("axis=0, ddof=1", {"axis": 0, "ddof": 1})
 
 for _name, _fn, _rule, _extras in [
     ("sum", np.sum, ROUNDED, (_AS_F8, _AS_I8)),
-    ("prod", np.prod, ROUNDED, (_AS_F8, _AS_I8)),
+    ("prod", np.prod, PRODUCT, (_AS_F8, _AS_I8)),
     ("mean", np.mean, ROUNDED, (_AS_F8,)),
     ("std", np.std, SQUARES, (_DDOF, _AS_F8)),
     ("var", np.var, SQUARES, (_DDOF, _AS_F8)),
@@ -183,10 +192,10 @@ for _name, _fn, _rule, _extras in [
     ("argmax", np.argmax, EXACT, ()),
     ("count_nonzero", np.count_nonzero, EXACT, ()),
     ("nansum", np.nansum, ROUNDED, (_AS_F8,)),
-    ("nanprod", np.nanprod, ROUNDED, (_AS_F8,)),
+    ("nanprod", np.nanprod, PRODUCT, (_AS_F8,)),
     ("nanmean", np.nanmean, ROUNDED, (_AS_F8,)),
-    ("nanstd", np.nanstd, SQUARES, (_DDOF,)),
-    ("nanvar", np.nanvar, SQUARES, (_DDOF,)),
+    ("nanstd", np.nanstd, NAN_MOMENTS, (_DDOF, _AS_F8)),
+    ("nanvar", np.nanvar, NAN_MOMENTS, (_DDOF, _AS_F8)),
     ("nanmin", np.nanmin, EXACT, ()),
     ("nanmax", np.nanmax, EXACT, ()),
     ("nanargmin", np.nanargmin, EXACT, ()),
@@ -210,7 +219,7 @@ def reduce_ufunc_case(ufunc: np.ufunc) -> Case:
         out.append(Call("axis=0, dtype=float64", lambda o: ufunc.reduce(o.x, axis=0, dtype="f8")))
         return out
 
-    rule = ROUNDED if ufunc in (np.add, np.multiply) else EXACT
+    rule = {np.add: ROUNDED, np.multiply: PRODUCT}.get(ufunc, EXACT)
     return Case(calls, rule)
 
 
@@ -285,11 +294,13 @@ def _medians(fn: Callable[..., Any]) -> Calls:
     return calls
 
 
-CASES["np.quantile"] = Case(_quantiles(np.quantile, False))
+# NumPy's quantiles of a column holding NaN interpolate it first (conformance.Rule).
+NAN_FILLED = Rule(nan_filled=True)
+CASES["np.quantile"] = Case(_quantiles(np.quantile, False), NAN_FILLED)
 CASES["np.nanquantile"] = Case(_quantiles(np.nanquantile, False))
-CASES["np.percentile"] = Case(_quantiles(np.percentile, True))
+CASES["np.percentile"] = Case(_quantiles(np.percentile, True), NAN_FILLED)
 CASES["np.nanpercentile"] = Case(_quantiles(np.nanpercentile, True))
-CASES["np.median"] = Case(_medians(np.median))
+CASES["np.median"] = Case(_medians(np.median), NAN_FILLED)
 CASES["np.nanmedian"] = Case(_medians(np.nanmedian))
 
 
@@ -380,7 +391,7 @@ def _sorts(fn: Callable[..., Any], numpy: Callable[..., Any]) -> Calls:
         )
 
     def calls(p: Point, o: Operands) -> list[Call]:
-        bad = sortable(p)
+        bad = sortable_rows(p)
         out = [
             call("axis=0", bad, axis=0),
             call("axis=0, stable", bad, axis=0, kind="stable"),
@@ -416,10 +427,25 @@ def _partitioned(kth: Any, axis: int) -> Callable[[Any], Any]:
     return post
 
 
+def _complex_partition(kth: Any) -> Callable[[Operands], type[BaseException] | None]:
+    """np.partition of complex data is refused (TypeError, as the sorts), except where
+    NumPy's answer comes first: no rows (known), or a ``kth`` out of bounds for known
+    rows (NumPy's ValueError: the rows are not counted for it)."""
+
+    def refusal(o: Operands) -> type[BaseException] | None:
+        n = o.x.shape[0]
+        if n is None:
+            return TypeError
+        out = any(not -n <= k < n for k in np.atleast_1d(kth).tolist())
+        return None if n == 0 or out else TypeError
+
+    return refusal
+
+
 @case("np.partition")
 def _partition(p: Point, o: Operands) -> list[Call]:
     n = o.n
-    bad = sortable(p)
+    complex_ = p.kind == "c"
     out = []
     for kth in (0, 2, -1, [0, 3]):
         out.append(
@@ -427,14 +453,14 @@ def _partition(p: Point, o: Operands) -> list[Call]:
                 f"kth={kth}, axis=0",
                 lambda o, k=kth: np.partition(o.x, k, axis=0),
                 post=_partitioned(kth, 0),
-                refused=bad,
+                refused=_complex_partition(kth) if complex_ else None,
             )
         )
     out.append(
         Call(
             f"kth={n} (out of bounds), axis=0",
             lambda o: np.partition(o.x, o.n, axis=0),
-            refused=bad,
+            refused=_complex_partition(n) if complex_ else None,
         )
     )
     for a in trailing(p):
@@ -561,7 +587,7 @@ def _along_method(p: Point, o: Operands) -> list[Call]:
             "sort, axis=0",
             lambda o: o.x.along("sort", 0),
             oracle=lambda o: np.sort(o.x, axis=0),
-            refused=sortable(p),
+            refused=sortable_rows(p),
         )
     )
     return out
@@ -598,7 +624,14 @@ def _clip(p: Point, o: Operands) -> list[Call]:
     ]
 
 
-@case("np.round", "np.around", "Array.round", "Array.__round__", rule=SIGNED)
+# NumPy rounds integers to tens in float64 and casts back (conformance.Rule).
+@case(
+    "np.round",
+    "np.around",
+    "Array.round",
+    "Array.__round__",
+    rule=Rule(signed=True, cast_back=True),
+)
 def _round(p: Point, o: Operands) -> list[Call]:
     return [
         Call("decimals=0", lambda o: np.round(o.x)),
@@ -753,7 +786,12 @@ def _norm(p: Point, o: Operands) -> list[Call]:
             Call("ord='fro'", lambda o: norm(o.x, ord="fro")),
             Call("ord=1 (matrix)", lambda o: norm(o.x, ord=1)),
             Call("ord=inf (matrix)", lambda o: norm(o.x, ord=np.inf)),
-            Call("ord=2 (matrix)", lambda o: norm(o.x, ord=2), refused=ValueError),
+            Call(
+                "ord=2 (matrix)",
+                lambda o: norm(o.x, ord=2),
+                # Refused (singular values over the rows); float16, NumPy's TypeError.
+                refused=None if p.native == np.float16 else ValueError,
+            ),
         ]
     return out
 
@@ -813,6 +851,7 @@ def _stack(p: Point, o: Operands) -> list[Call]:
     return [
         Call("[x, y], axis=1", lambda o: np.stack([o.x, o.y], axis=1)),
         Call("[x, y], axis=-1", lambda o: np.stack([o.x, o.y], axis=-1)),
+        Call("[x, y], axis=1, dtype=float32", lambda o: np.stack([o.x, o.y], 1, dtype=np.float32)),
         Call(
             "tw: [x, y, x]",
             lambda o: tw.stack([o.x, o.y, o.x]),
@@ -849,7 +888,13 @@ def _reshape(p: Point, o: Operands) -> list[Call]:
         Call(f"({n + 1}, -1) (wrong rows)", lambda o: np.reshape(o.x, (o.n + 1, -1))),
     ]
     if p.row_shape == (3,):
-        out.append(Call("(-1,) (mixes rows)", lambda o: np.reshape(o.x, (-1,)), refused=ValueError))
+        out.append(
+            Call(
+                "(-1,) (mixes rows)",
+                lambda o: np.reshape(o.x, (-1,)),
+                refused=_refused_with_rows(ValueError),
+            )
+        )
     else:
         out.append(Call("(-1,)", lambda o: np.reshape(o.x, (-1,))))
     return out
@@ -887,7 +932,12 @@ def _numpy_r(o: Operands) -> np.ndarray:
     return _flip_rows(np.linalg.qr(a, mode="r"))
 
 
-@case("tw.linalg.qr", "tw.linalg.svd", "tw.linalg.pca", rule=PRODUCTS)
+@case(
+    "tw.linalg.qr",
+    "tw.linalg.svd",
+    "tw.linalg.pca",
+    rule=Rule("sums", power=2, blas=True, lapack=True),
+)
 def _linalg(p: Point, o: Operands) -> list[Call]:
     complex_ = TypeError if p.kind == "c" else None
     if p.ndim == 1:
@@ -1072,13 +1122,8 @@ def _head(p: Point, o: Operands) -> list[Call]:
 
 @case("Array.rechunk")
 def _rechunk(p: Point, o: Operands) -> list[Call]:
-    def unknown(o: Operands) -> type[BaseException] | None:
-        # It needs the row count, unknown after a mask until counted (persist first).
-        return ValueError if o.x.shape[0] is None else None
-
     return [
-        Call(f"rechunk({k})", lambda o, k=k: o.x.rechunk(k), oracle=lambda o: o.x, refused=unknown)
-        for k in (1, 5)
+        Call(f"rechunk({k})", lambda o, k=k: o.x.rechunk(k), oracle=lambda o: o.x) for k in (1, 5)
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -247,6 +248,59 @@ def test_python_numbers_of_one_element_follow_numpy(convert: Any) -> None:
     else:
         assert convert(x) == expected and type(convert(x)) is type(expected)
     assert convert(x.sum()) == convert(a.sum())
+
+
+@pytest.mark.parametrize("threshold", [6.5, 100, 3])
+def test_python_numbers_after_a_mask_count_the_rows_first(threshold: float) -> None:
+    # One row kept, none, or several: NumPy's answer or NumPy's error, as for known rows.
+    a = np.arange(8.0)
+    x = tw.from_array(a, rows=3)
+    for convert in (bool, int, float, complex):
+        try:
+            expected: Any = convert(a[a > threshold])
+        except (TypeError, ValueError) as exc:
+            with pytest.raises(type(exc), match=str(exc)[:30].replace("(", r"\(")):
+                convert(x[x > threshold])
+        else:
+            assert convert(x[x > threshold]) == expected
+
+
+def test_a_cast_of_complex_values_to_reals_warns_at_the_users_line_without_rows_too() -> None:
+    for rows in (0, 5):
+        x = tw.from_array(np.ones((rows, 2), np.complex64) * (1 + 2j), rows=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            y = x.astype(np.float32) * 2
+            np.add(x, 1, dtype=np.int16, casting="unsafe")
+            got = y.compute()
+        np.testing.assert_array_equal(got, np.full((rows, 2), 2, np.float32))
+        # Once, when the cast is built, where NumPy's astype would warn (none from blocks).
+        where = [(w.category, w.filename, w.lineno) for w in caught]
+        complex_warning = np.exceptions.ComplexWarning
+        assert where[0] == (complex_warning, __file__, line), where
+        assert (complex_warning, __file__, line + 1) in where
+        assert all(w[1] == __file__ for w in where), where
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x.astype(bool).compute()  # no part is discarded
+            x.real.astype(np.float16).compute()
+        assert not caught
+
+
+@pytest.mark.parametrize(
+    ("shape", "new_shape"), [((0, 3), (1, -1)), ((0, 3), (2, 0, 5)), ((4, 0), (2, -1))]
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_reshape_without_values_is_numpys_whatever_its_rows(
+    shape: tuple[int, ...], new_shape: tuple[int, ...], masked: bool
+) -> None:
+    a = np.zeros(shape, ">i4")
+    x = tw.from_array(a, rows=2)
+    if masked:  # rows known once counted
+        x = x[tw.from_array(np.zeros(shape[0]), rows=2) < 1]
+    got, want = x.reshape(new_shape).compute(), a.reshape(new_shape)
+    assert got.shape == want.shape and got.dtype == want.dtype
 
 
 @pytest.mark.parametrize("exponent", [2, -1, 0.5, 2.0, 3])

@@ -450,6 +450,20 @@ def test_to_zarr_writes_the_same_numbers_on_every_executor(
     assert back.tobytes() == (data * 2 + 1).tobytes()
 
 
+@pytest.mark.executors("threads", "processes")
+def test_to_zarr_keeps_complex_negative_zeros_in_chunks_zarr_takes_for_empty(
+    executor_name: str, tmp_path: Path
+) -> None:
+    # Zarr takes a chunk of complex signed zeros for its fill value (0j) and would leave
+    # it unwritten: it would read back as +0.0. Every chunk is written.
+    data = np.array([1 + 1j, complex(-0.0, 0.0), complex(0.0, -0.0), -0.0j], ">c16")
+    tw.from_array(data, rows=1).to_zarr(tmp_path / "z.zarr", executor=executor_name)
+    z = zarr.open_array(str(tmp_path / "z.zarr"), mode="r")
+    back = z[:]
+    assert back.tobytes() == data.astype(back.dtype).tobytes()
+    assert z.nchunks_initialized == 4
+
+
 def test_to_zarr_chunks_shards_and_compressors(tmp_path: Path) -> None:
     data = np.arange(24_000.0).reshape(6000, 4)
     x = tw.from_array(data, rows=2000)

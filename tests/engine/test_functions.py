@@ -303,3 +303,51 @@ def test_clip_without_bounds_is_numpys_clip() -> None:
             got = lazy.compute()
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(got, want)
+
+
+def test_np_size_counts_the_rows_after_a_mask_as_len_does(a: np.ndarray, x: tw.Array) -> None:
+    masked, kept = x[x[:, 0] > 0], a[a[:, 0] > 0]
+    assert np.size(masked, 1) == 4  # no count needed
+    assert np.size(masked, 0) == np.size(masked, -2) == len(kept)
+    assert masked.shape == kept.shape  # counted once, known from now on
+    assert np.size(x[x[:, 1] > 0]) == np.size(a[a[:, 1] > 0])
+    with pytest.raises(np.exceptions.AxisError):
+        np.size(masked, 2)
+
+
+def test_stack_casts_to_dtype_by_numpys_casting_rule() -> None:
+    a = np.array([[1.5 + 1j], [2.0 - 1j]], np.complex64)
+    x = tw.from_array(a, rows=1)
+    with pytest.raises(TypeError, match="according to the rule 'same_kind'"):
+        np.stack([x, x], axis=1, dtype=np.float64)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = np.stack([x, x], axis=1, dtype=np.float64, casting="unsafe").compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = np.stack([a, a], axis=1, dtype=np.float64, casting="unsafe")
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    ints = tw.from_array(np.arange(6).reshape(3, 2), rows=2)
+    assert np.stack([ints, ints], axis=-1, dtype=np.float32).compute().dtype == np.float32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_diff_joins_arrays_to_prepend_and_append_as_numpy_does(masked: bool) -> None:
+    a = np.arange(40.0).reshape(10, 4) ** 2
+    x = tw.from_array(a, rows=3)
+    if masked:
+        x, a = x[x[:, 0] > 30], a[a[:, 0] > 30]
+    n = len(a)
+    for kwargs in (
+        {"append": np.zeros((n, 1))},
+        {"prepend": np.ones((n, 2), np.float32), "append": 7},
+        {"prepend": -1, "append": np.arange(n)[:, None], "n": 2},
+        {"append": np.zeros((n, 2)), "n": 0},
+    ):
+        got, want = np.diff(x, axis=1, **kwargs).compute(), np.diff(a, axis=1, **kwargs)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        np.diff(x, axis=1, append=x).compute(), np.diff(a, axis=1, append=a)
+    )
+    with pytest.raises(ValueError, match="along dimension 0"):
+        np.diff(x, axis=1, append=np.zeros((n + 1, 1))).compute()

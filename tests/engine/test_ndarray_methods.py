@@ -82,6 +82,50 @@ def test_item_gives_one_python_scalar(a: np.ndarray, x: tw.Array) -> None:
         x.item()
 
 
+def test_item_out_of_range_is_numpys_index_error(a: np.ndarray, x: tw.Array) -> None:
+    with pytest.raises(IndexError, match="index 200 is out of bounds for size 200"):
+        x.item(200)
+    with pytest.raises(IndexError, match="index 4 is out of bounds for axis 1 with size 4"):
+        x.item(3, 4)
+    with pytest.raises(IndexError, match="index 0 is out of bounds for size 0"):
+        tw.from_array(np.zeros((0, 3)), rows=1).item(0)
+    assert x.item(-200) == a.item(-200)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 100.0, 2.3])
+def test_item_after_a_mask_counts_the_rows_first(
+    a: np.ndarray, x: tw.Array, threshold: float
+) -> None:
+    masked, kept = x[x[:, 0] > threshold], a[a[:, 0] > threshold]
+    for args in ((0,), (-1,), (5,), (1, 2), ()):
+        try:
+            expected = kept.item(*args)
+        except (IndexError, ValueError) as exc:
+            with pytest.raises(type(exc), match=str(exc)):
+                masked.item(*args)
+        else:
+            assert masked.item(*args) == expected
+
+
+@pytest.mark.parametrize("threshold", [1.8, 0.0, 100.0])
+def test_squeeze_after_a_mask_counts_the_rows_first(threshold: float) -> None:
+    # The row axis goes where one row is left: a count decides it, as len() does.
+    a = np.array([[0.5], [1.9], [-1.0], [0.3]])
+    x = tw.from_array(a, rows=1)
+    masked, kept = x[x[:, 0] > threshold], a[a[:, 0] > threshold]
+    for squeeze in (lambda v: v.squeeze(), lambda v: v.squeeze(axis=-1)):
+        got, want = squeeze(masked), squeeze(kept)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got.compute()), want)
+    try:
+        want = kept.squeeze(axis=0)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=str(exc)):
+            masked.squeeze(axis=0)
+    else:
+        np.testing.assert_array_equal(masked.squeeze(axis=0).compute(), want)
+
+
 def test_rechunk_cuts_new_blocks_lazily(a: np.ndarray, x: tw.Array, tmp_path: Path) -> None:
     r = x.rechunk(20)
     assert r.blocks == ((0, 20), (20, 40), (40, 50))
@@ -96,12 +140,17 @@ def test_rechunk_cuts_new_blocks_lazily(a: np.ndarray, x: tw.Array, tmp_path: Pa
     np.save(tmp_path / "a.npy", a)
     f = tw.from_npy(tmp_path / "a.npy", rows=10).rechunk(25)
     assert f.blocks == ((0, 25), (25, 50)) and f.key == tw.from_npy(tmp_path / "a.npy").key
-    with pytest.raises(ValueError, match="unknown after a boolean mask; persist"):
-        x[x[:, 0] > 0].rechunk(5)
     with pytest.raises(ValueError, match="in-memory result"):
         x.sum(axis=0).rechunk(5)
     with pytest.raises(ValueError, match="rows >= 1"):
         x.rechunk(0)
+
+
+def test_rechunk_after_a_mask_counts_the_rows_first(a: np.ndarray, x: tw.Array) -> None:
+    masked = x[x[:, 0] > 0].rechunk(5)
+    kept = a[a[:, 0] > 0]
+    np.testing.assert_array_equal(masked.compute(), kept)
+    assert len(masked) == len(kept) and masked.shape == kept.shape
 
 
 def test_lazy_methods_follow_numpy(a: np.ndarray, x: tw.Array) -> None:

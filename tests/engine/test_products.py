@@ -380,6 +380,19 @@ def test_cov_rowvar_true_of_few_rows_and_of_1d_arrays() -> None:
     )
 
 
+@pytest.mark.parametrize("function", [np.cov, np.corrcoef])
+def test_cov_of_no_variables_is_numpys_empty_matrix_without_warnings(function: Any) -> None:
+    # NumPy returns before it looks at the observations (or at y).
+    for a, rowvar in ((np.zeros((0, 3), np.uint16), True), (np.zeros((4, 0)), False)):
+        x = tw.from_array(a, rows=2)
+        want = function(a, rowvar=rowvar)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for got in (function(x, rowvar=rowvar), function(x, np.ones((7, 2)), rowvar=rowvar)):
+                value = got.compute()
+                assert value.dtype == want.dtype and value.shape == want.shape == (0, 0)
+
+
 def test_cov_options_numpy_has_and_lazy_cov_does_not() -> None:
     x = tw.from_array(np.ones((10, 2)))
     with pytest.raises(TypeError, match="fweights"):

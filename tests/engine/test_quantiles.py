@@ -257,6 +257,32 @@ def test_rows_of_unknown_count_after_a_mask() -> None:
     np.testing.assert_array_equal(value, expected)
 
 
+@pytest.mark.parametrize("function", [np.nanpercentile, np.percentile, np.nanmedian])
+@pytest.mark.parametrize("threshold", [100, 2])
+def test_what_numpy_refuses_only_over_rows_waits_for_the_row_count(
+    function: Any, threshold: int
+) -> None:
+    # NumPy cannot subtract booleans: an error over rows, NaN (nan-versions) or another
+    # error over none. After a mask, the rows are counted first.
+    a = np.arange(10)[:, None] % 3 == 0
+    x = tw.from_array(a, rows=4)
+    args = () if function is np.nanmedian else (30,)
+    kwargs = {} if function is np.nanmedian else {"method": "midpoint"}
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        kept = a[np.arange(10) > threshold]
+        masked = x[tw.from_array(np.arange(10), rows=4) > threshold]
+        try:
+            want = function(kept, *args, axis=0, **kwargs)
+        except (TypeError, IndexError) as exc:
+            with pytest.raises(type(exc)):
+                function(masked, *args, axis=0, **kwargs).compute()
+            return
+        got = function(masked, *args, axis=0, **kwargs)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.compute(), want)
+
+
 def test_quantile_feeds_a_lazy_expression() -> None:
     a = np.random.default_rng(5).standard_normal((4000, 2))
     x = tw.from_array(a, rows=1000)

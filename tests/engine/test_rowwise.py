@@ -149,6 +149,33 @@ def test_nanvar_takes_two_passes_and_keeps_float64_accuracy() -> None:
     np.testing.assert_allclose(got, want, rtol=4e-7)
 
 
+@pytest.mark.parametrize("function", [np.nanvar, np.nanstd])
+def test_nanvar_of_complex_values_with_a_real_dtype_is_numpys(function: Any) -> None:
+    # NumPy's mean in a real dtype= keeps the real parts (ComplexWarning); the deviations
+    # from it are complex, so the imaginary parts count whole.
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((40, 3)) + 1j * (4 + rng.standard_normal((40, 3)))
+    a[[3, 17], [0, 2]] = np.nan
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = function(tw.from_array(a, rows=7), axis=0, dtype=np.float64).compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = function(a, axis=0, dtype=np.float64)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_nanmean_of_complex_values_with_a_real_dtype_sums_the_real_parts() -> None:
+    # NumPy sums in the real dtype=: an infinite imaginary part does not turn the real
+    # mean into NaN, as a complex mean divided by the count would.
+    a = np.array([[np.inf - 2j], [1 - np.inf * 1j], [np.nan + 0j], [3 + 1j]], np.complex64)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = np.nanmean(tw.from_array(a, rows=2), axis=0, dtype=np.float64).compute()
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = np.nanmean(a, axis=0, dtype=np.float64)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_nan_reductions_refuse_out_and_where() -> None:
     lazy = tw.from_array(np.ones((10, 2)))
     with pytest.raises(TypeError, match=r"np\.nanmean\(\.\.\., out=\.\.\.\) is not supported"):

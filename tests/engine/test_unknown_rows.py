@@ -174,6 +174,26 @@ def test_len_and_shape_count_once(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     assert len(counts) == 1, [r.getMessage() for r in counts]
 
 
+def test_len_of_files_of_no_files_makes_the_shape_known() -> None:
+    # No files, so no blocks: the count is an empty tuple, and still a count.
+    x = tw.from_files([], np.load, rows_per_file=None, dtype=np.float32, row_shape=(3,))
+    assert x.shape == (None, 3) and x.size is None
+    assert len(x) == 0
+    assert x.shape == (0, 3) and x.size == 0 and x.nbytes == 0 and np.shape(x) == (0, 3)
+
+
+def test_a_mask_over_no_rows_keeps_none_known_at_once() -> None:
+    x = tw.from_array(np.zeros((0, 3), ">u2"), rows=1)
+    mask = tw.from_array(np.zeros(0), rows=1) > 0.75
+    for kept in (x[mask], x.filter(lambda b: b[:, 0] > 0), x[mask][mask[mask]]):
+        assert kept.shape == (0, 3) and kept.blocks == ()
+        np.testing.assert_array_equal(kept.compute(), np.zeros((0, 3), ">u2"))
+    # Its row count is 0, so NumPy's answers over no rows (not the refusals of
+    # functions that run along the rows only while the row count is unknown).
+    np.testing.assert_array_equal(np.median(x[mask], axis=1).compute(), np.zeros(0))
+    np.testing.assert_array_equal(x[mask].rechunk(5).compute(), np.zeros((0, 3)))
+
+
 def test_describe_shows_the_counting_pass(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     a = np.arange(90.0).reshape(30, 3)
     np.save(tmp_path / "x.npy", a)

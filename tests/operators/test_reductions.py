@@ -224,6 +224,23 @@ def test_complex_variance() -> None:
     np.testing.assert_allclose(got, np.std(x.astype(np.complex128), axis=0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["var", "std"])
+@pytest.mark.parametrize("axis", [0, None, (0, 2)])
+def test_complex_variance_with_a_real_dtype_is_numpys_real_mean_quirk(kind: str, axis: Any) -> None:
+    # NumPy sums the mean in the real dtype= (the real parts, a ComplexWarning) and takes
+    # the complex deviations from it: the imaginary parts count whole, not their spread.
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((60, 2, 3)) + 1j * (5 + rng.standard_normal((60, 2, 3)))
+    x[7, 1, 2] = complex(1.0, np.inf)
+    op = reduction(kind, np.complex128, (2, 3), axis=axis, dtype=np.float64, ddof=1)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        got = run_blockwise(op, x, 7, rng)
+    with pytest.warns(np.exceptions.ComplexWarning):
+        want = getattr(np, kind)(x, axis=axis, dtype=np.float64, ddof=1)
+    assert np.asarray(got).dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_nan_propagates_and_argmax_finds_the_first_nan() -> None:
     x = np.arange(20, dtype=np.float64).reshape(10, 2)
     x[6, 1] = np.nan

@@ -30,6 +30,7 @@ import html
 import math
 import operator
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ from ..operators import selection
 from ..storage import sources as storage_sources
 from ..storage import stream
 from ..system import devices
-from . import blocksize, counting, graph, ops, specs
+from . import blocksize, callsites, counting, graph, ops, specs
 from .graph import Chunked, ElemOp, Node, Value
 from .sources import ArrayReader, FileReader, FileRows, FilesReader
 
@@ -471,8 +472,39 @@ def _elementwise(op: ElemOp, *operands: Any) -> Array:
         raise
     aligned = _align(nodes, shape)
     if any(isinstance(a, Chunked) for a in aligned):
-        return _wrap(graph.Elementwise(op, tuple(aligned)))
+        node = graph.Elementwise(op, tuple(aligned))
+        _cast_warning(op, node)
+        return _wrap(node)
     return _wrap(graph.Apply(op.apply, tuple(aligned), name=op.label()))
+
+
+def _cast_warning(op: ElemOp, node: graph.Elementwise) -> None:
+    """NumPy's ComplexWarning of ``op``, a cast of complex values to a real dtype
+    (``astype``, a ufunc with ``casting="unsafe"``), given now at the caller's line.
+
+    NumPy decides it by the dtypes alone and gives it whatever the values, for no rows
+    too, where no block runs: so it is given when the pipeline is built, as NumPy's
+    errors of the dtypes are, from ``op`` on stand-ins without rows. The blocks of an
+    ``astype`` then cast quietly (:mod:`tierflow.operators.fused`)."""
+    if np.dtype(node.dtype).kind == "c":
+        return
+    standins = [
+        np.zeros((0, *o.row_shape), o.dtype)
+        if isinstance(o, Chunked)
+        else graph.placeholder(o)
+        if isinstance(o, Node)
+        else o
+        for o in node.operands
+    ]
+    if not any(np.asarray(v).dtype.kind == "c" for v in standins):
+        return
+    with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
+        warnings.simplefilter("always")
+        op.apply(*standins)
+    for w in caught:
+        if issubclass(w.category, np.exceptions.ComplexWarning):
+            callsites.warn_here(str(w.message), w.category)
+            return
 
 
 def _power_shortcut(dtype: np.dtype, exponent: Any) -> np.ufunc | None:
@@ -639,6 +671,35 @@ def _reduce_value(kind: str) -> Callable[..., Any]:
 
 # Keywords of the along() functions for which None is a value, not the default.
 _VALUED = frozenset({"prepend", "append"})
+
+
+def _filtered(node: graph.Filter) -> Array:
+    """The rows ``node`` keeps: unknown until counted, but none of none, so the rows of
+    an array without rows are counted at once (its blocks keep none), as a count would
+    leave them."""
+    source = node.inputs[0]
+    assert isinstance(source, Chunked)
+    if source.n_rows != 0:
+        return _wrap(node)
+    node.row_counts = (0,) * node.nblocks
+    return _wrap(graph.Counted(node, node.row_counts))
+
+
+def _diff_joined(x: Array, axis: int, kwargs: dict[str, Any]) -> Array | None:
+    """``np.diff(x, n, axis, prepend=a, append=b)`` where ``a`` or ``b`` is an array (not
+    a number): NumPy joins them to ``x`` along ``axis`` (``np.concatenate``, whose error
+    it raises) and takes the differences of that. Such an array has ``x``'s rows, so the
+    join is a lazy concatenation, its rows cut as ``x``'s are; a number stays with each
+    block. None where there is no array to join (or ``n`` is not positive: NumPy then
+    returns ``x``, or raises, before it joins anything)."""
+    n = kwargs.get("n", 1)
+    arrays = {e: kwargs[e] for e in ("prepend", "append") if e in kwargs and np.ndim(kwargs[e])}
+    if not arrays or not isinstance(n, (int, np.integer)) or n <= 0:
+        return None
+    parts = [arrays.get("prepend"), x, arrays.get("append")]
+    rest = {k: v for k, v in kwargs.items() if k not in arrays}
+    joined = functions.concatenate([p for p in parts if p is not None], axis=axis)
+    return joined.along("diff", axis, **rest)
 
 
 # -- operations that wait for row counts ------------------------------------------------
@@ -869,19 +930,35 @@ class Array:
         return self._node.key
 
     def __len__(self) -> int:
-        n = self.shape[0] if self.shape else None
-        if not self.shape:
+        if not self.ndim:
             raise TypeError("len() of a 0-d array")
-        if n is None:
-            # One pass that counts rows per block (the mask's true values), or that
-            # computes a value whose length depends on the data; the counts (the
-            # length) are kept, so later operations and computes do not count again.
+        return self._counted_shape()[0]
+
+    def _counted_shape(self) -> tuple[int, ...]:
+        """The shape, its row count counted first where it is unknown.
+
+        This is the one rule for what needs the row count now: a call that answers
+        with a number (``len(x)``, ``np.size(x)``, ``x.item(i)``, ``bool(x)``) counts,
+        as NumPy's answer is a number; the attributes (``shape``, ``size``,
+        ``nbytes``) and ``np.shape`` never run anything and show None until counted.
+        Counting is one pass that counts rows per block (the mask's true values), or
+        that computes a value whose length depends on the data; the counts (the
+        length) are kept, so later operations, computes and ``shape`` do not count
+        again."""
+        shape = self.shape
+        if None in shape:
             from .compute import resolve_rows
 
-            n = resolve_rows(self._node).shape[0]
-        if n is None:
-            raise TypeError(f"len() of {self._node.label()}: its length is unknown until computed")
-        return n
+            shape = resolve_rows(self._node).shape
+        if None in shape:
+            raise TypeError(f"the length of {self._node.label()} is unknown until computed")
+        return shape  # type: ignore[return-value]
+
+    def _standin(self) -> np.ndarray:
+        """An array of the counted shape and dtype that holds no data (every stride 0),
+        for NumPy's own checks of a call that answers with a number: NumPy raises its
+        error (an index out of range, an array not of one element) on it."""
+        return np.broadcast_to(np.zeros((), self.dtype), self._counted_shape())
 
     def __iter__(self) -> Any:
         raise TypeError(
@@ -1019,33 +1096,31 @@ class Array:
         result = np.asarray(self.compute())
         return result if dtype is None else result.astype(dtype, copy=False)
 
-    def _one(self) -> np.ndarray:
-        """The computed array of one element, for ``bool()``, ``int()``, ``float()`` and
-        ``complex()``: NumPy's conversion then decides (NumPy 2 converts only 0-d arrays
-        to numbers, and any array of one element to a truth value)."""
-        if self.size != 1:
-            raise TypeError(
+    def _one(self, convert: Callable[[np.ndarray], Any]) -> Any:
+        """``convert`` (``bool``, ``int``, ``float``, ``complex``) of the computed array
+        of one element: NumPy's conversion decides (NumPy 2 converts only 0-d arrays to
+        numbers, and any array of one element to a truth value). An array of more or
+        fewer elements (its rows counted first) gets NumPy's error, computing nothing."""
+        standin = self._standin()
+        if standin.size != 1:
+            convert(standin)  # NumPy's error: more than one element, or none
+            raise TypeError(  # where a NumPy would convert it after all
                 f"only arrays with one element convert to a Python scalar; this one has "
-                f"shape {_describe_shape(self.shape)}"
+                f"shape {_describe_shape(standin.shape)}"
             )
-        return np.asarray(self.compute())
+        return convert(np.asarray(self.compute()))
 
     def __bool__(self) -> bool:
-        if self.size != 1:
-            raise ValueError(
-                "The truth value of an array with more than one element is ambiguous. Use "
-                "a.any() or a.all()"
-            )
-        return bool(self._one())
+        return bool(self._one(bool))
 
     def __float__(self) -> float:
-        return float(self._one())
+        return float(self._one(float))
 
     def __int__(self) -> int:
-        return int(self._one())
+        return int(self._one(int))
 
     def __complex__(self) -> complex:
-        return complex(self._one())
+        return complex(self._one(complex))
 
     # -- elementwise ------------------------------------------------------------------
 
@@ -1469,7 +1544,7 @@ class Array:
         node = self._node
         if not isinstance(node, Chunked):
             raise TypeError("filter selects rows of a chunked array")
-        return _wrap(graph.Filter(node, None, fn))
+        return _filtered(graph.Filter(node, None, fn))
 
     def head(self, n: int = 5) -> Array:
         """The first ``n`` rows (lazy). Only the blocks that hold them are computed."""
@@ -1521,6 +1596,10 @@ class Array:
                 f"np.{name} along axis 0 needs every row at once, and a lazy array is cut "
                 "into row blocks; give a trailing axis, or compute() first"
             )
+        if name == "diff":
+            joined = _diff_joined(self, k, kwargs)
+            if joined is not None:
+                return joined
         return _wrap(graph.BlockMap(specs.AlongAxisSpec(name, k, kwargs), (node,)))
 
     def cumsum(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Array:
@@ -1546,7 +1625,10 @@ class Array:
             return _value_apply(np.reshape, node, dims, name="reshape")
         assert isinstance(node, Chunked)
         if node.n_rows is not None:
-            _shape_only(node).reshape(dims)  # NumPy's errors: sizes, unknown dimensions
+            reshaped = _shape_only(node).reshape(dims)  # NumPy's errors: sizes, -1s
+            if reshaped.size == 0:
+                # No values: NumPy's empty array of the new shape, whatever its rows.
+                return from_array(np.empty(reshaped.shape, node.dtype))
         elif sum(d < 0 for d in dims) > 1:
             raise ValueError("can only specify one unknown dimension")
         if not dims:
@@ -1721,7 +1803,7 @@ class Array:
             meta = (node.dtype, tuple(node.shape[max(1, mnode.ndim) :]))
             out = _defer_method(node, "_mask", (mnode, ()), meta, "mask")
             return out._trailing(trailing) if trailing else out
-        out = _wrap(graph.Filter(node, mnode))
+        out = _filtered(graph.Filter(node, mnode))
         return out._trailing(trailing) if trailing else out
 
     # -- the ndarray methods a NumPy user reaches for (see ndarray_methods) ------------

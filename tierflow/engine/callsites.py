@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CallSite", "Origins", "here"]
+__all__ = ["CallSite", "Origins", "here", "warn_here"]
 
 _TIERFLOW = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _NUMPY = os.path.dirname(os.path.abspath(np.__file__)) + os.sep
@@ -56,6 +57,24 @@ def here() -> CallSite | None:
             return CallSite(code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", ""))
         frame = frame.f_back
     return None
+
+
+# Python's registries of warnings already shown, one per file, as a module's own
+# ``__warningregistry__`` is: what Python's default filter shows once per line.
+_REGISTRIES: dict[str, dict[Any, Any]] = {}
+
+
+def warn_here(message: str, category: type[Warning]) -> None:
+    """Issue ``category(message)`` at the line of user code that called tierflow (see
+    :func:`here`), as NumPy's own warning of that call would be: filters apply as to a
+    warning raised on that line, and the default one shows it once per line."""
+    site = here()
+    if site is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    module = site.module or site.filename.removesuffix(".py")
+    registry = _REGISTRIES.setdefault(site.filename, {})
+    warnings.warn_explicit(message, category, site.filename, site.lineno, module, registry)
 
 
 class Origins:

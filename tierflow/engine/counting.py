@@ -401,7 +401,11 @@ def known_shape(node: Node) -> tuple[int | None, ...] | None:
     ``node`` built on them; None otherwise."""
     nodes = graph.walk([node])
     if not any(
-        (isinstance(n, (graph.Filter, graph.Source)) and n.bounds is None and _counts_of(n, {}))
+        (
+            isinstance(n, (graph.Filter, graph.Source))
+            and n.bounds is None
+            and _counts_of(n, {}) is not None  # () for no blocks at all
+        )
         or (isinstance(n, (graph.DeferredRows, graph.DeferredValue)) and all(map(_known, n.inputs)))
         for n in nodes
     ):

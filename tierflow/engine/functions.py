@@ -447,10 +447,17 @@ def _dot(a: Any, b: Any, out: Any = None) -> Any:
     return dot(a, b)
 
 
-def _stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, **kw: Any) -> Any:
+def _stack(
+    arrays: Sequence[Any],
+    axis: int = 0,
+    out: Any = None,
+    *,
+    dtype: Any = None,
+    casting: str = "same_kind",
+) -> Any:
     if out is not None:
         raise TypeError("np.stack(..., out=...) is not supported on lazy arrays")
-    return stack(arrays, axis=axis)
+    return cast_joined(stack(arrays, axis=axis), dtype, casting)
 
 
 def _reshape(a: Any, *args: Any, **kwargs: Any) -> Any:
@@ -476,12 +483,11 @@ def _nansum(
     return where(np.isnan(array), 0, array).sum(axis=axis, dtype=dtype, keepdims=keep)
 
 
-def _size(array: Array, axis: Any) -> int | None:
-    """``np.size(array, axis)``: None for a row count unknown after a mask."""
-    if axis is None:
-        return array.size
+def _size(array: Array, axis: Any) -> int:
+    """``np.size(array, axis)``: a number, as NumPy's, so a row count unknown after a
+    mask is counted first (as ``len()`` counts; ``Array._counted_shape``)."""
     np.size(_shape_only(array._node), axis)  # NumPy's error for the axis
-    return array.shape[axis]
+    return int(np.size(array._standin(), axis))
 
 
 def _along(name: str, default_axis: int | None) -> Callable[..., Any]:

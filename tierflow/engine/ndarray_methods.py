@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import format_bytes
 from . import blocksize, graph
-from .array import Array, _describe_shape, _shape_only, _value_apply, _wrap
+from .array import Array, _defer_method, _describe_shape, _shape_only, _value_apply, _wrap
 from .graph import Chunked, Value
 
 __all__ = [
@@ -73,7 +73,9 @@ def rechunk(x: Array, rows: int) -> Array:
     """``x`` in blocks of ``rows`` rows (the last may be shorter): lazy, nothing is read.
 
     The new blocks read their rows from ``x``'s by row ranges, as dask's ``rechunk``
-    along axis 0. Raises ValueError for an in-memory result or an unknown row count."""
+    along axis 0; after a mask, once the rows are counted (a compute counts them
+    first, as for every operation that needs the row count). Raises ValueError for an
+    in-memory result."""
     step = operator.index(rows)
     if step < 1:
         raise ValueError(f"rechunk needs rows >= 1, got {step}")
@@ -84,10 +86,8 @@ def rechunk(x: Array, rows: int) -> Array:
             "blocks; use tw.from_array(x.compute(), rows=...) to cut its result"
         )
     if node.n_rows is None:
-        raise ValueError(
-            "rechunk needs the row count, unknown after a boolean mask; persist() the "
-            "array first (its blocks are then known)"
-        )
+        meta = (node.dtype, node.row_shape)
+        return _defer_method(node, "rechunk", (step,), meta, f"rechunk({step})")
     row_nbytes = np.dtype(node.dtype).itemsize * math.prod(node.row_shape)
     bounds = blocksize.bounds(node.n_rows, step, row_nbytes)
     if bounds == node.bounds:
@@ -230,15 +230,19 @@ def trace(  # noqa: PLR0913 -- ndarray.trace's signature
 
 def squeeze(x: Array, axis: Any = None) -> Array:
     """``x.squeeze(axis)``: trailing axes of length one dropped; the row axis too when
-    there is one row (then the result is an in-memory value, as a row is)."""
+    there is one row (then the result is an in-memory value, as a row is). Whether the
+    row axis goes depends on the row count: after a mask, ``squeeze()`` and
+    ``squeeze(axis=0)`` count the rows first, now, as ``len()`` does."""
     node = x._node
     if isinstance(node, Value):
         return _value_apply(np.squeeze, node, axis=axis, name="squeeze")
     shape = x.shape
-    if axis is None:
+    axes = None if axis is None else tuple(a % x.ndim for a in np.atleast_1d(axis).tolist())
+    if shape[0] is None and (axes is None or 0 in axes):
+        shape = x._counted_shape()
+    if axes is None:
         axes = tuple(i for i, n in enumerate(shape) if n == 1)
     else:
-        axes = tuple(a % x.ndim for a in ((axis,) if np.ndim(axis) == 0 else axis))
         for a in axes:
             if shape[a] != 1:
                 raise ValueError(
@@ -322,17 +326,16 @@ def _check_list_size(size: int, shape: tuple[int | None, ...]) -> None:
 
 def item(x: Array, *args: Any) -> Any:
     """``x.item()`` (one element) or ``x.item(i)`` / ``x.item(i, j)``: a Python scalar,
-    computed now (only the blocks holding it are read)."""
+    computed now (only the blocks holding it are read). The rows are counted first
+    where unknown (after a mask), and NumPy checks the arguments on a stand-in of the
+    counted shape: its errors (``IndexError`` out of range, ``ValueError`` for
+    ``item()`` of other than one element) come before anything is computed."""
+    standin = x._standin()
+    standin.item(*args)  # NumPy's error, if any
     if not args:
-        if x.size != 1:
-            raise ValueError("can only convert an array of size 1 to a Python scalar")
         return np.asarray(x.compute()).item()
     if len(args) == 1 and np.ndim(args[0]) == 0:
-        if any(n is None for n in x.shape):
-            raise ValueError(
-                "x.item(i) needs the row count, unknown after a boolean mask; persist() first"
-            )
-        index = np.unravel_index(operator.index(args[0]) % (x.size or 1), x.shape)  # type: ignore[arg-type]
+        index = np.unravel_index(operator.index(args[0]) % standin.size, standin.shape)
     else:
         index = tuple(args[0]) if len(args) == 1 else args
     return np.asarray(x[tuple(int(i) for i in index)].compute()).item()

@@ -362,6 +362,10 @@ def cov(  # noqa: PLR0913 -- np.cov's own signature
         raise ValueError("ddof must be integer")
     ddof = (0 if bias else 1) if ddof is None else int(ddof)
     originals = [from_array(a) for a in (m, y) if a is not None]
+    first = originals[0]
+    if first.ndim == 2 and first.shape[0 if rowvar else 1] == 0:
+        # No variables in m: NumPy's empty matrix, before it looks at y or the rows.
+        return _wrap(graph.Const(np.array([]).reshape(0, 0)))
     in_memory = all(isinstance(a._node, Value) for a in originals)
     # NumPy reads a one-row 2-D array as one variable even with rowvar=False.
     if in_memory or any(a.ndim == 2 and a.shape[0] == 1 for a in originals):

@@ -42,7 +42,7 @@ from ..operators import order_stats
 from ..operators.order_stats import Limits, Search, Stats
 from ..system import budget as budget_module
 from . import graph, specs
-from .array import Array, _as_value, _value_apply, _wrap, from_array
+from .array import Array, _as_value, _deferred, _value_apply, _wrap, from_array
 from .graph import Chunked, Value
 
 __all__ = ["FUNCTIONS", "Rule", "finish", "limits_for", "quantile_passes", "rule_of"]
@@ -372,9 +372,65 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
         args = () if function.endswith("median") else (q,)
         fn = getattr(np, function)
         return _value_apply(fn, node, *args, axis=axis, keepdims=keep, name=function, **extra)
+    assert isinstance(node, Chunked)
+    if node.n_rows is None:
+        _flat_axis(function, axis, node.ndim)  # the refusal of a trailing axis comes first
+        if _rows_decide(function, node, q, axis, method):
+            return _once_counted(function, array, q, axis, method, keep)
     rule = rule_of(function, array, q, axis=axis, method=method, keepdims=keep)
     passes = quantile_passes(array, rule)
     return _wrap(graph.Apply(finish, (passes[-1]._node,), {"rule": rule}, name=rule.function))
+
+
+def _numpy_on(function: str, node: Chunked, rows: int, q: Any, axis: Any, **kwargs: Any) -> Any:
+    """``np.<function>`` of zeros of ``node``'s dtype and row shape, ``rows`` rows."""
+    zeros = np.zeros((rows, *node.row_shape), node.dtype)
+    args = () if function.endswith("median") else (q,)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        return getattr(np, function)(zeros, *args, axis=axis, **kwargs)
+
+
+def _rows_decide(function: str, node: Chunked, q: Any, axis: Any, method: str) -> bool:
+    """Whether NumPy raises over rows an error it does not raise over none: an error of
+    the values, not of the arguments (booleans NumPy cannot subtract: the nan-versions
+    give NaN over no rows, the others another error). Such a call waits for the row
+    count, where it is unknown."""
+    kwargs = {} if function.endswith("median") else {"method": method}
+    try:
+        _numpy_on(function, node, 1, q, axis, **kwargs)
+    except Exception as with_rows:
+        try:
+            _numpy_on(function, node, 0, q, axis, **kwargs)
+        except Exception as without:
+            return type(without) is not type(with_rows)
+        return True
+    return False
+
+
+def _once_counted(  # noqa: PLR0913 -- NumPy's arguments
+    function: str, array: Array, q: Any, axis: Any, method: str, keepdims: bool
+) -> Array:
+    """``np.<function>`` of ``array``, whose rows are unknown and whose NumPy answer
+    depends on whether it has any: built again once they are counted (NumPy's answer
+    over no rows, or its error over rows)."""
+    node = array._node
+    assert isinstance(node, Chunked)
+    kwargs: dict[str, Any] = {"axis": axis, "keepdims": keepdims}
+    if not function.endswith("median"):
+        kwargs["method"] = method
+    try:
+        answer = np.asarray(_numpy_on(function, node, 0, q, **kwargs))
+        meta: tuple[Any, tuple[int, ...]] = (answer.dtype, answer.shape)
+    except Exception:  # an error with rows or without: no result to describe
+        meta = (np.dtype(np.float64), ())
+
+    def make(lookup: Callable[[graph.Node], graph.Node]) -> graph.Node:
+        counted = Array(lookup(node))
+        return _lazy(function, counted, q, axis, method, keepdims)._node
+
+    token = (function, q, axis, method, keepdims)
+    return _deferred([node], make, meta, function, token, rows=False)
 
 
 def rule_of(  # noqa: PLR0913 -- NumPy's arguments

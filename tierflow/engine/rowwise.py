@@ -677,11 +677,11 @@ def _check_inexact(dtype: Any) -> None:
 
 
 def _nan_sums(array: Array, axis: Any, keep: bool, result: np.dtype) -> tuple[Array, Array]:
-    """The sums (in float64, or complex128) of the values that are not NaN, and their
-    counts."""
+    """The sums of the values that are not NaN, in float64 for a real ``result`` (of
+    complex data: the real parts, as NumPy's sum in a real dtype, with its
+    ComplexWarning) and complex128 for a complex one; and their counts."""
     missing = _lazy(np.isnan, array)
-    # complex data sum in complex128 even where the result (a variance) is real
-    acc = _float_acc(np.promote_types(result, array.dtype))
+    acc = _float_acc(result)
     total = _fill(array, missing, 0).sum(axis=axis, dtype=acc, keepdims=keep)
     count = (~missing).sum(axis=axis, dtype=np.intp, keepdims=keep)
     return total, count
@@ -734,8 +734,12 @@ def _nan_moment(  # noqa: PLR0913 -- NumPy's signature
     if not over_rows:
         return _within_rows(name, fn, array, axis=axis, dtype=dtype, ddof=ddof, keepdims=keep)
     result = _numpy_dtype(fn, array.dtype, _row_shape(array), dtype=dtype)
-    # The mean of complex data is complex, though its variance is real.
-    total, count = _nan_sums(array, axis, True, np.result_type(array.dtype, result))
+    # The mean of complex data is complex, though its variance is real; NumPy's mean in
+    # a real dtype= keeps the real parts (its ComplexWarning), and the deviations from
+    # it stay complex.
+    real_mean = array.dtype.kind == "c" and dtype is not None and np.dtype(dtype).kind != "c"
+    mean_dtype = result if real_mean else np.result_type(array.dtype, result)
+    total, count = _nan_sums(array, axis, True, mean_dtype)
     center = _in_memory(_center, "nanmean", total, count)
     missing = _lazy(np.isnan, array)
     deviations = _fill(array - center, missing, 0)

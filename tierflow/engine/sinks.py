@@ -442,12 +442,20 @@ class ZarrRows:
             self.array()[row : row + len(block)] = block
 
 
+# Zarr leaves a chunk equal to the fill value unwritten, and takes a complex chunk of
+# negative zeros for one (0j): it would read back as +0.0. A sink writes every chunk it
+# computed, so what it wrote reads back as it was, and a chunk not there was not written.
+WRITE_EVERY_CHUNK: Any = {"write_empty_chunks": True}  # zarr's ArrayConfigParams
+
+
 def _open_zarr(url: str, storage_options: dict[str, Any], mode: str) -> Any:
     import zarr
 
     if "://" in url:
-        return zarr.open_array(url, mode=mode, storage_options=storage_options)
-    return zarr.open_array(url, mode=mode)
+        array = zarr.open_array(url, mode=mode, storage_options=storage_options)
+    else:
+        array = zarr.open_array(url, mode=mode)
+    return array.with_config(WRITE_EVERY_CHUNK)  # open_array leaves config= out
 
 
 def _zarr_url(path_or_url: str | os.PathLike[str]) -> str:
@@ -581,7 +589,7 @@ class ZarrSink:
         mark: dict[str, Any] = {"complete": False}
         if self.key is not None:
             mark["key"] = self.key
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"config": WRITE_EVERY_CHUNK}
         if not local:
             options["storage_options"] = self.storage_options
         try:

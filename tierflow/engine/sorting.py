@@ -38,7 +38,9 @@ def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
     if unknown:
         raise TypeError(f"np.{name}: unsupported keywords {sorted(unknown)} on lazy arrays")
     # NumPy's errors for kind and stable, on an array like this one without rows
-    getattr(np, name)(np.empty((0, *node.row_shape), node.dtype), axis=0, **kwargs)
+    no_rows = getattr(np, name)(np.empty((0, *node.row_shape), node.dtype), axis=0, **kwargs)
+    if node.n_rows == 0:
+        return from_array(no_rows)  # nothing to sort: NumPy's answer, whatever the dtype
     kernels.check_sortable(np.dtype(node.dtype), f"np.{name} along the rows")
     mode = "values" if name == "sort" else "indices"
     return _wrap(sorted_node(node, Sorting(mode)))

@@ -251,6 +251,7 @@ class CoMoments:
             result = np.cov(empty, rowvar=False, ddof=self.ddof, dtype=self.out_dtype)
             return np.asarray(result).reshape(self.out_shape)
         count, _, _, comoments = partial
+        self._check_one_row(count)
         divisor = count - self.ddof
         if divisor <= 0:
             import warnings
@@ -259,6 +260,21 @@ class CoMoments:
             divisor = 0
         result = comoments * np.true_divide(1, divisor)
         return np.asarray(result).reshape(self.out_shape).astype(self.out_dtype)
+
+    def _check_one_row(self, count: int) -> None:
+        """NumPy's error for ``np.cov(x, y, rowvar=False)`` where ``y`` has one row of
+        several columns: NumPy takes a one-row ``y`` as it is (one row, one variable per
+        column: it transposes only ``y`` of other shapes), which does not join x's
+        variables."""
+        if count != 1 or self.n_inputs != 2:
+            return
+        y_shape = self.in_row_shapes[1]
+        if len(y_shape) == 1 and y_shape[0] != 1:
+            raise ValueError(
+                "all the input array dimensions except for the concatenation axis must "
+                "match exactly, but along dimension 1, the array at index 0 has size 1 and "
+                f"the array at index 1 has size {y_shape[0]}"
+            )
 
     def temp_bytes(self, rows: int) -> int:
         """The sub-block buffer and a few products."""

@@ -142,6 +142,10 @@ def _where(cond: Any, a: Any, b: Any, out: np.ndarray) -> None:
 
 
 def _cast(a: Any, out: np.ndarray) -> None:
+    if out.dtype.kind not in "bc" and np.iscomplexobj(a):
+        # NumPy's cast keeps the real part, and warns (ComplexWarning) whatever the
+        # values: the engine gives that warning once, where the cast is built.
+        a = np.real(a)
     np.copyto(out, a, casting="unsafe")
 
 

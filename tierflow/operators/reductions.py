@@ -424,7 +424,8 @@ def reduction(  # noqa: PLR0913 -- axis, keepdims, dtype, ddof: NumPy's reductio
     elif kind == "mean":
         cls = _Mean
     elif kind in ("var", "std"):
-        cls = _Moments
+        real_mean = in_dtype.kind == "c" and dtype is not None and np.dtype(dtype).kind != "c"
+        cls = _RealMeanMoments if real_mean else _Moments
     else:
         cls = _ArgReduction
     return cls(kind, in_dtype, row_shape, axes, kwargs)
@@ -707,7 +708,7 @@ class _Mean(RowReduction):
         within 5e-11 standard deviations of the float64 one, not within float64's
         rounding."""
         if (
-            isinstance(other, _Moments)
+            type(other) is _Moments
             and other.in_dtype == self.in_dtype
             and other.in_row_shape == self.in_row_shape
             and other.axes == self.axes == (0,)
@@ -824,6 +825,38 @@ class _Moments(RowReduction):
 
     def temp_bytes(self, rows: int) -> int:
         return 2 * _CHUNK_BYTES + super().temp_bytes(rows)
+
+
+class _RealMeanMoments(_Moments):
+    """var and std of complex values with a real ``dtype=``, as NumPy computes them: its
+    mean, summed in that dtype, keeps only the real parts (with NumPy's ComplexWarning),
+    and the deviations from it stay complex. So the result is the variance of the real
+    parts plus the mean square of the imaginary parts (not their variance). Partial:
+    the real parts' ``(count, shift, offset, M2)`` and the imaginary parts' sum of
+    squares."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.acc = np.dtype(np.float64)
+        self._one_pass = self._narrow = False
+
+    def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
+        squares = np.zeros(self.core_shape, np.float64)
+        for _, piece in _subblocks(block, 8):
+            squares += self._reduce(np.add, np.square(piece.imag, dtype=np.float64), np.float64)
+        return (*super()._chunk(block.real, row_offset), squares)
+
+    def _combine(self, a: Partial, b: Partial) -> Partial:
+        return (*super()._combine(a[:4], b[:4]), a[4] + b[4])
+
+    def _finish(self, partial: Partial) -> np.ndarray:
+        count, shift, offset, m2, squares = partial
+        warnings.warn(
+            "Casting complex values to real discards the imaginary part",
+            np.exceptions.ComplexWarning,
+            stacklevel=3,
+        )
+        return super()._finish((count, shift, offset, m2 + squares))
 
 
 class _Accumulated:
