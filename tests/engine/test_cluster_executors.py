@@ -360,3 +360,25 @@ def test_dask_workers_run_without_the_profiler_and_with_a_slow_tick(dask_client:
         )
 
     assert set(dask_client.run(callbacks).values()) == {(False, False, 1000)}
+
+
+@pytest.mark.executors("dask", "ray")
+def test_a_warning_comes_back_from_every_compute_not_only_the_first(executor_name: str) -> None:
+    # A worker process lives on between computes, and Python shows a warning once per
+    # place in it: the warnings of each task must still reach the driver every time,
+    # as in a local run.
+    x = tw.from_array(np.array([[1.0], [-1.0]] * 8), rows=2)
+    for _ in range(4):
+        with pytest.warns(RuntimeWarning, match="invalid value"):
+            np.sqrt(x).compute(executor=executor_name)
+        with pytest.warns(UserWarning, match="a block went by"):
+            x.map_blocks(_warns, dtype=np.float64, row_shape=(1,)).compute(
+                executor=executor_name
+            )
+
+
+def _warns(block: np.ndarray) -> np.ndarray:
+    import warnings
+
+    warnings.warn("a block went by", UserWarning, stacklevel=1)
+    return block

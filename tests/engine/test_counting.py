@@ -26,6 +26,7 @@ import tierflow as tw
 from tierflow.engine import distinct, frequencies
 from tierflow.engine.plan import Target, build_plan, describe
 from tierflow.engine.sinks import ArraySink
+from tierflow.errors import OutOfMemoryError
 from tierflow.storage import spill
 
 from common import examples
@@ -384,6 +385,23 @@ def test_bincount_refuses_what_numpy_refuses() -> None:
         np.bincount(x, weights=np.ones(5))
     with pytest.raises(ValueError, match="'minlength' must not be negative"):
         np.bincount(x, minlength=-1)
+
+
+def test_bincount_refuses_counts_bigger_than_the_budget_before_making_them() -> None:
+    # A value near int32's maximum makes counts of 16 GB: refused with the numbers, not
+    # allocated in a worker that the kernel would kill for it (a worker process has half
+    # the budget).
+    tw.memory.budget("64MB")
+    x = tw.from_array(np.array([3, 2**31 - 2, 5], np.int32), rows=2)
+    with pytest.raises(
+        OutOfMemoryError, match=r"holds the value 2147483646, so its counts take 16\.0+ GB.*"
+        r"budget of (64|32)\.0+ MB; count only the values present with np\.unique"
+    ):
+        np.bincount(x).compute(progress=False)
+    np.testing.assert_array_equal(  # counts that fit are made as before
+        np.bincount(tw.from_array(np.array([3, 1000, 5]), rows=2)).compute(),
+        np.bincount([3, 1000, 5]),
+    )
 
 
 def test_bincount_of_a_2d_array_suggests_calls_that_work_lazily() -> None:

@@ -18,7 +18,8 @@ dimensions gives unique rows. Other axes run across every row and are refused.
 
 ``np.bincount(x, weights=, minlength=)``: one pass; each block's counts are as long as
 its largest value, and partials grow to the longer one as they merge. Negative values
-are refused with NumPy's message.
+are refused with NumPy's message, and counts bigger than the RAM budget before they are
+made.
 
 ``tw.value_counts(x)``: the unique values and their counts, most frequent first, ties
 in value order.
@@ -36,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ..config import format_bytes
+from ..errors import OutOfMemoryError
 from ..operators import byteorder
 from ..operators.types import block_bytes
 from ..storage import placement, spill
@@ -341,6 +344,16 @@ class Bincount:
                 f"'list' argument must have no negative elements: found {low} in a block of "
                 f"{values.shape[0]} values; np.bincount counts the values 0, 1, 2...: shift "
                 "or mask the negative ones first"
+            )
+        high = int(values.max())
+        need = (high + 1) * 8
+        if need > budget.budget_bytes():
+            raise OutOfMemoryError(
+                f"np.bincount: a block holds the value {high}, so its counts take "
+                f"{format_bytes(need, 3)} (one count per value from 0 to {high}), more "
+                f"than the RAM budget of {format_bytes(budget.budget_bytes(), 3)}; count "
+                "only the values present with np.unique(x, return_counts=True), or raise "
+                "the budget"
             )
         weights = blocks[1] if self.weighted else None
         return np.bincount(values.astype(np.intp, copy=False), weights)

@@ -164,6 +164,18 @@ def _worker_runtime() -> tasks_module.Runtime:
         return _runtime
 
 
+def _forget_warnings_shown() -> None:
+    """Let the next task's warnings be shown again (and so reach the driver).
+
+    A worker process outlives its tasks, and Python's default filter shows a warning
+    once per place in a process: a later compute's would be dropped here. Leaving a
+    ``catch_warnings()`` block puts the filters back as they were and bumps their
+    version, which empties every module's record of what was shown when it is next
+    consulted. The driver applies its own filters to what comes back."""
+    with warnings.catch_warnings():
+        pass
+
+
 def _apply(settings: tuple[tuple[str, Any], ...]) -> None:
     """The driver's settings (and this worker's budget), applied once each."""
     changed = {k: v for k, v in settings if _applied.get(k, _applied) != v}
@@ -199,6 +211,7 @@ def run_block(
         program.cap_rows(cap)
     caught: list[tuple[Any, ...]] = []
     _capture.caught = caught
+    _forget_warnings_shown()
     start = perf_counter()
     try:
         with running_task():  # a compute started inside the task runs serially, here
