@@ -372,9 +372,7 @@ def test_a_warning_comes_back_from_every_compute_not_only_the_first(executor_nam
         with pytest.warns(RuntimeWarning, match="invalid value"):
             np.sqrt(x).compute(executor=executor_name)
         with pytest.warns(UserWarning, match="a block went by"):
-            x.map_blocks(_warns, dtype=np.float64, row_shape=(1,)).compute(
-                executor=executor_name
-            )
+            x.map_blocks(_warns, dtype=np.float64, row_shape=(1,)).compute(executor=executor_name)
 
 
 def _warns(block: np.ndarray) -> np.ndarray:

@@ -394,8 +394,9 @@ def test_bincount_refuses_counts_bigger_than_the_budget_before_making_them() -> 
     tw.memory.budget("64MB")
     x = tw.from_array(np.array([3, 2**31 - 2, 5], np.int32), rows=2)
     with pytest.raises(
-        OutOfMemoryError, match=r"holds the value 2147483646, so its counts take 16\.0+ GB.*"
-        r"budget of (64|32)\.0+ MB; count only the values present with np\.unique"
+        OutOfMemoryError,
+        match=r"holds the value 2147483646, so its counts take 16\.0+ GB.*"
+        r"budget of (64|32)\.0+ MB; count only the values present with np\.unique",
     ):
         np.bincount(x).compute(progress=False)
     np.testing.assert_array_equal(  # counts that fit are made as before
