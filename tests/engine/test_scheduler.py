@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import signal
 import sys
 import tempfile
 import threading
@@ -327,6 +328,38 @@ def test_inbox_loses_no_wake_up_between_workers_and_the_scheduler() -> None:
         t.join()
     assert sorted(got) == list(range(total))
     assert inbox.wanted > total  # nobody waits: workers take no lock
+
+
+def test_a_ctrl_c_delivered_to_another_thread_stops_the_scheduler_waiting_for_tasks() -> None:
+    # The kernel hands a process's SIGINT to any thread; Python runs its handler in the
+    # main thread, which must wake up for it: a scheduler waiting for tasks with no
+    # timeout (a compute's tasks running on a cluster) never would.
+    from tierflow.engine.scheduler import _NOBODY, _Inbox
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run in the main thread only")
+    inbox = _Inbox()
+
+    def ctrl_c_to_this_thread() -> None:
+        deadline = time.monotonic() + 10
+        while inbox.wanted == _NOBODY and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the scheduler waits
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    # Should the wait never wake, a task finishing after 10 s ends it, and the test fails.
+    late_task = threading.Timer(10.0, inbox.put, args=((0, None, None),))
+    late_task.start()
+    interrupter = threading.Thread(target=ctrl_c_to_this_thread)
+    interrupter.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            inbox.take(1, None)
+        waited = time.monotonic() - started
+    finally:
+        late_task.cancel()
+        interrupter.join()
+    assert waited < 5, f"the Ctrl-C was handled after {waited:.1f} s, once a task finished"
 
 
 def test_inbox_wakes_the_scheduler_at_once_for_an_error() -> None:

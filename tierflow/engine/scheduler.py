@@ -225,6 +225,9 @@ STARVED_SECONDS = 10.0
 # Level comparisons parse names; set membership is what a per-task check can afford.
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
 _NOBODY = 1 << 62  # the inbox's ``wanted`` while the scheduler is not waiting
+# The longest the scheduler's thread waits at once: a signal (Ctrl-C) is handled in the
+# main thread, which must wake up to run it when the kernel delivered it to another.
+_SIGNAL_SLICE = 0.25
 
 
 class Stats:
@@ -281,10 +284,16 @@ class _Inbox:
     def take(self, n: int, timeout: float | None) -> list[tuple[int, Any, BaseException | None]]:
         items = self.items
         if len(items) < n and not self.failed:
+            deadline = None if timeout is None else time.monotonic() + timeout
             with self.cond:
                 self.wanted = n
-                if len(items) < n and not self.failed:
-                    self.cond.wait(timeout)
+                while len(items) < n and not self.failed:
+                    left = _SIGNAL_SLICE if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    # In slices: a Ctrl-C that the kernel hands to another thread runs
+                    # its handler here only once this thread runs Python code again.
+                    self.cond.wait(min(left, _SIGNAL_SLICE))
                 self.wanted = _NOBODY
         pop = items.popleft
         return [pop() for _ in range(len(items))]
