@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tierflow.engine import functions
+from tierflow.engine.api import dispatch
 
 ENGINE_MD = Path(__file__).resolve().parents[1] / "docs" / "engine.md"
 
@@ -25,6 +25,6 @@ def _table() -> str:
 def test_every_lazy_numpy_function_is_in_the_table_of_engine_md() -> None:
     first_cells = [line.split("|")[1] for line in _table().splitlines() if line.startswith("| ")]
     listed = set(re.findall(r"`(np\.[a-z_.]+)`", "".join(first_cells)))
-    answered = {_public_name(fn) for fn in functions.FUNCTIONS}
+    answered = {_public_name(fn) for fn in dispatch.FUNCTIONS}
     assert answered - listed == set(), "add these to the table in docs/engine.md"
     assert listed - answered == set(), "the table names functions that are not lazy"

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from . import config, errors, memory
 from .engine import factorize as linalg
-from .engine.array import (
-    Array,
+from .engine.api.creation import (
     from_array,
     from_files,
     from_hdf5,
@@ -19,6 +18,7 @@ from .engine.array import (
     from_raw,
     from_zarr,
 )
+from .engine.array import Array
 from .engine.cache import cache_clear, cache_info
 from .engine.compute import compute, persist, to_npy
 from .engine.dask_arrays import from_dask

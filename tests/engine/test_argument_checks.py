@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.functions import FUNCTIONS
+from tierflow.engine.api.dispatch import FUNCTIONS
 
 A = np.arange(24.0).reshape(8, 3) % 7
 COUNTS = A[:, 0].astype(np.int64)

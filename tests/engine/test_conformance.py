@@ -2,7 +2,7 @@
 of edge cases.
 
 **The table** is read live when the tests are collected (:func:`table`): the NumPy
-functions a lazy array answers (``tierflow.engine.functions.FUNCTIONS``), every ufunc
+functions a lazy array answers (``tierflow.engine.api.dispatch.FUNCTIONS``), every ufunc
 NumPy exports (``Array.__array_ufunc__`` answers them) and the ufunc reductions of
 ``REDUCE_UFUNCS``, the methods, properties and Python operators of ``tw.Array``, and
 tierflow's own functions (``tw.__all__``, ``tw.linalg.__all__``). Each entry needs a
@@ -62,8 +62,8 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import functions
-from tierflow.engine.ndarray_methods import REFUSED, function_name
+from tierflow.engine.api import dispatch
+from tierflow.engine.api.dispatch import REFUSED, function_name
 
 from . import conformance_cases as cases
 from .conformance import (
@@ -140,11 +140,11 @@ def ufuncs() -> list[np.ufunc]:
 def table() -> dict[str, Any]:
     """Every entry of the function table, by the name its case is registered under."""
     entries: dict[str, Any] = {}
-    for fn in functions.FUNCTIONS:
+    for fn in dispatch.FUNCTIONS:
         entries[function_name(fn)] = fn
     for u in ufuncs():
         entries[f"np.{u.__name__}"] = u
-    for u in functions.REDUCE_UFUNCS:
+    for u in dispatch.REDUCTIONS:
         entries[f"np.{u.__name__}.reduce"] = u
     for name in vars(tw.Array):
         if name not in REFUSED and (not name.startswith("_") or name.startswith("__")):

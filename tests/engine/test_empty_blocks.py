@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.functions import FUNCTIONS
+from tierflow.engine.api.dispatch import FUNCTIONS
 
 ROWS = 12
 BLOCK = 4

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import ndarray_methods
+from tierflow.engine.api import dispatch
 from tierflow.system import budget
 
 
@@ -44,9 +44,9 @@ def test_unsupported_numpy_functions_are_named_as_written(
 
 
 def test_function_name_leaves_private_modules_out() -> None:
-    assert ndarray_methods.function_name(np.linalg.norm) == "np.linalg.norm"
-    assert ndarray_methods.function_name(np.sum) == "np.sum"
-    assert ndarray_methods.function_name(np.fft.rfft) == "np.fft.rfft"
+    assert dispatch.function_name(np.linalg.norm) == "np.linalg.norm"
+    assert dispatch.function_name(np.sum) == "np.sum"
+    assert dispatch.function_name(np.fft.rfft) == "np.fft.rfft"
 
 
 def test_copy_is_a_new_handle_on_the_same_graph(a: np.ndarray, x: tw.Array) -> None:
@@ -207,10 +207,10 @@ def test_methods_that_would_move_the_rows_say_what_to_do(x: tw.Array) -> None:
         x.to_device("cuda")
 
 
-@pytest.mark.parametrize("name", sorted(ndarray_methods.REFUSED))
+@pytest.mark.parametrize("name", sorted(dispatch.REFUSED))
 def test_every_refused_ndarray_name_says_what_to_do(x: tw.Array, name: str) -> None:
     assert hasattr(np.ndarray, name)  # a name NumPy users know
-    is_property, guidance = ndarray_methods.REFUSED[name]
+    is_property, guidance = dispatch.REFUSED[name]
     shown = f"x.{name}" if is_property else f"x.{name}()"
     with pytest.raises(
         TypeError,

@@ -1,10 +1,12 @@
-"""The lazy :class:`Array` and its constructors: ``tw.from_npy``, ``tw.from_raw``,
-``tw.from_array``, ``tw.from_files`` (and ``tw.from_dask``, in
-:mod:`tierflow.engine.dask_arrays`).
+"""The lazy :class:`Array` (its constructors, ``tw.from_npy`` and the others, are in
+:mod:`tierflow.engine.api.creation`).
 
 An Array is a handle on a graph node (:mod:`tierflow.engine.graph`). Building one reads
 no data and runs no operator: NumPy operators, ufuncs, reductions, selections and
-``map_blocks`` add nodes; a sink (``compute``, ``to_npy``, ``persist``) runs them.
+``map_blocks`` add nodes; a sink (``compute``, ``to_npy``, ``persist``) runs them. NumPy's
+functions and the methods implemented elsewhere reach their modules through the registry
+(:mod:`tierflow.engine.api.dispatch`), and nodes are built with
+:mod:`tierflow.engine.api.build`; this module imports none of the modules that register.
 
 Semantics are NumPy's: result dtypes follow NEP 50, operands broadcast against trailing
 axes, shapes that do not broadcast raise NumPy's error naming both shapes, and errors
@@ -25,33 +27,26 @@ blocks:
 
 from __future__ import annotations
 
-import functools
 import html
 import math
 import operator
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..config import format_bytes
-from ..errors import SourceError
 from ..operators import reductions as red
 from ..operators import selection
-from ..storage import sources as storage_sources
-from ..storage import stream
 from ..system import devices
-from . import blocksize, callsites, counting, graph, ops, specs
+from . import blocksize, counting, graph, ops, specs
+from .api import build, dispatch
+from .api.creation import from_array
 from .graph import Chunked, ElemOp, Node, Value
-from .sources import ArrayReader, FileReader, FileRows, FilesReader
+from .sources import ArrayReader, FileReader
 
-__all__ = ["Array", "from_array", "from_files", "from_npy", "from_raw"]
-
-# A lazy operand that is not row-aligned is held whole in memory as a broadcast constant;
-# above this share of the RAM budget that is refused rather than risked.
-CONSTANT_SHARE = 8
+__all__ = ["Array"]
 
 
 def _take_below(
@@ -95,416 +90,10 @@ def _take_below(
     return out
 
 
-def _wrap(node: Node) -> Array:
-    return Array(node)
-
-
 # -- constructors -----------------------------------------------------------------------
 
 
-def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
-    """A lazy array over a ``.npy`` file, in blocks of ``rows`` rows.
-
-    Nothing is read but the header. ``rows`` defaults from the RAM budget: a block is
-    ``budget / max(16, 4 x cores)`` bytes, clamped to [1 MB, 32 MB], and small enough
-    that every core gets four blocks (:mod:`tierflow.engine.blocksize`). Blocks are
-    views of a read-only memory map: reading one faults in exactly its bytes, and
-    finished blocks are dropped from the process.
-
-    Raises :class:`~tierflow.errors.SourceError` for a file that is not a readable
-    C-order ``.npy`` (naming the file and the numbers), ``FileNotFoundError`` if there
-    is none. A file changed after this call makes a later compute raise SourceError.
-    """
-    source = storage_sources.open_npy(path)
-    reader = FileReader(source, "from_npy")
-    return _wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
-
-
-def from_zarr(
-    path_or_url: str | os.PathLike[str],
-    rows: int | None = None,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    allow_incomplete: bool = False,
-) -> Array:
-    """A lazy array over a Zarr array (format 3 or 2; needs zarr: ``pip install -e
-    '.[zarr]'`` in the checkout), in blocks of whole chunks along axis 0.
-
-    ``path_or_url``: a folder, or an fsspec URL (``s3://bucket/x.zarr``; with
-    ``storage_options`` for the filesystem, such as ``{"endpoint_url": ...}``; needs
-    s3fs for ``s3://``). ``rows`` is rounded down to whole chunks (whole shards for a
-    sharded array), at least one; the default is as in :func:`from_npy`, rounded the
-    same way. The chunks along the other axes are read together. Blocks are read and
-    decompressed in the process that runs the task. A chunk never written reads as the
-    fill value; one that cannot be decoded raises :class:`~tierflow.errors.SourceError`
-    naming its key. An array whose objects changed after this call is refused at the
-    next compute; its cache key follows the store URL, the metadata and the objects'
-    sizes and times (or ETags).
-
-    An array that a ``to_zarr`` left unfinished (it failed or was killed: marked
-    ``tierflow: {"complete": false}``) raises :class:`~tierflow.errors.IncompleteError`,
-    which counts the chunks not stored and says how to finish it, unless
-    ``allow_incomplete=True`` (its missing chunks then read as the fill value).
-    """
-    from .formats import ZarrReader
-
-    reader = ZarrReader(path_or_url, storage_options, allow_incomplete=allow_incomplete)
-    n_rows = int(reader.n_rows or 0)
-    unit = reader.chunk_rows
-    step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, n_rows)
-    step = max(1, step // unit) * unit
-    return _wrap(graph.Source(reader, blocksize.bounds(n_rows, step, reader.row_nbytes)))
-
-
-def from_hdf5(path: str | os.PathLike[str], dataset: str, rows: int | None = None) -> Array:
-    """A lazy array over dataset ``dataset`` of the HDF5 file ``path`` (needs h5py:
-    ``pip install -e '.[hdf5]'`` in the checkout), in blocks of ``rows`` rows.
-
-    Nothing is read but the dataset's metadata. ``rows`` defaults as in
-    :func:`from_npy`, rounded to whole chunks along axis 0 for a chunked dataset (so no
-    chunk is decompressed twice). Blocks are read with ``read_direct`` in the process
-    that runs the task; chunked, compressed datasets are decompressed by h5py there.
-
-    Raises :class:`~tierflow.errors.SourceError` for a file that is not HDF5, a missing
-    dataset (listing those there), a group or a dataset that does not hold numbers. A
-    file changed after this call makes a later compute raise SourceError.
-    """
-    from .formats import Hdf5Reader
-
-    reader = Hdf5Reader(path, dataset)
-    n_rows = int(reader.n_rows or 0)
-    if rows is None and reader.chunk_rows:
-        default = blocksize.default_rows(reader.row_nbytes, n_rows)
-        rows = max(1, default // reader.chunk_rows) * reader.chunk_rows
-    return _wrap(graph.Source(reader, blocksize.bounds(n_rows, rows, reader.row_nbytes)))
-
-
-def from_parquet(
-    paths_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    columns: Sequence[str] | None = None,
-    dtype: Any = "float32",
-    nulls: str = "nan",
-    rows: int | None = None,
-) -> Array:
-    """A lazy ``[rows, columns]`` array of ``dtype`` over numeric columns of Parquet files
-    (needs pyarrow: ``pip install -e '.[parquet]'`` in the checkout).
-
-    ``paths_or_glob``: a file, a glob pattern (files in sorted order) or a list of
-    files; their rows follow one another. ``columns``: the columns, in this order
-    (default: every column of the first file). Blocks follow row groups across the
-    files: a block is one row group, or consecutive small ones up to about ``rows`` rows
-    (default as in :func:`from_npy`). ``nulls="nan"`` reads a null as NaN (a float
-    ``dtype``); ``"raise"`` refuses it, naming the column, file and row group.
-
-    Raises :class:`~tierflow.errors.SourceError` for a column that is missing or not
-    numeric (naming it and the file) and for an unreadable file; ``FileNotFoundError``
-    when no file matches. A file changed after this call makes a later compute raise
-    SourceError.
-    """
-    from .formats import ParquetReader, parquet_paths
-
-    reader = ParquetReader(parquet_paths(paths_or_glob), columns, dtype, nulls)
-    step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, reader.n_rows)
-    return _wrap(graph.Source(reader, reader.group_bounds(step)))
-
-
-def from_raw(
-    path: str | os.PathLike[str],
-    dtype: Any,
-    shape: int | tuple[int, ...],
-    offset: int = 0,
-    rows: int | None = None,
-) -> Array:
-    """A lazy array over a raw binary file of C-order ``dtype`` elements at ``offset``.
-
-    ``shape`` is the full shape, or a row shape with the row count taken from the file
-    size (``(-1, 8)``); see :func:`tierflow.storage.sources.open_raw`. ``rows`` defaults
-    as in :func:`from_npy`. Raises :class:`~tierflow.errors.SourceError` when the size is
-    not a whole number of rows.
-    """
-    source = storage_sources.open_raw(path, dtype, shape, offset)
-    if len(source.shape) == 0:
-        raise SourceError(f"{path}: a 0-d raw array has no rows")
-    reader = FileReader(source, "from_raw")
-    return _wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
-
-
-def from_array(a: Any, rows: int | None = None) -> Array:
-    """A lazy array over an in-memory array, ``np.memmap`` or ``memory.array`` (no copy).
-
-    A 0-d array or scalar becomes a constant. ``rows`` defaults as in :func:`from_npy`.
-    The array must not change while lazy arrays built on it are in use: its key is a
-    digest of its contents, taken once.
-    """
-    if isinstance(a, Array):
-        return a
-    array = a if isinstance(a, np.ndarray) else np.asarray(a)
-    if array.dtype.hasobject:
-        raise TypeError(
-            f"cannot make a lazy array of dtype {array.dtype}: it holds Python objects; "
-            "convert to a numeric dtype first"
-        )
-    if array.ndim == 0:
-        return _wrap(graph.Const(array[()]))
-    reader = ArrayReader(array)
-    return _wrap(graph.Source(reader, blocksize.bounds(array.shape[0], rows, reader.row_nbytes)))
-
-
-def from_files(  # noqa: PLR0913 -- public: dtype and row_shape as map_blocks names them
-    paths: Sequence[str | os.PathLike[str]],
-    load: Callable[[str], Any],
-    rows: int | None = None,
-    *,
-    rows_per_file: int | None = 1,
-    dtype: Any = None,
-    row_shape: tuple[int, ...] | None = None,
-) -> Array:
-    """A lazy array whose rows are loaded from many files by ``load(path)``, in the workers.
-
-    ``rows_per_file=1`` (default): ``load`` returns one row (an array of ``row_shape``,
-    or a scalar); the array has ``len(paths)`` rows. ``rows_per_file=k``: every file
-    gives exactly ``k`` rows. ``rows_per_file=None``: each file gives an array of rows
-    with the same row shape but any number of rows; the row count is unknown until the
-    files are loaded (like after a boolean mask).
-
-    ``dtype`` and ``row_shape`` default to those of ``load(paths[0])``, which is then
-    called once now (the only work done before a compute; give both to skip it). What
-    ``load`` returns is cast to ``dtype`` (``same_kind``); a value ``dtype`` cannot hold
-    (300 for int8, 1e300 for float32) raises :class:`~tierflow.errors.BlockError`
-    naming the file, rather than wrap.
-    ``rows`` is rows per block (files per block when row counts are unknown); it
-    defaults to the budget's block size, and to at most ``len(paths) / (4 x cores)``
-    files per block, so every core gets files to load.
-    """
-    names = [os.fspath(p) for p in paths]
-    if rows_per_file is not None:
-        rows_per_file = stream.check_rows(rows_per_file)
-    if dtype is None or row_shape is None:
-        if not names:
-            raise ValueError("from_files: no paths, and no dtype= and row_shape= to describe rows")
-        probe = np.asarray(load(names[0]))
-        if rows_per_file == 1:
-            found_shape = tuple(probe.shape)
-        else:
-            if probe.ndim == 0:
-                raise ValueError(
-                    f"from_files: load returned a scalar for {names[0]}, but rows_per_file="
-                    f"{rows_per_file} expects an array of rows; use rows_per_file=1"
-                )
-            found_shape = tuple(probe.shape[1:])
-        dtype = probe.dtype if dtype is None else dtype
-        row_shape = found_shape if row_shape is None else row_shape
-    dt = np.dtype(dtype)
-    shape_t = tuple(int(n) for n in row_shape)
-    row_nbytes = dt.itemsize * math.prod(shape_t)
-    per_file = rows_per_file or 1
-    if rows is None:
-        files = blocksize.files_per_block(len(names), row_nbytes * per_file)
-    else:
-        files = max(1, (stream.check_rows(rows) or 1) // per_file)
-    reader = FilesReader(names, load, FileRows(rows_per_file, dt, shape_t), files)
-    if rows_per_file is None:
-        return _wrap(graph.Source(reader, None))
-    n_rows = rows_per_file * len(names)
-    step = files * rows_per_file
-    return _wrap(graph.Source(reader, (0, *(s for _, s in selection.block_bounds(n_rows, step)))))
-
-
 # -- operands ---------------------------------------------------------------------------
-
-
-def _node_of(value: Any) -> Any:
-    """An Array's node; in-memory arrays stay arrays (decided later), scalars stay scalars."""
-    if isinstance(value, Array):
-        return value._node
-    if isinstance(value, (bool, int, float, complex, np.generic)):
-        return value
-    if isinstance(value, Node):
-        return value
-    array = value if isinstance(value, np.ndarray) else np.asarray(value)
-    if array.dtype.hasobject:
-        raise TypeError(
-            f"cannot use a {type(value).__name__} as an operand of a lazy array: it is not "
-            "numeric (dtype object)"
-        )
-    return array
-
-
-def _shape_of(value: Any) -> tuple[int | None, ...]:
-    if isinstance(value, Node):
-        return value.shape
-    return tuple(np.shape(value))
-
-
-def _describe_shape(shape: tuple[int | None, ...]) -> str:
-    return (
-        "("
-        + ", ".join("?" if n is None else str(n) for n in shape)
-        + ("," if len(shape) == 1 else "")
-        + ")"
-    )
-
-
-def _shape_only(node: Any) -> np.ndarray:
-    """An array of ``node``'s dtype and shape that holds no data (one element, every
-    stride 0; an unknown row count stands as one row). NumPy's own checks of the
-    arguments of a function that makes a view, or fails before it computes, run on it
-    at no cost whatever the size, and raise NumPy's error with NumPy's message."""
-    shape = tuple(1 if n is None else n for n in _shape_of(node))
-    return np.broadcast_to(np.empty((), np.dtype(node.dtype)), shape)
-
-
-class _NeedsCount(ValueError):
-    """Operands line up only once their rows are counted (see :func:`_deferred`)."""
-
-
-def _result_shape(operands: Sequence[Any]) -> tuple[int | None, ...]:
-    """NumPy's broadcast shape, with None for an unknown row count."""
-    if _value_nodes(list(operands), lambda n: not n.sized):
-        raise _NeedsCount("a value whose length is known once computed")
-    shapes = [_shape_of(o) for o in operands]
-    ndim = max(len(s) for s in shapes)
-    unknown = [
-        o
-        for o, s in zip(operands, shapes, strict=False)
-        if len(s) == ndim and ndim and s[0] is None
-    ]
-    known_rows = {
-        s[0] for s in shapes if len(s) == ndim and ndim and s[0] is not None and s[0] != 1
-    }
-    if unknown and known_rows:
-        raise _NeedsCount(
-            "row counts do not match: "
-            + " and ".join(_describe_shape(s) for s in shapes if len(s) == ndim)
-            + " ('?' is a row count that is unknown until computed, after a boolean mask); "
-            "they are compared once counted"
-        )
-    if len(unknown) > 1:
-        first = unknown[0].origin
-        if any(o.origin != first for o in unknown[1:]):
-            raise _NeedsCount(
-                "arrays whose row counts are unknown and come from different masks or files "
-                "line up only once counted"
-            )
-    big = 2**31 - 1  # stands in for the unknown row count while NumPy checks the rest
-    subst = [tuple(big if n is None else n for n in s) for s in shapes]
-    try:
-        result = np.broadcast_shapes(*subst)
-    except ValueError:
-        text = ", ".join(f"arg {i} with shape {_describe_shape(s)}" for i, s in enumerate(shapes))
-        raise ValueError(
-            f"shape mismatch: objects cannot be broadcast to a single shape ({text})"
-        ) from None
-    return tuple(None if n == big else n for n in result)
-
-
-def _as_value(node: Any) -> Any:
-    """A chunked node as a value node (held whole), or in-memory data as a constant."""
-    if isinstance(node, Value):
-        return node
-    if isinstance(node, np.ndarray):
-        return graph.Const(node)
-    if isinstance(node, Chunked):
-        if isinstance(node, graph.Source) and isinstance(node.reader, ArrayReader):
-            return graph.Const(node.reader.array)
-        from ..system import budget
-
-        limit = budget.budget_bytes() // CONSTANT_SHARE
-        if node.n_rows is not None:
-            nbytes = node.n_rows * node.dtype.itemsize * math.prod(node.row_shape)  # type: ignore[union-attr]
-            if nbytes > limit:
-                raise ValueError(
-                    f"an operand of shape {_describe_shape(node.shape)} does not have the rows "
-                    f"of the result, so it would be held whole in memory ({format_bytes(nbytes)}), "
-                    f"more than 1/{CONSTANT_SHARE} of the RAM budget ({format_bytes(limit * CONSTANT_SHARE)}); "
-                    "give it the rows of the other operand, or raise the budget"
-                )
-        return graph.Reduce(specs.CollectSpec(), (node,))
-    return node
-
-
-def _align(operands: Sequence[Any], shape: tuple[int | None, ...]) -> list[Any]:
-    """Operands as chunked nodes where they have the result's rows, values elsewhere."""
-    ndim = len(shape)
-    rows = shape[0] if ndim else 1
-
-    def aligned(o: Any) -> bool:
-        s = _shape_of(o)
-        return ndim > 0 and len(s) == ndim and s[0] == rows
-
-    # In-memory arrays ride along in row blocks only beside a lazy chunked operand.
-    chunked = any(isinstance(o, Chunked) and aligned(o) for o in operands)
-    out = []
-    for o in operands:
-        if isinstance(o, Chunked):
-            out.append(o if aligned(o) else _as_value(o))
-        elif isinstance(o, np.ndarray):
-            if chunked and aligned(o) and rows != 1:
-                out.append(from_array(o)._node)
-            else:
-                out.append(graph.Const(o) if o.ndim else o[()])
-        else:
-            out.append(o)
-    return out
-
-
-def _check_meta(node: Any) -> None:
-    if isinstance(node, Value) and not node.meta_known:
-        raise TypeError(
-            f"the result of {node.label()} has no declared dtype and shape, so it cannot be "
-            "used in further operations; give dtype= and shape= to x.reduction(...), or "
-            "compute() it first"
-        )
-
-
-def _elementwise(op: ElemOp, *operands: Any) -> Array:
-    nodes = [_node_of(o) for o in operands]
-    for n in nodes:
-        _check_meta(n)
-    try:
-        shape = _result_shape(nodes)
-    except _NeedsCount:
-        return _deferred_elementwise(op, nodes)
-    except ValueError:
-        if all(None not in _shape_of(n) for n in nodes if isinstance(n, Node)):
-            # NumPy's own error (its message, its shapes), raised before it computes
-            op.apply(*(_shape_only(n) if isinstance(n, (Node, np.ndarray)) else n for n in nodes))
-        raise
-    aligned = _align(nodes, shape)
-    if any(isinstance(a, Chunked) for a in aligned):
-        node = graph.Elementwise(op, tuple(aligned))
-        _cast_warning(op, node)
-        return _wrap(node)
-    return _wrap(graph.Apply(op.apply, tuple(aligned), name=op.label()))
-
-
-def _cast_warning(op: ElemOp, node: graph.Elementwise) -> None:
-    """NumPy's ComplexWarning of ``op``, a cast of complex values to a real dtype
-    (``astype``, a ufunc with ``casting="unsafe"``), given now at the caller's line.
-
-    NumPy decides it by the dtypes alone and gives it whatever the values, for no rows
-    too, where no block runs: so it is given when the pipeline is built, as NumPy's
-    errors of the dtypes are, from ``op`` on stand-ins without rows. The blocks of an
-    ``astype`` then cast quietly (:mod:`tierflow.operators.fused`)."""
-    if np.dtype(node.dtype).kind == "c":
-        return
-    standins = [
-        np.zeros((0, *o.row_shape), o.dtype)
-        if isinstance(o, Chunked)
-        else graph.placeholder(o)
-        if isinstance(o, Node)
-        else o
-        for o in node.operands
-    ]
-    if not any(np.asarray(v).dtype.kind == "c" for v in standins):
-        return
-    with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
-        warnings.simplefilter("always")
-        op.apply(*standins)
-    for w in caught:
-        if issubclass(w.category, np.exceptions.ComplexWarning):
-            callsites.warn_here(str(w.message), w.category)
-            return
 
 
 def _power_shortcut(dtype: np.dtype, exponent: Any) -> np.ufunc | None:
@@ -518,149 +107,6 @@ def _power_shortcut(dtype: np.dtype, exponent: Any) -> np.ufunc | None:
     if type(exponent) is float and exponent == 0.5 and inexact:
         return np.sqrt
     return None
-
-
-def _ufunc(ufunc: np.ufunc, *operands: Any, **kwargs: Any) -> Array:
-    return _elementwise(ElemOp("ufunc", ufunc=ufunc, kwargs=kwargs), *operands)
-
-
-def _value_apply(
-    fn: Callable[..., Any],
-    *args: Any,
-    name: str | None = None,
-    data_length: bool = False,
-    **kwargs: Any,
-) -> Array:
-    """``fn`` applied to in-memory values: chunked operands are collected first. On a
-    value whose length is known only once computed, it waits for that (see
-    :func:`_apply_later`). ``data_length``: the length of the result's first axis
-    depends on the data (``np.unique``), so it is unknown (None) until computed."""
-    args2, kwargs2 = graph.substitute(
-        (args, kwargs), lambda n: n if isinstance(n, Value) else _as_value(n)
-    )
-    call = (tuple(args2), dict(kwargs2))
-    if _value_nodes(call, lambda n: not n.sized):
-        return _apply_later(fn, call, name, data_length)
-    shape = None
-    if data_length or _value_nodes(call, lambda n: n.dtype == bool):
-        # Which elements a boolean value picks decides lengths too (``s[s > 2]``).
-        shape = _probe_shape(fn, call, first_unknown=data_length)[1]
-    return _wrap(graph.Apply(fn, *call, name=name, shape=shape))
-
-
-def _value_nodes(call: Any, which: Callable[[Value], bool]) -> list[Node]:
-    """The value nodes in ``call`` for which ``which`` is true."""
-    found: dict[int, Node] = {}
-
-    def note(node: Node) -> Node:
-        if isinstance(node, Value) and which(node):
-            found[id(node)] = node
-        return node
-
-    graph.substitute(call, note)
-    return list(found.values())
-
-
-# An index reads a few elements of what it indexes: its stand-in for a length unknown
-# until computed is a zero-strided view this long (no memory), so any position fits.
-_INDEXED_LENGTH = 1 << 32
-
-Standin = Callable[[Node], Any]
-
-
-def _standins(
-    fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]]
-) -> list[Standin]:
-    """Two ways to stand in for the nodes of ``fn(*args, **kwargs)`` while its shape is
-    worked out: unknown lengths 1 then 2 (zeros that broadcast, then not), booleans
-    False then True. An index of a value of unknown length by positions or slices has
-    stand-ins of a length any position fits (one more the second time)."""
-
-    def filled(length: int, fill: bool) -> Standin:
-        def standin(node: Node) -> Any:
-            shape = tuple(length if d is None else d for d in node.shape)
-            value = (
-                np.full(shape, fill, bool) if node.dtype == bool else np.zeros(shape, node.dtype)
-            )
-            return value if shape else value[()]
-
-        return standin
-
-    args = call[0]
-    if fn is not operator.getitem or _value_nodes(args[1:], lambda n: True):
-        return [filled(1, False), filled(2, True)]
-    first = _items(args[1])[0] if _items(args[1]) else None
-    mask = np.asarray(first) if isinstance(first, (np.ndarray, list)) else None
-    picks = mask is not None and mask.dtype == bool  # as long as its mask, both times
-
-    def indexed(length: int) -> Standin:
-        def standin(node: Node) -> Any:
-            shape = tuple(length if d is None else d for d in node.shape)
-            return np.broadcast_to(np.zeros((), node.dtype), shape)
-
-        return standin
-
-    length = len(mask) if picks else _INDEXED_LENGTH  # type: ignore[arg-type]
-    return [indexed(length), indexed(length + (not picks))]
-
-
-def _probe_shape(
-    fn: Callable[..., Any], call: tuple[tuple[Any, ...], dict[str, Any]], first_unknown: bool
-) -> tuple[np.dtype, tuple[int | None, ...]]:
-    """The dtype of ``fn(*args, **kwargs)`` and its shape, None where it differs
-    between the two :func:`_standins` (a length that depends on an unknown length or on
-    the data), and on the first axis with ``first_unknown``. A probe that fails the
-    second time (a length that no longer broadcasts) leaves every axis unknown."""
-    args, kwargs = call
-    probes: list[np.ndarray] = []
-    with graph._quiet():
-        for standin in _standins(fn, call):
-            try:
-                out = fn(*graph.substitute(args, standin), **graph.substitute(kwargs, standin))
-            except Exception:
-                if not probes:
-                    raise
-                break
-            probes.append(np.asarray(out))
-    last = probes[-1]
-    if last.ndim == 0:
-        return probes[0].dtype, ()
-    if len(probes) == 1 or probes[0].ndim != last.ndim:
-        return probes[0].dtype, (None,) * last.ndim
-    one, two = probes
-    pairs = enumerate(zip(one.shape, two.shape, strict=True))
-    shape = tuple(None if a != b or (k == 0 and first_unknown) else a for k, (a, b) in pairs)
-    return one.dtype, shape
-
-
-def _apply_later(
-    fn: Callable[..., Any],
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    name: str | None,
-    data_length: bool,
-) -> Array:
-    """``fn(*args, **kwargs)`` (``call``) once the values in it whose length is unknown
-    are computed (:mod:`tierflow.engine.counting`). Its dtype is known now; its first
-    axis stays unknown (None) until then, as do other axes whose lengths depend on the
-    unknown ones; a scalar's shape is ()."""
-    meta = _probe_shape(fn, call, first_unknown=True)
-    nodes: dict[int, Node] = {}
-    graph.substitute(call, lambda n: nodes.setdefault(id(n), n))
-    slots = graph.substitute(call, lambda n: f"in{list(nodes).index(id(n))}")
-    make = functools.partial(_make_apply, fn, call, (name, data_length))
-    label = str(name or getattr(fn, "__name__", "apply"))
-    return _deferred(list(nodes.values()), make, meta, label, (label, fn, slots), rows=False)
-
-
-def _make_apply(
-    fn: Callable[..., Any],
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    how: tuple[str | None, bool],
-    lookup: Callable[[Node], Node],
-) -> Node:
-    args, kwargs = graph.substitute(call, lookup)
-    name, data_length = how
-    return _value_apply(fn, *args, name=name, data_length=data_length, **kwargs)._node
 
 
 def _reduce_value(kind: str) -> Callable[..., Any]:
@@ -680,9 +126,9 @@ def _filtered(node: graph.Filter) -> Array:
     source = node.inputs[0]
     assert isinstance(source, Chunked)
     if source.n_rows != 0:
-        return _wrap(node)
+        return build.wrap(node)
     node.row_counts = (0,) * node.nblocks
-    return _wrap(graph.Counted(node, node.row_counts))
+    return build.wrap(graph.Counted(node, node.row_counts))
 
 
 def _diff_joined(x: Array, axis: int, kwargs: dict[str, Any]) -> Array | None:
@@ -698,136 +144,8 @@ def _diff_joined(x: Array, axis: int, kwargs: dict[str, Any]) -> Array | None:
         return None
     parts = [arrays.get("prepend"), x, arrays.get("append")]
     rest = {k: v for k, v in kwargs.items() if k not in arrays}
-    joined = functions.concatenate([p for p in parts if p is not None], axis=axis)
+    joined = dispatch.handler(np.concatenate)([p for p in parts if p is not None], axis=axis)
     return joined.along("diff", axis, **rest)
-
-
-# -- operations that wait for row counts ------------------------------------------------
-#
-# An operation that needs the row count of an array whose rows are unknown (after a
-# boolean mask) is a deferred node: a compute counts rows per block first, then builds
-# it with the same method on the counted array (see tierflow.engine.counting).
-
-
-def _deferred(  # noqa: PLR0913 -- the operation, and what its result is
-    inputs: Sequence[Node],
-    make: Callable[[Callable[[Node], Node]], Node],
-    meta: tuple[Any, tuple[Any, ...]],
-    what: str,
-    token: Any = None,
-    rows: bool = True,
-) -> Array:
-    """A deferred node over ``inputs``: chunked rows of ``meta = (dtype, row shape)``
-    when ``rows``, else a value of ``meta = (dtype, shape)``. ``make(lookup)`` builds
-    the operation, ``lookup`` giving the counted node for each input."""
-    unique = list({id(n): n for n in inputs}.values())
-    kind = graph.DeferredRows if rows else graph.DeferredValue
-    return _wrap(kind(unique, functools.partial(_made, make, unique, rows), meta, what, token))
-
-
-def _made(
-    make: Callable[[Callable[[Node], Node]], Node], old: list[Node], rows: bool, inputs: list[Node]
-) -> Node:
-    """``make`` on the counted inputs; a chunked result of a value's operation is held."""
-    table = {id(o): n for o, n in zip(old, inputs, strict=True)}
-    node = make(lambda n: table.get(id(n), n))
-    if not rows and isinstance(node, Chunked):
-        return _as_value(node)
-    return node
-
-
-def _probe_meta(fn: Callable[..., Any], *args: Any) -> tuple[np.dtype, tuple[int, ...]]:
-    """Dtype and shape of ``fn`` on zero placeholders (unknown rows count as 1)."""
-    with graph._quiet():
-        probe = np.asarray(fn(*graph.substitute(args, graph.placeholder)))
-    return probe.dtype, probe.shape
-
-
-def _deferred_elementwise(op: ElemOp, nodes: list[Any]) -> Array:
-    """``op`` on operands whose rows line up only once counted."""
-    if not any(isinstance(n, Chunked) for n in nodes):
-        return _value_apply(op.apply, *nodes, name=op.label())
-    inputs = [n for n in nodes if isinstance(n, Node)]
-    shaped = [
-        np.zeros((1, *n.shape[1:]), n.dtype) if isinstance(n, np.ndarray) and n.ndim else n
-        for n in nodes
-    ]
-    dtype, shape = _probe_meta(op.apply, *shaped)
-    make = functools.partial(_make_elementwise, op, tuple(nodes))
-    return _deferred(inputs, make, (dtype, shape[1:]), op.label(), (op.params(), len(nodes)))
-
-
-def _make_elementwise(op: ElemOp, nodes: tuple[Any, ...], lookup: Callable[[Node], Node]) -> Node:
-    return _elementwise(op, *(lookup(n) if isinstance(n, Node) else n for n in nodes))._node
-
-
-def _make_method(
-    name: str,
-    target: Node,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    lookup: Callable[[Node], Node],
-) -> Node:
-    """``Array(target).<name>(*args, **kwargs)`` on the counted nodes (nodes among
-    ``args`` as Arrays)."""
-    values = [Array(lookup(a)) if isinstance(a, Node) else a for a in args]
-    return getattr(Array(lookup(target)), name)(*values, **kwargs)._node
-
-
-def _line_up_later(nodes: Sequence[Node]) -> bool:
-    """Whether chunked ``nodes`` have rows that line up (or not) only once counted: some
-    unknown, and either some known or from different masks."""
-    chunked = [n for n in nodes if isinstance(n, Chunked)]
-    unknown = [n for n in chunked if n.n_rows is None]
-    if not unknown:
-        return False
-    return len(unknown) < len(chunked) or any(n.origin != unknown[0].origin for n in unknown)
-
-
-def _defer_function(fn: Callable[..., Array], nodes: Sequence[Node], what: str) -> Array:
-    """``fn(arrays)`` for chunked ``nodes`` whose rows line up only once counted (see
-    :func:`_line_up_later`): a deferred node of the kind ``fn`` gives, rows or a value.
-    Its dtype and shape are ``fn``'s with zero rows standing in for the unknown ones,
-    as many as the known ones have (two if none has): NumPy's errors on anything but
-    the row count are raised now, the row count's once counted."""
-    known = [n.n_rows for n in nodes if isinstance(n, Chunked) and n.n_rows is not None]
-    rows = known[0] if known else 2
-
-    def standin(n: Node) -> Node:
-        if not isinstance(n, Chunked) or n.n_rows is not None:
-            return n
-        return from_array(np.zeros((rows, *n.row_shape), n.dtype))._node
-
-    probe = fn([Array(standin(n)) for n in nodes])._node
-    chunked = isinstance(probe, Chunked)
-    meta = (probe.dtype, probe.shape[1:] if chunked else probe.shape)
-
-    def make(lookup: Callable[[Node], Node]) -> Node:
-        return fn([Array(lookup(n)) for n in nodes])._node
-
-    token = (what, fn, len(nodes))
-    return _deferred(nodes, make, meta, what, token, rows=chunked)
-
-
-def _defer_method(  # noqa: PLR0913 -- the method's call, and what the result is
-    target: Node,
-    name: str,
-    args: tuple[Any, ...],
-    meta: tuple[Any, tuple[Any, ...]],
-    what: str,
-    rows: bool = True,
-    kwargs: dict[str, Any] | None = None,
-) -> Array:
-    """``Array(target).<name>(*args, **kwargs)`` once the rows are counted."""
-    kwargs = kwargs or {}
-    make = functools.partial(_make_method, name, target, args, kwargs)
-    inputs = [target, *(a for a in args if isinstance(a, Node))]
-    token = (name, [a if not isinstance(a, Node) else "node" for a in args], kwargs)
-    return _deferred(inputs, make, meta, what, token, rows)
-
-
-def _items(key: Any) -> tuple[Any, ...]:
-    return key if isinstance(key, tuple) else (key,)
 
 
 def _key(key: Any, items: tuple[Any, ...]) -> Any:
@@ -879,14 +197,14 @@ class Array:
     def T(self) -> Any:
         """The transpose: lazy only as the left operand of ``@`` with an array of the
         same rows (``x.T @ y``, ``x.T @ x``); see :mod:`tierflow.engine.products`."""
-        return products.transpose(self)
+        return dispatch.call_method("transpose", self)
 
     def transpose(self, *axes: Any) -> Any:
         """``x.transpose(axes)``: as :attr:`T` without axes (or with ``(1, 0)``); a block
         map when the row axis stays first."""
         single = len(axes) == 1 and not isinstance(axes[0], (int, np.integer))
         order = axes[0] if single else axes
-        return products.transpose(self, order if order else None)
+        return dispatch.call_method("transpose", self, order if order else None)
 
     @property
     def size(self) -> int | None:
@@ -1106,7 +424,7 @@ class Array:
             convert(standin)  # NumPy's error: more than one element, or none
             raise TypeError(  # where a NumPy would convert it after all
                 f"only arrays with one element convert to a Python scalar; this one has "
-                f"shape {_describe_shape(standin.shape)}"
+                f"shape {build.describe_shape(standin.shape)}"
             )
         return convert(np.asarray(self.compute()))
 
@@ -1125,131 +443,129 @@ class Array:
     # -- elementwise ------------------------------------------------------------------
 
     def __add__(self, other: Any) -> Array:
-        return _ufunc(np.add, self, other)
+        return build.apply_ufunc(np.add, self, other)
 
     def __radd__(self, other: Any) -> Array:
-        return _ufunc(np.add, other, self)
+        return build.apply_ufunc(np.add, other, self)
 
     def __sub__(self, other: Any) -> Array:
-        return _ufunc(np.subtract, self, other)
+        return build.apply_ufunc(np.subtract, self, other)
 
     def __rsub__(self, other: Any) -> Array:
-        return _ufunc(np.subtract, other, self)
+        return build.apply_ufunc(np.subtract, other, self)
 
     def __mul__(self, other: Any) -> Array:
-        return _ufunc(np.multiply, self, other)
+        return build.apply_ufunc(np.multiply, self, other)
 
     def __rmul__(self, other: Any) -> Array:
-        return _ufunc(np.multiply, other, self)
+        return build.apply_ufunc(np.multiply, other, self)
 
     def __truediv__(self, other: Any) -> Array:
-        return _ufunc(np.true_divide, self, other)
+        return build.apply_ufunc(np.true_divide, self, other)
 
     def __rtruediv__(self, other: Any) -> Array:
-        return _ufunc(np.true_divide, other, self)
+        return build.apply_ufunc(np.true_divide, other, self)
 
     def __floordiv__(self, other: Any) -> Array:
-        return _ufunc(np.floor_divide, self, other)
+        return build.apply_ufunc(np.floor_divide, self, other)
 
     def __rfloordiv__(self, other: Any) -> Array:
-        return _ufunc(np.floor_divide, other, self)
+        return build.apply_ufunc(np.floor_divide, other, self)
 
     def __mod__(self, other: Any) -> Array:
-        return _ufunc(np.remainder, self, other)
+        return build.apply_ufunc(np.remainder, self, other)
 
     def __rmod__(self, other: Any) -> Array:
-        return _ufunc(np.remainder, other, self)
+        return build.apply_ufunc(np.remainder, other, self)
 
     def __pow__(self, other: Any) -> Array:
         shortcut = _power_shortcut(self.dtype, other)
         if shortcut is not None:
-            return _ufunc(shortcut, self)
-        return _ufunc(np.power, self, other)
+            return build.apply_ufunc(shortcut, self)
+        return build.apply_ufunc(np.power, self, other)
 
     def __rpow__(self, other: Any) -> Array:
-        return _ufunc(np.power, other, self)
+        return build.apply_ufunc(np.power, other, self)
 
     def __and__(self, other: Any) -> Array:
-        return _ufunc(np.bitwise_and, self, other)
+        return build.apply_ufunc(np.bitwise_and, self, other)
 
     def __rand__(self, other: Any) -> Array:
-        return _ufunc(np.bitwise_and, other, self)
+        return build.apply_ufunc(np.bitwise_and, other, self)
 
     def __or__(self, other: Any) -> Array:
-        return _ufunc(np.bitwise_or, self, other)
+        return build.apply_ufunc(np.bitwise_or, self, other)
 
     def __ror__(self, other: Any) -> Array:
-        return _ufunc(np.bitwise_or, other, self)
+        return build.apply_ufunc(np.bitwise_or, other, self)
 
     def __xor__(self, other: Any) -> Array:
-        return _ufunc(np.bitwise_xor, self, other)
+        return build.apply_ufunc(np.bitwise_xor, self, other)
 
     def __rxor__(self, other: Any) -> Array:
-        return _ufunc(np.bitwise_xor, other, self)
+        return build.apply_ufunc(np.bitwise_xor, other, self)
 
     def __lshift__(self, other: Any) -> Array:
-        return _ufunc(np.left_shift, self, other)
+        return build.apply_ufunc(np.left_shift, self, other)
 
     def __rlshift__(self, other: Any) -> Array:
-        return _ufunc(np.left_shift, other, self)
+        return build.apply_ufunc(np.left_shift, other, self)
 
     def __rshift__(self, other: Any) -> Array:
-        return _ufunc(np.right_shift, self, other)
+        return build.apply_ufunc(np.right_shift, self, other)
 
     def __rrshift__(self, other: Any) -> Array:
-        return _ufunc(np.right_shift, other, self)
+        return build.apply_ufunc(np.right_shift, other, self)
 
     def __lt__(self, other: Any) -> Array:
-        return _ufunc(np.less, self, other)
+        return build.apply_ufunc(np.less, self, other)
 
     def __le__(self, other: Any) -> Array:
-        return _ufunc(np.less_equal, self, other)
+        return build.apply_ufunc(np.less_equal, self, other)
 
     def __gt__(self, other: Any) -> Array:
-        return _ufunc(np.greater, self, other)
+        return build.apply_ufunc(np.greater, self, other)
 
     def __ge__(self, other: Any) -> Array:
-        return _ufunc(np.greater_equal, self, other)
+        return build.apply_ufunc(np.greater_equal, self, other)
 
     def __eq__(self, other: Any) -> Array:  # type: ignore[override]
-        return _ufunc(np.equal, self, other)
+        return build.apply_ufunc(np.equal, self, other)
 
     def __ne__(self, other: Any) -> Array:  # type: ignore[override]
-        return _ufunc(np.not_equal, self, other)
+        return build.apply_ufunc(np.not_equal, self, other)
 
     def __neg__(self) -> Array:
-        return _ufunc(np.negative, self)
+        return build.apply_ufunc(np.negative, self)
 
     def __pos__(self) -> Array:
-        return _ufunc(np.positive, self)
+        return build.apply_ufunc(np.positive, self)
 
     def __abs__(self) -> Array:
-        return _ufunc(np.absolute, self)
+        return build.apply_ufunc(np.absolute, self)
 
     def __invert__(self) -> Array:
-        return _ufunc(np.invert, self)
+        return build.apply_ufunc(np.invert, self)
 
     def __round__(self, ndigits: int | None = None) -> Array:
         return self.round(ndigits or 0)
 
     def __matmul__(self, other: Any) -> Array:
-        if isinstance(other, products.Transposed):
-            other.__rmatmul__(self)
-        return functions.matmul(self, other)
+        return dispatch.call_method("matmul", self, other)
 
     def __rmatmul__(self, other: Any) -> Array:
-        return functions.matmul(other, self)
+        return dispatch.call_method("matmul", other, self)
 
     def astype(self, dtype: Any) -> Array:
         """Cast to ``dtype`` (``casting="unsafe"``, as ``ndarray.astype``)."""
         dt = np.dtype(dtype)
         if dt == self.dtype:
             return self
-        return _elementwise(ElemOp("astype", dtype=dt), self)
+        return build.elementwise(ElemOp("astype", dtype=dt), self)
 
     def round(self, decimals: int = 0) -> Array:
         """``np.round(x, decimals)``."""
-        return _elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
+        return build.elementwise(ElemOp("round", decimals=operator.index(decimals)), self)
 
     def clip(self, min: Any = None, max: Any = None) -> Array:
         """``np.clip(x, min, max)``; either bound may be None (both: ``x``, as NumPy 2.1
@@ -1259,7 +575,7 @@ class Array:
             return self
         bounds = [b for b in (min, max) if b is not None]
         op = ElemOp("clip", has_lo=min is not None, has_hi=max is not None)
-        return _elementwise(op, self, *bounds)
+        return build.elementwise(op, self, *bounds)
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs.get("out") is not None:
@@ -1270,7 +586,7 @@ class Array:
         kwargs.pop("out", None)
         if method == "__call__":
             if ufunc is np.matmul:
-                return functions.matmul(*inputs)
+                return dispatch.call_method("matmul", *inputs)
             if ufunc.signature is not None:
                 raise TypeError(
                     f"np.{ufunc.__name__} is a generalized ufunc with signature "
@@ -1278,24 +594,18 @@ class Array:
                     "use map_blocks for a row-wise call, or compute() first"
                 )
             if ufunc.nout == 1:
-                return _ufunc(ufunc, *inputs, **kwargs)
-            return functions.multi_output(ufunc, inputs, kwargs)
-        if method == "reduce" and ufunc in functions.REDUCE_UFUNCS and len(inputs) == 1:
-            return functions.reduce_ufunc(ufunc, inputs[0], **kwargs)
+                return build.apply_ufunc(ufunc, *inputs, **kwargs)
+            return dispatch.call_method("outputs", ufunc, inputs, kwargs)
+        reduce = dispatch.reduction(ufunc) if method == "reduce" else None
+        if reduce is not None and len(inputs) == 1:
+            return reduce(ufunc, inputs[0], **kwargs)
         raise TypeError(
             f"np.{ufunc.__name__}.{method} is not supported on lazy arrays; use map_blocks, "
             "or compute() first"
         )
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        handler = functions.FUNCTIONS.get(func)
-        if handler is None:
-            raise TypeError(
-                f"{ndarray_methods.function_name(func)} is not supported on lazy arrays; "
-                "use map_blocks for a row-wise function, x.reduction(...) for a reduction "
-                "over rows, or compute() first"
-            )
-        return handler(*args, **kwargs)
+        return dispatch.handler(func)(*args, **kwargs)
 
     # -- reductions -------------------------------------------------------------------
 
@@ -1309,7 +619,7 @@ class Array:
         initial: Any = np._NoValue,
     ) -> Array:
         node = self._node
-        _check_meta(node)
+        build.check_meta(node)
         if isinstance(node, Value):
             kwargs: dict[str, Any] = {"axis": axis, "keepdims": keepdims}
             if dtype is not None:
@@ -1318,20 +628,20 @@ class Array:
                 kwargs["ddof"] = ddof
             if initial is not np._NoValue:
                 kwargs["initial"] = initial
-            return _value_apply(_reduce_value(kind), node, name=kind, **kwargs)
+            return build.value_apply(_reduce_value(kind), node, name=kind, **kwargs)
         assert isinstance(node, Chunked)
         options = specs.ReduceOptions(kind, axis, keepdims, dtype, ddof, initial)
         op = options.build(node.dtype, node.row_shape)
         if isinstance(op, red.RowwiseReduction):
-            return _wrap(graph.BlockMap(specs.RowwiseSpec(options), (node,)))
+            return build.wrap(graph.BlockMap(specs.RowwiseSpec(options), (node,)))
         spec = specs.KindSpec(options)
         reduce = graph.Reduce(spec, (node,))
         if spec.needs_offset and node.n_rows is None:
             # Each block's first row is known once the rows are counted.
             args = (kind, axis, keepdims, dtype, ddof)
             meta = (reduce.dtype, reduce.shape)
-            return _defer_method(node, "_reduce", args, meta, spec.label(), rows=False)
-        return _wrap(reduce)
+            return build.defer_method(node, "_reduce", args, meta, spec.label(), rows=False)
+        return build.wrap(reduce)
 
     def sum(
         self,
@@ -1416,7 +726,7 @@ class Array:
         node = self._node
         if isinstance(node, Value):
             edges = np.histogram_bin_edges(np.empty(0, node.dtype), bins=bins, range=range)
-            counts = _value_apply(
+            counts = build.value_apply(
                 lambda v: np.histogram(v, bins=bins, range=range, density=density)[0],
                 node,
                 name="histogram",
@@ -1425,7 +735,7 @@ class Array:
         spec = specs.HistogramSpec(bins, range, density)
         result = graph.Reduce(spec, (node,))  # type: ignore[arg-type]
         edges = red.Histogram(node.dtype, bins, range, density=density).edges.copy()
-        return _wrap(result), edges
+        return build.wrap(result), edges
 
     def reduction(  # noqa: PLR0913 -- public: a custom reduction's parts, as dask.array.reduction names them
         self,
@@ -1468,12 +778,12 @@ class Array:
                 "commutative": commutative, "partial_bytes": partial_bytes, "name": name,
             }  # fmt: skip
             meta = (reduce.dtype, reduce.shape)
-            out = _defer_method(
+            out = build.defer_method(
                 node, "reduction", (chunk, combine, aggregate), meta, reduce.label(), False, kwargs
             )
             out._node.meta_known = reduce.meta_known  # type: ignore[attr-defined]
             return out
-        return _wrap(reduce)
+        return build.wrap(reduce)
 
     # -- blockwise --------------------------------------------------------------------
 
@@ -1515,8 +825,8 @@ class Array:
                 )
             if None not in (extra.n_rows, node.n_rows) and extra.n_rows != node.n_rows:
                 raise ValueError(
-                    f"map_blocks: the arrays have different rows: {_describe_shape(node.shape)} "
-                    f"and {_describe_shape(extra.shape)}"
+                    f"map_blocks: the arrays have different rows: {build.describe_shape(node.shape)} "
+                    f"and {build.describe_shape(extra.shape)}"
                 )
             if extra.n_rows != node.n_rows or (node.n_rows is None and extra.origin != node.origin):
                 counted = True
@@ -1524,7 +834,7 @@ class Array:
         if isinstance(node, Value):
             if others:
                 raise TypeError("map_blocks on an in-memory result takes no extra arrays")
-            return _value_apply(fn, node, name=getattr(fn, "__name__", "map_blocks"), **kwargs)
+            return build.value_apply(fn, node, name=getattr(fn, "__name__", "map_blocks"), **kwargs)
         if dtype is None or row_shape is None:
             probe_dtype, probe_shape = _probe(fn, nodes, resolved, kwargs)
             dtype = probe_dtype if dtype is None else dtype
@@ -1533,9 +843,11 @@ class Array:
             options = {"dtype": dtype, "row_shape": row_shape, "device": device, **kwargs}
             meta = (np.dtype(dtype), tuple(row_shape))
             what = f"map_blocks({getattr(fn, '__qualname__', 'fn')})"
-            return _defer_method(node, "map_blocks", (fn, *nodes[1:]), meta, what, True, options)
+            return build.defer_method(
+                node, "map_blocks", (fn, *nodes[1:]), meta, what, True, options
+            )
         spec = specs.MapSpec(fn, np.dtype(dtype), tuple(row_shape), resolved, kwargs)
-        return _wrap(graph.BlockMap(spec, tuple(nodes)))  # type: ignore[arg-type]
+        return build.wrap(graph.BlockMap(spec, tuple(nodes)))  # type: ignore[arg-type]
 
     def filter(self, fn: Callable[[np.ndarray], Any]) -> Array:
         """The rows for which ``fn(block)`` (one boolean per row) is True.
@@ -1553,7 +865,7 @@ class Array:
             raise ValueError(f"head needs n >= 0, got {n}")
         node = self._node
         if isinstance(node, Chunked) and node.n_rows is None:
-            return _wrap(graph.Reduce(specs.HeadSpec(n), (node,)))
+            return build.wrap(graph.Reduce(specs.HeadSpec(n), (node,)))
         return self[:n]
 
     def along(self, name: str, axis: int | None, **kwargs: Any) -> Array:
@@ -1574,7 +886,7 @@ class Array:
         kwargs = {k: v for k, v in kwargs.items() if k != "out" and (v is not None or k in _VALUED)}
         node = self._node
         if isinstance(node, Value):
-            return _value_apply(function, node, name=name, axis=axis, **kwargs)
+            return build.value_apply(function, node, name=name, axis=axis, **kwargs)
         assert isinstance(node, Chunked)
         if axis is None and name in ("sort", "argsort") and self.ndim == 1:
             axis = 0  # the flattened array is the array
@@ -1588,9 +900,7 @@ class Array:
             raise np.exceptions.AxisError(k, self.ndim)
         k %= self.ndim
         if k == 0 and name in ("sort", "argsort"):
-            from . import sorting
-
-            return sorting.along_rows(node, name, kwargs)
+            return dispatch.call_method("sort_rows", node, name, kwargs)
         if k == 0:
             raise ValueError(
                 f"np.{name} along axis 0 needs every row at once, and a lazy array is cut "
@@ -1600,7 +910,7 @@ class Array:
             joined = _diff_joined(self, k, kwargs)
             if joined is not None:
                 return joined
-        return _wrap(graph.BlockMap(specs.AlongAxisSpec(name, k, kwargs), (node,)))
+        return build.wrap(graph.BlockMap(specs.AlongAxisSpec(name, k, kwargs), (node,)))
 
     def cumsum(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Array:
         """``np.cumsum`` along a trailing axis (see :meth:`along`)."""
@@ -1622,10 +932,10 @@ class Array:
         dims = [operator.index(d) for d in shape]
         node = self._node
         if isinstance(node, Value):
-            return _value_apply(np.reshape, node, dims, name="reshape")
+            return build.value_apply(np.reshape, node, dims, name="reshape")
         assert isinstance(node, Chunked)
         if node.n_rows is not None:
-            reshaped = _shape_only(node).reshape(dims)  # NumPy's errors: sizes, -1s
+            reshaped = build.shape_only(node).reshape(dims)  # NumPy's errors: sizes, -1s
             if reshaped.size == 0:
                 # No values: NumPy's empty array of the new shape, whatever its rows.
                 return from_array(np.empty(reshaped.shape, node.dtype))
@@ -1644,16 +954,16 @@ class Array:
             trailing = [row_size // known if d == -1 else d for d in trailing]
         if node.n_rows is None and dims[0] >= 0 and math.prod(trailing) == row_size:
             meta = (node.dtype, tuple(trailing))
-            return _defer_method(node, "reshape", tuple(dims), meta, "reshape")
+            return build.defer_method(node, "reshape", tuple(dims), meta, "reshape")
         if dims[0] not in (-1, node.n_rows) or math.prod(trailing) != row_size:
             raise ValueError(
-                f"cannot reshape an array of shape {_describe_shape(node.shape)} into "
+                f"cannot reshape an array of shape {build.describe_shape(node.shape)} into "
                 f"{tuple(dims)}: a lazy array keeps its rows, so the first axis must be "
                 f"{node.n_rows} (or -1) and the rest must hold {row_size} elements"
             )
         if tuple(trailing) == node.row_shape:
             return self
-        return _wrap(graph.BlockMap(specs.ReshapeSpec(tuple(trailing)), (node,)))
+        return build.wrap(graph.BlockMap(specs.ReshapeSpec(tuple(trailing)), (node,)))
 
     # -- selection --------------------------------------------------------------------
 
@@ -1661,8 +971,10 @@ class Array:
         node = self._node
         if isinstance(node, Value):
             # A lazy index (u[u > 2]) is an operand, computed with the value.
-            parts = tuple(_node_of(k) if isinstance(k, Array) else k for k in _items(key))
-            return _value_apply(operator.getitem, node, _key(key, parts), name="getitem")
+            parts = tuple(
+                build.node_of(k) if isinstance(k, Array) else k for k in build.index_items(key)
+            )
+            return build.value_apply(operator.getitem, node, _key(key, parts), name="getitem")
         assert isinstance(node, Chunked)
         items = key if isinstance(key, tuple) else (key,)
         if items and isinstance(items[0], Array):
@@ -1685,7 +997,9 @@ class Array:
             index = operator.index(rows)
             if node.n_rows is None:
                 meta = (node.dtype, node.row_shape)
-                value = _defer_method(node, "__getitem__", (index,), meta, f"row {index}", False)
+                value = build.defer_method(
+                    node, "__getitem__", (index,), meta, f"row {index}", False
+                )
                 return value[trailing] if trailing else value
             selection.locate_row(index, node.block_pairs())
             if index < 0:
@@ -1693,7 +1007,7 @@ class Array:
             row = graph.Reduce(
                 specs.CollectSpec(), (graph.RowSlice(node, slice(index, index + 1)),)
             )
-            value = _value_apply(operator.getitem, row, 0, name=f"row {index}")
+            value = build.value_apply(operator.getitem, row, 0, name=f"row {index}")
             return value[trailing] if trailing else value
         return out._trailing(trailing) if trailing else out
 
@@ -1725,7 +1039,7 @@ class Array:
             )
             meta = (node.dtype, node.row_shape if rows_kept else (len(index), *node.row_shape))
             what = f"rows[{len(index):,} picked]"
-            return _defer_method(node, "_take", (index.copy(),), meta, what, rows_kept)
+            return build.defer_method(node, "_take", (index.copy(),), meta, what, rows_kept)
         if index.size and (int(index.min()) < -n or int(index.max()) >= n):
             first = index[(index < -n) | (index >= n)][0]
             raise IndexError(f"index {int(first)} is out of bounds for axis 0 with size {n}")
@@ -1739,23 +1053,25 @@ class Array:
             positions[negative] += n
         del negative
         if len(positions) < 2 or bool(np.all(positions[1:] >= positions[:-1])):
-            return _wrap(graph.RowTake(node, positions))
+            return build.wrap(graph.RowTake(node, positions))
         # Blocks of the default size for the output's rows: the source's mapping is
         # released once a block, whatever the picks touched.
         row_bytes = max(1, np.dtype(node.dtype).itemsize * math.prod(node.row_shape))
         below = _take_below(node, positions, blocksize.default_rows(row_bytes, len(positions)), {})
         if below is not None:
-            return _wrap(below)
+            return build.wrap(below)
         order = np.argsort(positions, kind="stable")
         picked = graph.RowTake(node, positions[order])
         back = np.empty_like(order)
         back[order] = np.arange(len(order))
-        return _value_apply(np.take, picked, back, axis=0, name=f"rows in order {picked.label()}")
+        return build.value_apply(
+            np.take, picked, back, axis=0, name=f"rows in order {picked.label()}"
+        )
 
     def _trailing(self, trailing: tuple[Any, ...]) -> Array:
         node = self._node
         assert isinstance(node, Chunked)
-        return _wrap(graph.BlockMap(specs.IndexSpec(trailing), (node,)))
+        return build.wrap(graph.BlockMap(specs.IndexSpec(trailing), (node,)))
 
     def _rows(self, key: slice) -> Array:
         node = self._node
@@ -1767,10 +1083,10 @@ class Array:
         if node.n_rows is None:
             parts = (key.start, key.stop) if key.step is None else (key.start, key.stop, key.step)
             what = "rows[" + ":".join("" if p is None else str(p) for p in parts) + "]"
-            return _defer_method(node, "_rows", (key,), (node.dtype, node.row_shape), what)
+            return build.defer_method(node, "_rows", (key,), (node.dtype, node.row_shape), what)
         if key.indices(node.n_rows) == (0, node.n_rows, 1):
             return self
-        return _wrap(graph.RowSlice(node, key))
+        return build.wrap(graph.RowSlice(node, key))
 
     def _mask(self, mask: Array, trailing: tuple[Any, ...]) -> Array:
         node = self._node
@@ -1780,13 +1096,13 @@ class Array:
             raise IndexError("arrays used as indices must be of integer (or boolean) type")
         if not isinstance(mnode, Chunked):
             raise IndexError(
-                f"the mask is an in-memory result of shape {_describe_shape(mnode.shape)} "
+                f"the mask is an in-memory result of shape {build.describe_shape(mnode.shape)} "
                 "(a reduction's), not an array with these rows; compute() it first"
             )
         if mnode.ndim > node.ndim or tuple(node.shape[1 : mnode.ndim]) != mnode.row_shape:
             raise IndexError(
-                f"boolean index of shape {_describe_shape(mnode.shape)} does not match the "
-                f"array of shape {_describe_shape(node.shape)}: it must have the array's "
+                f"boolean index of shape {build.describe_shape(mnode.shape)} does not match the "
+                f"array of shape {build.describe_shape(node.shape)}: it must have the array's "
                 "leading shape"
             )
         if trailing and mnode.ndim > 1:
@@ -1801,7 +1117,7 @@ class Array:
         ):
             # The rows line up (or NumPy's IndexError is raised) once counted.
             meta = (node.dtype, tuple(node.shape[max(1, mnode.ndim) :]))
-            out = _defer_method(node, "_mask", (mnode, ()), meta, "mask")
+            out = build.defer_method(node, "_mask", (mnode, ()), meta, "mask")
             return out._trailing(trailing) if trailing else out
         out = _filtered(graph.Filter(node, mnode))
         return out._trailing(trailing) if trailing else out
@@ -1810,29 +1126,29 @@ class Array:
 
     def copy(self, order: str = "C") -> Array:
         """A new handle on the same lazy graph (a lazy array never changes)."""
-        return ndarray_methods.copy(self, order)
+        return dispatch.call_method("copy", self, order)
 
     def tolist(self) -> Any:
         """Computed now, as nested Python lists; refused above the RAM budget."""
-        return ndarray_methods.tolist(self)
+        return dispatch.call_method("tolist", self)
 
     def item(self, *args: Any) -> Any:
         """One element as a Python scalar, computed now."""
-        return ndarray_methods.item(self, *args)
+        return dispatch.call_method("item", self, *args)
 
     def rechunk(self, rows: int) -> Array:
         """The same rows in blocks of ``rows`` rows (lazy)."""
-        return ndarray_methods.rechunk(self, rows)
+        return dispatch.call_method("rechunk", self, rows)
 
     @property
     def real(self) -> Array:
         """The real part (lazy)."""
-        return ndarray_methods.real(self)
+        return dispatch.call_method("real", self)
 
     @property
     def imag(self) -> Array:
         """The imaginary part (lazy; zeros for real data)."""
-        return ndarray_methods.imag(self)
+        return dispatch.call_method("imag", self)
 
     @property
     def device(self) -> str:
@@ -1841,56 +1157,56 @@ class Array:
 
     def to_device(self, device: Any, stream: Any = None) -> Array:
         """``self`` for ``"cpu"``; GPUs go through ``persist(device=...)``."""
-        return ndarray_methods.to_device(self, device, stream)
+        return dispatch.call_method("to_device", self, device, stream)
 
     def conj(self) -> Array:
         """The complex conjugate (lazy); ``self`` for real data, as ``ndarray.conj``
         (``np.conjugate`` would turn booleans into int8)."""
-        return _ufunc(np.conjugate, self) if self.dtype.kind == "c" else self
+        return build.apply_ufunc(np.conjugate, self) if self.dtype.kind == "c" else self
 
     conjugate = conj
 
     def dot(self, other: Any) -> Array:
         """``self @ other``."""
-        return ndarray_methods.dot(self, other)
+        return dispatch.call_method("dot", self, other)
 
     def take(self, indices: Any, axis: Any = None) -> Array:
         """Rows picked (axis 0) or a trailing axis picked on each block (lazy)."""
-        return ndarray_methods.take(self, indices, axis)
+        return dispatch.call_method("take", self, indices, axis)
 
     def compress(self, condition: Any, axis: Any = None) -> Array:
         """Rows kept where ``condition`` is true (axis 0), or along a trailing axis."""
-        return ndarray_methods.compress(self, condition, axis)
+        return dispatch.call_method("compress", self, condition, axis)
 
     def repeat(self, repeats: Any, axis: Any = None) -> Array:
         """``np.repeat`` along a trailing axis (lazy)."""
-        return ndarray_methods.repeat(self, repeats, axis)
+        return dispatch.call_method("repeat", self, repeats, axis)
 
     def swapaxes(self, axis1: Any, axis2: Any) -> Array:
         """Two trailing axes swapped (lazy)."""
-        return ndarray_methods.swapaxes(self, axis1, axis2)
+        return dispatch.call_method("swapaxes", self, axis1, axis2)
 
     def diagonal(self, offset: int = 0, axis1: int = 0, axis2: int = 1) -> Array:
         """Diagonals over two trailing axes, row by row (lazy)."""
-        return ndarray_methods.diagonal(self, offset, axis1, axis2)
+        return dispatch.call_method("diagonal", self, offset, axis1, axis2)
 
     def trace(
         self, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype: Any = None, out: Any = None
     ) -> Array:
         """Traces over two trailing axes, row by row (lazy)."""
-        return ndarray_methods.trace(self, offset, axis1, axis2, dtype, out)
+        return dispatch.call_method("trace", self, offset, axis1, axis2, dtype, out)
 
     def squeeze(self, axis: Any = None) -> Array:
         """Axes of length one dropped (lazy)."""
-        return ndarray_methods.squeeze(self, axis)
+        return dispatch.call_method("squeeze", self, axis)
 
     def ravel(self, order: str = "C") -> Array:
         """``self`` when 1-D; refused otherwise (it would change the rows)."""
-        return ndarray_methods.ravel(self, order)
+        return dispatch.call_method("ravel", self, order)
 
     def view(self, dtype: Any) -> Array:
         """Each block viewed as ``dtype`` (lazy)."""
-        return ndarray_methods.view(self, dtype)
+        return dispatch.call_method("view", self, dtype)
 
     # -- display ----------------------------------------------------------------------
 
@@ -1903,7 +1219,7 @@ class Array:
     def _summary(self) -> list[tuple[str, str]]:
         node = self._node
         rows: list[tuple[str, str]] = []
-        rows.append(("shape", _describe_shape(self.shape)))
+        rows.append(("shape", build.describe_shape(self.shape)))
         rows.append(("dtype", str(self.dtype) if self.dtype is not None else "unknown"))
         nbytes = self.nbytes
         rows.append(
@@ -2015,10 +1331,8 @@ def _probe(
     return dtype, shape[1:]
 
 
-# The NumPy-function and module-level operations need Array, so they import it; Array's
-# methods reach them through this module attribute, bound once both modules exist.
-from . import functions, ndarray_methods, products  # noqa: E402
+build.register_array(Array)
 
-for _name in ndarray_methods.REFUSED:
+for _name in dispatch.REFUSED:
     if _name not in Array.__dict__:  # a method Array defines itself wins
-        setattr(Array, _name, ndarray_methods.refused_attribute(_name))
+        setattr(Array, _name, dispatch.refused_attribute(_name))

@@ -21,6 +21,8 @@ import numpy as np
 from ..system import budget as budget_module
 from . import blocksize, counting, graph, scheduler
 from . import cache as cache_module
+from .api import build
+from .api.creation import from_array
 from .destination import check_npy, install_file, local_path, sweep_temps, temp_file
 from .executors import default_is_set, make_executor
 from .graph import Chunked
@@ -207,9 +209,7 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
     on one row. On any error or KeyboardInterrupt the workers are stopped and nothing
     is left behind (outputs freed, spill files deleted).
     """
-    from .array import Array, from_array
-
-    items = [a if isinstance(a, Array) else from_array(a) for a in arrays]
+    items = [from_array(a) for a in arrays]
     requests = [
         Target(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None) for a in items
     ]
@@ -245,8 +245,6 @@ def persist(array: Any, *, device: str | None = None, **options: Any) -> Any:
     with the same key; options as :func:`compute`. ``device`` (``"cuda"``, ``"cuda:N"``,
     ``"auto"``) also computes there, as :func:`compute` does, and keeps the result's
     blocks on that GPU while they fit its budget (:mod:`tierflow.engine.device_persist`)."""
-    from .array import Array
-
     _check_options("persist", options)
     node = array._node
     (result,) = compute(array, device=device, **options)
@@ -263,10 +261,10 @@ def persist(array: Any, *, device: str | None = None, **options: Any) -> Any:
             placed = device_persist.place(result, tuple(bounds), str(device), token)
             if placed is not None:
                 reader = placed
-        return Array(graph.Source(reader, bounds, key=node.key))
+        return build.wrap(graph.Source(reader, bounds, key=node.key))
     const = graph.Const(result)
     const._key = node.key
-    return Array(const)
+    return build.wrap(const)
 
 
 def to_npy(

@@ -63,6 +63,7 @@ import numpy as np
 from ..errors import BlockError, missing_dependency
 from ..operators import byteorder
 from . import blocksize, counting, graph, portable
+from .api import build
 from .graph import Chunked, Node, Value
 from .lower import lower_pass
 from .sources import Reader, unfit
@@ -280,12 +281,10 @@ def from_dask(array: Any) -> Array:
     without dask, TypeError for anything that is not a dask array.
     """
     da = _dask_array("tw.from_dask")
-    from .array import Array
-
     if not isinstance(array, da.Array):
         raise TypeError(f"tw.from_dask needs a dask.array.Array, got {type(array).__name__}")
     reader = DaskReader(array)
-    return Array(graph.Source(reader, reader.bounds))
+    return build.wrap(graph.Source(reader, reader.bounds))
 
 
 # -- to_dask ------------------------------------------------------------------------------
@@ -335,12 +334,10 @@ class Pipeline:
 
     def value(self, k: int) -> Any:
         """Value ``k`` of :attr:`values`, computed here (serially)."""
-        from .array import Array
-
         node = self.values[k]
         if isinstance(node, graph.Const):
             return np.asarray(node.value)
-        return np.asarray(Array(node).compute(executor="serial", progress=False))
+        return np.asarray(build.wrap(node).compute(executor="serial", progress=False))
 
     def _program_for(self, bound: tuple[Any, ...]) -> Any:
         with self._lock:

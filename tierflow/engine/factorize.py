@@ -31,14 +31,18 @@ everything else gives float64. Complex data is refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from ..operators import tsqr
 from . import graph, specs
-from .array import Array, _describe_shape, _wrap, from_array
+from .api import build
+from .api.creation import from_array
 from .graph import Chunked
+
+if TYPE_CHECKING:
+    from .array import Array
 
 __all__ = ["PCA", "pca", "qr", "svd"]
 
@@ -46,7 +50,7 @@ SAFE_CONDITION = 1e6  # cond(x) up to which Q = x R^-1 is orthogonal to ~1e-10
 SINGULAR_CONDITION = 1.0 / (1000 * np.finfo(np.float64).eps)  # above: rank-deficient
 
 
-class TallQRSpec(specs._ReduceSpec):
+class TallQRSpec(specs.ReduceSpec):
     """The R factor of a tall-skinny QR (of ``[1 | x]`` when ``with_ones``)."""
 
     def __init__(self, with_ones: bool) -> None:
@@ -66,7 +70,7 @@ def _tall(x: Any, name: str) -> Array:
     array = from_array(x)
     if array.ndim != 2:
         raise ValueError(
-            f"{name} takes a 2-D array (N, k); got shape {_describe_shape(array.shape)}"
+            f"{name} takes a 2-D array (N, k); got shape {build.describe_shape(array.shape)}"
         )
     if array.dtype.kind not in "biuf":
         raise TypeError(f"{name} of {array.dtype} data is not supported; compute() first")
@@ -84,7 +88,7 @@ def _r_factor(array: Array, options: dict[str, Any], with_ones: bool = False) ->
     if not isinstance(node, Chunked):
         node = from_array(array.compute(**options))._node
     assert isinstance(node, Chunked)
-    return np.asarray(_wrap(graph.Reduce(TallQRSpec(with_ones), (node,))).compute(**options))
+    return np.asarray(build.wrap(graph.Reduce(TallQRSpec(with_ones), (node,))).compute(**options))
 
 
 def _times(array: Array, w: np.ndarray) -> Array:
@@ -202,7 +206,7 @@ def svd(
     array = _tall(x, "tw.linalg.svd")
     if full_matrices and compute_uv:
         raise ValueError(
-            f"tw.linalg.svd(x) of an array of shape {_describe_shape(array.shape)}: the full "
+            f"tw.linalg.svd(x) of an array of shape {build.describe_shape(array.shape)}: the full "
             "U would be N x N; pass full_matrices=False for U of shape (N, k)"
         )
     dtype = _result_dtype(array.dtype)
@@ -265,7 +269,7 @@ def pca(x: Any, n_components: int | None = None, **options: Any) -> PCA:
     if not 1 <= n <= limit:
         raise ValueError(
             f"n_components={n_components} must be between 1 and min(N, k) = {limit} for x of "
-            f"shape {_describe_shape(array.shape)}"
+            f"shape {build.describe_shape(array.shape)}"
         )
     mean = r[0, 1:] / r[0, 0]
     centred_r = np.zeros((k, k))

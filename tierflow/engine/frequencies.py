@@ -33,7 +33,7 @@ import operator
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,21 +44,15 @@ from ..operators.types import block_bytes
 from ..storage import placement, spill
 from ..system import budget
 from . import distinct, graph
-from .array import (
-    Array,
-    _defer_function,
-    _deferred,
-    _describe_shape,
-    _line_up_later,
-    _value_apply,
-    _wrap,
-    from_array,
-)
+from .api import build, dispatch
+from .api.creation import from_array
 from .graph import Chunked, Value
-from .specs import _ReduceSpec, _Spec
+from .specs import ReduceSpec, Spec
+
+if TYPE_CHECKING:
+    from .array import Array
 
 __all__ = [
-    "FUNCTIONS",
     "Bincount",
     "BincountSpec",
     "Inverse",
@@ -217,7 +211,7 @@ class UniqueTable:
         return 1024
 
 
-class UniqueSpec(_ReduceSpec):
+class UniqueSpec(ReduceSpec):
     """``np.unique``'s table (see :class:`UniqueTable`)."""
 
     def __init__(self, rows: bool, counts: bool, index: bool) -> None:
@@ -295,7 +289,7 @@ class Inverse:
         )
 
 
-class InverseSpec(_Spec):
+class InverseSpec(Spec):
     """``np.unique(..., return_inverse=True)``'s inverse; the unique values are
     ``values[0]``."""
 
@@ -389,7 +383,7 @@ class Bincount:
         return 8 * self.minlength + 1024
 
 
-class BincountSpec(_ReduceSpec):
+class BincountSpec(ReduceSpec):
     """``np.bincount(x, weights, minlength)``."""
 
     def __init__(self, weighted: bool, minlength: int) -> None:
@@ -435,7 +429,7 @@ def _field_of(table: graph.Node, name: str, label: str) -> Array:
     ...)``, as a ``head`` of a masked array has)."""
     fields: dict[str, Any] = dict(np.dtype(table.dtype).fields or {})
     shape = (None, *fields[name][0].shape)
-    return _wrap(graph.Apply(_field, (table,), {"name": name}, name=label, shape=shape))
+    return build.wrap(graph.Apply(_field, (table,), {"name": name}, name=label, shape=shape))
 
 
 def _by_count(table: np.ndarray) -> np.ndarray:
@@ -452,13 +446,14 @@ def _unique_axis(node: Chunked | Value, axis: Any) -> bool:
         raise np.exceptions.AxisError(k, node.ndim)
     if k % node.ndim != 0:
         raise ValueError(
-            f"np.unique(x, axis={axis}) on an array of shape {_describe_shape(node.shape)} "
+            f"np.unique(x, axis={axis}) on an array of shape {build.describe_shape(node.shape)} "
             "compares slices that span every row, and a lazy array is cut into row blocks; "
             "use axis=0 (unique rows) or axis=None, or compute() first"
         )
     return node.ndim > 1
 
 
+@dispatch.implements(np.unique)
 def unique(  # noqa: PLR0913 -- np.unique's own signature
     ar: Any,
     return_index: bool = False,
@@ -487,11 +482,11 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
     if isinstance(node, Value):
         outputs = 1 + sum(bool(v) for v in flags.values())
         if outputs == 1:
-            return _value_apply(
+            return build.value_apply(
                 np.unique, node, name="unique", data_length=True, axis=axis, **flags
             )
         return tuple(
-            _value_apply(
+            build.value_apply(
                 _nth_unique, node, name="unique", data_length=True, n=n, axis=axis, **flags
             )
             for n in range(outputs)
@@ -505,14 +500,14 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
         )
     if rows and math.prod(node.row_shape) == 0:
         raise ValueError(
-            f"np.unique(axis=0) of rows without elements, shape {_describe_shape(node.shape)}, "
+            f"np.unique(axis=0) of rows without elements, shape {build.describe_shape(node.shape)}, "
             "is not supported on lazy arrays; compute() first"
         )
     spec = UniqueSpec(rows, bool(return_counts), bool(return_index))
     table: graph.Node = graph.Reduce(spec, (node,))
     if spec.needs_offset and node.n_rows is None:
         # First indices need each block's first row: known once the rows are counted.
-        table = _deferred(
+        table = build.deferred(
             [node],
             functools.partial(_counted_table, spec, node),
             (table.dtype, table.shape),
@@ -527,7 +522,7 @@ def unique(  # noqa: PLR0913 -- np.unique's own signature
     if return_inverse:
         uniques = values._node
         assert isinstance(uniques, Value)
-        out.append(_wrap(graph.BlockMap(InverseSpec(rows), (node,), (uniques,))))
+        out.append(build.wrap(graph.BlockMap(InverseSpec(rows), (node,), (uniques,))))
     if return_counts:
         out.append(_field_of(table, "count", "unique counts"))
     return out[0] if len(out) == 1 else tuple(out)
@@ -561,11 +556,11 @@ def value_counts(x: Any, axis: int | None = None) -> tuple[Array, Array]:
     array = from_array(x)
     node = array._node
     if isinstance(node, Value):
-        ranked = _wrap(graph.Apply(_value_table, (node,), {"axis": axis}, name="value_counts"))
+        ranked = build.wrap(graph.Apply(_value_table, (node,), {"axis": axis}, name="value_counts"))
     else:
         values = unique(array, return_counts=True, axis=axis)[0]
         table = values._node.inputs[0]
-        ranked = _wrap(graph.Apply(_by_count, (table,), name="value_counts"))
+        ranked = build.wrap(graph.Apply(_by_count, (table,), name="value_counts"))
     table_node = ranked._node
     return (
         _field_of(table_node, "value", "value_counts values"),
@@ -580,6 +575,7 @@ def _value_table(value: np.ndarray, axis: int | None) -> np.ndarray:
     return _by_count(table)
 
 
+@dispatch.implements(np.bincount)
 def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
     """``np.bincount`` on a lazy array: one pass, lazy counts identical to NumPy's
     (intp, or float64 with ``weights``, an array with the rows of ``x``)."""
@@ -589,14 +585,14 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
     if minlength < 0:
         raise ValueError("'minlength' must not be negative")
     if isinstance(node, Value):
-        return _value_apply(
+        return build.value_apply(
             np.bincount, node, weights, name="bincount", data_length=True, minlength=minlength
         )
     assert isinstance(node, Chunked)
     if node.ndim != 1:
         raise ValueError(
             f"object too deep for desired array: np.bincount counts a 1-D array, got shape "
-            f"{_describe_shape(node.shape)}; count one column (np.bincount(x[:, j])), or "
+            f"{build.describe_shape(node.shape)}; count one column (np.bincount(x[:, j])), or "
             "every element with np.unique(x, return_counts=True)"
         )
     if np.dtype(node.dtype).kind not in "biu":
@@ -610,24 +606,18 @@ def bincount(x: Any, weights: Any = None, minlength: int = 0) -> Array:
         if not isinstance(w, Chunked) or w.ndim != 1:
             raise ValueError(
                 f"The weights and list don't have the same length: weights of shape "
-                f"{_describe_shape(w.shape)} for x of shape {_describe_shape(node.shape)}"
+                f"{build.describe_shape(w.shape)} for x of shape {build.describe_shape(node.shape)}"
             )
-        if _line_up_later([node, w]):  # different masks, block sizes, or known rows
-            return _defer_function(
+        if build.line_up_later([node, w]):  # different masks, block sizes, or known rows
+            return build.defer_function(
                 lambda xw: bincount(xw[0], weights=xw[1], minlength=minlength),
                 [node, w],
                 f"bincount(minlength={minlength})",
             )
         if w.n_rows != node.n_rows:
             raise ValueError(
-                f"The weights and list don't have the same length: {_describe_shape(w.shape)} "
-                f"and {_describe_shape(node.shape)}"
+                f"The weights and list don't have the same length: {build.describe_shape(w.shape)} "
+                f"and {build.describe_shape(node.shape)}"
             )
         inputs = (node, w)
-    return _wrap(graph.Reduce(BincountSpec(weights is not None, minlength), inputs))
-
-
-FUNCTIONS: dict[Any, Any] = {
-    np.unique: unique,
-    np.bincount: bincount,
-}
+    return build.wrap(graph.Reduce(BincountSpec(weights is not None, minlength), inputs))

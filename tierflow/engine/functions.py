@@ -8,33 +8,19 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import graph, products, specs
-from .array import (
-    Array,
-    _align,
-    _as_value,
-    _defer_function,
-    _deferred,
-    _describe_shape,
-    _elementwise,
-    _line_up_later,
-    _NeedsCount,
-    _node_of,
-    _result_shape,
-    _shape_of,
-    _shape_only,
-    _value_apply,
-    _wrap,
-    from_array,
-)
+from .api import build, dispatch
+from .api.creation import from_array
 from .graph import Chunked, ElemOp, Value
 
+if TYPE_CHECKING:
+    from .array import Array
+
 __all__ = [
-    "FUNCTIONS",
     "REDUCE_UFUNCS",
     "cast_joined",
     "concatenate",
@@ -65,7 +51,7 @@ def _contract_later(left: Any, right: Any, numpy_fn: Callable[..., Any]) -> Arra
         x = placeholder(left, right, "left")
         w = placeholder(right, left, "right")
         result = np.asarray(np.matmul(x, w))
-    return _deferred(
+    return build.deferred(
         inputs,
         lambda lookup: (
             matmul(
@@ -85,25 +71,28 @@ def _numpy_core_check(numpy_fn: Callable[..., Any], left: Any, right: Any) -> No
     """NumPy's error (``numpy_fn``'s type and message) for operands whose contracted
     axes differ, when their shapes are known: raised by NumPy on data-less stand-ins,
     before it computes anything."""
-    shapes = [_shape_of(n) for n in (left, right)]
+    shapes = [build.shape_of(n) for n in (left, right)]
     if any(None in s or not s for s in shapes):
         return  # unknown rows: compared once counted; scalars: NumPy's error below
     a, b = shapes
     if a[-1] != (b[0] if len(b) == 1 else b[-2]):
-        numpy_fn(*(_shape_only(n) if isinstance(n, graph.Node) else n for n in (left, right)))
+        numpy_fn(*(build.shape_only(n) if isinstance(n, graph.Node) else n for n in (left, right)))
 
 
+@dispatch.method("matmul")
 def matmul(a: Any, b: Any, numpy_fn: Callable[..., Any] = np.matmul) -> Array:
     """``a @ b`` (``np.matmul``; ``np.dot`` passes itself as ``numpy_fn`` for its own
     errors) of lazy operands, as a block operation or a reduction over the rows."""
-    left, right = _node_of(a), _node_of(b)
+    if isinstance(b, products.Transposed):
+        b.__rmatmul__(a)  # refused, saying what to write instead
+    left, right = build.node_of(a), build.node_of(b)
     _numpy_core_check(numpy_fn, left, right)
     unknown_left = isinstance(left, Chunked) and left.n_rows is None
     unknown_right = isinstance(right, Chunked) and right.n_rows is None
     if (unknown_left and left.ndim == 1) or (unknown_right and not isinstance(left, Chunked)):
         return _contract_later(left, right, numpy_fn)
     if isinstance(left, Chunked) and isinstance(right, Chunked):
-        right = _as_value(right)
+        right = build.as_value(right)
     if isinstance(left, Chunked):
         w = right
         values: tuple[Value, ...] = ()
@@ -113,29 +102,30 @@ def matmul(a: Any, b: Any, numpy_fn: Callable[..., Any] = np.matmul) -> Array:
         else:
             w_array = np.asarray(w)
         if left.ndim >= 2:
-            return _wrap(graph.BlockMap(specs.MatmulSpec(w_array), (left,), values))
-        return _wrap(graph.Reduce(specs.ContractSpec(w_array, "right"), (left,), values))
+            return build.wrap(graph.BlockMap(specs.MatmulSpec(w_array), (left,), values))
+        return build.wrap(graph.Reduce(specs.ContractSpec(w_array, "right"), (left,), values))
     if isinstance(right, Chunked):
         values = (left,) if isinstance(left, Value) else ()
         w_array = None if values else np.asarray(left)
         if right.ndim > 2:
             raise ValueError(
-                f"w @ x with x of shape {_describe_shape(right.shape)} multiplies stacked "
+                f"w @ x with x of shape {build.describe_shape(right.shape)} multiplies stacked "
                 "matrices, not the row axis; x must be 1-D or 2-D"
             )
-        return _wrap(graph.Reduce(specs.ContractSpec(w_array, "left"), (right,), values))
-    return _value_apply(np.matmul, left, right, name="matmul")
+        return build.wrap(graph.Reduce(specs.ContractSpec(w_array, "left"), (right,), values))
+    return build.value_apply(np.matmul, left, right, name="matmul")
 
 
+@dispatch.method("outputs")
 def multi_output(
     ufunc: np.ufunc, inputs: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Array, ...]:
-    nodes = [_node_of(i) for i in inputs]
+    nodes = [build.node_of(i) for i in inputs]
     try:
-        shape = _result_shape(nodes)
-    except _NeedsCount:
+        shape = build.result_shape(nodes)
+    except build.NeedsCount:
         return _multi_output_later(ufunc, nodes, kwargs)
-    aligned = _align(nodes, shape)
+    aligned = build.align(nodes, shape)
     chunked = [a for a in aligned if isinstance(a, Chunked)]
     if not chunked:
         return _value_outputs(ufunc, aligned, kwargs)
@@ -146,7 +136,7 @@ def multi_output(
     )
     values = tuple(a for a in aligned if isinstance(a, Value))
     return tuple(
-        _wrap(graph.BlockMap(specs.UfuncOutSpec(ufunc, k, kwargs, template), blocks, values))
+        build.wrap(graph.BlockMap(specs.UfuncOutSpec(ufunc, k, kwargs, template), blocks, values))
         for k in range(ufunc.nout)
     )
 
@@ -174,7 +164,7 @@ def _multi_output_later(
             return multi_output(ufunc, swapped, kwargs)[k]._node
 
         what = f"{ufunc.__name__}[{k}]"
-        outputs.append(_deferred(inputs, make, meta, what, (what, kwargs, len(nodes))))
+        outputs.append(build.deferred(inputs, make, meta, what, (what, kwargs, len(nodes))))
     return tuple(outputs)
 
 
@@ -183,7 +173,7 @@ def _value_outputs(
 ) -> tuple[Array, ...]:
     """The outputs of ``ufunc`` on in-memory values."""
     return tuple(
-        _value_apply(
+        build.value_apply(
             lambda *v, k=k: ufunc(*v, **kwargs)[k], *operands, name=f"{ufunc.__name__}[{k}]"
         )
         for k in range(ufunc.nout)
@@ -204,6 +194,7 @@ REDUCE_UFUNCS: dict[np.ufunc, str] = {
 _CAST_FIRST = frozenset({"min", "max", "any", "all"})
 
 
+@dispatch.implements_reduce(*REDUCE_UFUNCS)
 def reduce_ufunc(ufunc: np.ufunc, a: Any, axis: Any = 0, **kwargs: Any) -> Array:
     """``np.add.reduce(a, axis, dtype, keepdims, initial)`` and the other
     :data:`REDUCE_UFUNCS`.
@@ -235,7 +226,7 @@ def where(condition: Any, x: Any = None, y: Any = None) -> Array:
             "tw.where(condition) without x and y (the indices of true elements) is not "
             "supported; use x[condition] to select, or compute() first"
         )
-    return _elementwise(ElemOp("where"), condition, x, y)
+    return build.elementwise(ElemOp("where"), condition, x, y)
 
 
 def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
@@ -249,16 +240,16 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
     if any(isinstance(n, Value) for n in nodes):
         # An in-memory piece among chunked ones: the whole result is held in memory
         # (the chunked pieces must then be small enough to be constants).
-        nodes = [n if isinstance(n, Value) else _as_value(n) for n in nodes]
+        nodes = [n if isinstance(n, Value) else build.as_value(n) for n in nodes]
     if all(isinstance(n, Value) for n in nodes):
-        return _value_apply(np.concatenate, list(nodes), axis=axis, name="concatenate")
+        return build.value_apply(np.concatenate, list(nodes), axis=axis, name="concatenate")
     ndim = nodes[0].ndim
     if any(n.ndim != ndim for n in nodes):
         _numpy_concatenate_check(nodes, axis)
         raise ValueError(
             "all the input arrays must have same number of dimensions, but the array at "
             f"index 0 has {ndim} dimension(s) and another has a different number: "
-            + ", ".join(_describe_shape(n.shape) for n in nodes)
+            + ", ".join(build.describe_shape(n.shape) for n in nodes)
         )
     axis = operator.index(axis)
     if axis < 0:
@@ -269,9 +260,9 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
     if axis == 0:
         if len(chunked) == 1:
             return items[0]
-        return _wrap(graph.Concat(chunked))
-    if _line_up_later(chunked):
-        return _defer_function(
+        return build.wrap(graph.Concat(chunked))
+    if build.line_up_later(chunked):
+        return build.defer_function(
             lambda xs: concatenate(xs, axis=axis), chunked, f"concatenate(axis={axis})"
         )
     rows = {n.n_rows for n in chunked}
@@ -279,9 +270,9 @@ def concatenate(arrays: Sequence[Any], axis: int = 0) -> Array:
         _numpy_concatenate_check(nodes, axis)
         raise ValueError(
             f"all the input array dimensions except for the concatenation axis must match "
-            f"exactly: the arrays have rows {', '.join(_describe_shape(n.shape) for n in chunked)}"
+            f"exactly: the arrays have rows {', '.join(build.describe_shape(n.shape) for n in chunked)}"
         )
-    return _wrap(graph.BlockMap(specs.StackSpec(np.concatenate, axis), chunked))
+    return build.wrap(graph.BlockMap(specs.StackSpec(np.concatenate, axis), chunked))
 
 
 def _numpy_concatenate_check(nodes: Sequence[Any], axis: int) -> None:
@@ -289,7 +280,7 @@ def _numpy_concatenate_check(nodes: Sequence[Any], axis: int) -> None:
     stand-ins raises it before it copies anything. Where a row count is unknown, only
     for numbers of dimensions (NumPy's message names no row count then)."""
     if all(None not in n.shape for n in nodes) or len({n.ndim for n in nodes}) > 1:
-        np.concatenate([_shape_only(n) for n in nodes], axis=axis)
+        np.concatenate([build.shape_only(n) for n in nodes], axis=axis)
 
 
 def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
@@ -300,7 +291,7 @@ def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
     if not items:
         raise ValueError("need at least one array to stack")
     if all(isinstance(n, Value) for n in nodes):
-        return _value_apply(np.stack, list(nodes), axis=axis, name="stack")
+        return build.value_apply(np.stack, list(nodes), axis=axis, name="stack")
     axis = operator.index(axis)
     if axis < 0:
         axis += nodes[0].ndim + 1
@@ -310,15 +301,15 @@ def stack(arrays: Sequence[Any], axis: int = 1) -> Array:
             "axis, or concatenate along the rows"
         )
     chunked = tuple(n for n in nodes if isinstance(n, Chunked))
-    if len(chunked) == len(nodes) and _line_up_later(chunked):
-        return _defer_function(lambda xs: stack(xs, axis=axis), chunked, f"stack(axis={axis})")
+    if len(chunked) == len(nodes) and build.line_up_later(chunked):
+        return build.defer_function(lambda xs: stack(xs, axis=axis), chunked, f"stack(axis={axis})")
     shapes = {n.shape for n in chunked}
     if len(chunked) != len(nodes) or len(shapes) > 1:
         raise ValueError(
             "all input arrays must have the same shape: "
-            + ", ".join(_describe_shape(n.shape) for n in nodes)
+            + ", ".join(build.describe_shape(n.shape) for n in nodes)
         )
-    return _wrap(graph.BlockMap(specs.StackSpec(np.stack, axis), chunked))
+    return build.wrap(graph.BlockMap(specs.StackSpec(np.stack, axis), chunked))
 
 
 def _reduction_function(kind: str) -> Callable[..., Any]:
@@ -366,10 +357,12 @@ def _arg_function(kind: str) -> Callable[..., Any]:
     return handler
 
 
+@dispatch.implements(np.count_nonzero)
 def _count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> Any:
     return from_array(a).count_nonzero(axis=axis, keepdims=keepdims)
 
 
+@dispatch.implements(np.histogram)
 def _histogram(
     a: Any, bins: Any = 10, range: Any = None, density: Any = None, weights: Any = None
 ) -> Any:
@@ -378,6 +371,7 @@ def _histogram(
     return from_array(a).histogram(bins=bins, range=range, density=bool(density))
 
 
+@dispatch.implements(np.concatenate)
 def _concatenate(
     arrays: Sequence[Any],
     axis: int | None = 0,
@@ -403,6 +397,7 @@ def cast_joined(result: Array, dtype: Any, casting: str) -> Array:
     return result.astype(dtype)
 
 
+@dispatch.implements(np.clip)
 def _clip(  # noqa: PLR0913 -- np.clip's own signature, for __array_function__
     a: Any,
     a_min: Any = np._NoValue,
@@ -422,12 +417,14 @@ def _clip(  # noqa: PLR0913 -- np.clip's own signature, for __array_function__
     return from_array(a).clip(lo, hi)
 
 
+@dispatch.implements(np.round, np.around)
 def _round(a: Any, decimals: int = 0, out: Any = None) -> Any:
     if out is not None:
         raise TypeError("np.round(..., out=...) is not supported on lazy arrays")
     return from_array(a).round(decimals)
 
 
+@dispatch.implements(np.where)
 def _where(condition: Any, x: Any = None, y: Any = None) -> Any:
     return where(condition, x, y)
 
@@ -436,17 +433,19 @@ def dot(a: Any, b: Any) -> Array:
     """``np.dot(a, b)``: ``a @ b``, and ``a * b`` where either is 0-d, as NumPy's (which
     makes a Python number an array first: ``int8 . 2`` is int64, not NEP 50's int8)."""
     if np.ndim(a) == 0 or np.ndim(b) == 0:
-        a, b = (v if isinstance(v, Array) else np.asarray(v) for v in (a, b))
+        a, b = (v if build.is_array(v) else np.asarray(v) for v in (a, b))
         return np.multiply(a, b)
     return matmul(a, b, np.dot)
 
 
+@dispatch.implements(np.dot)
 def _dot(a: Any, b: Any, out: Any = None) -> Any:
     if out is not None:
         raise TypeError("np.dot(..., out=...) is not supported on lazy arrays")
     return dot(a, b)
 
 
+@dispatch.implements(np.stack)
 def _stack(
     arrays: Sequence[Any],
     axis: int = 0,
@@ -460,6 +459,7 @@ def _stack(
     return cast_joined(stack(arrays, axis=axis), dtype, casting)
 
 
+@dispatch.implements(np.reshape)
 def _reshape(a: Any, *args: Any, **kwargs: Any) -> Any:
     shape = kwargs.get("shape", kwargs.get("newshape", args[0] if args else None))
     if kwargs.get("order", "C") != "C":
@@ -471,6 +471,7 @@ def _astype(x: Any, dtype: Any, /, *, copy: bool = True, device: Any = None) -> 
     return from_array(x).astype(dtype)
 
 
+@dispatch.implements(np.nansum)
 def _nansum(
     a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: Any = False, **kw: Any
 ) -> Any:
@@ -486,7 +487,7 @@ def _nansum(
 def _size(array: Array, axis: Any) -> int:
     """``np.size(array, axis)``: a number, as NumPy's, so a row count unknown after a
     mask is counted first (as ``len()`` counts; ``Array._counted_shape``)."""
-    np.size(_shape_only(array._node), axis)  # NumPy's error for the axis
+    np.size(build.shape_only(array._node), axis)  # NumPy's error for the axis
     return int(np.size(array._standin(), axis))
 
 
@@ -497,59 +498,19 @@ def _along(name: str, default_axis: int | None) -> Callable[..., Any]:
     return handler
 
 
-FUNCTIONS: dict[Any, Callable[..., Any]] = {
-    np.sum: _reduction_function("sum"),
-    np.prod: _reduction_function("prod"),
-    np.mean: _reduction_function("mean"),
-    np.std: _reduction_function("std"),
-    np.var: _reduction_function("var"),
-    np.min: _reduction_function("min"),
-    np.max: _reduction_function("max"),
-    np.amin: _reduction_function("min"),
-    np.amax: _reduction_function("max"),
-    np.any: _reduction_function("any"),
-    np.all: _reduction_function("all"),
-    np.argmin: _arg_function("argmin"),
-    np.argmax: _arg_function("argmax"),
-    np.count_nonzero: _count_nonzero,
-    np.histogram: _histogram,
-    np.concatenate: _concatenate,
-    np.clip: _clip,
-    np.round: _round,
-    np.around: _round,
-    np.where: _where,
-    np.dot: _dot,
-    np.stack: _stack,
-    np.reshape: _reshape,
-    np.nansum: _nansum,
-    np.sort: _along("sort", -1),
-    np.argsort: _along("argsort", -1),
-    np.cumsum: _along("cumsum", None),
-    np.cumprod: _along("cumprod", None),
-    np.nancumsum: _along("nancumsum", None),
-    np.nancumprod: _along("nancumprod", None),
-    np.diff: _along("diff", -1),
-    np.shape: lambda a: from_array(a).shape,
-    np.ndim: lambda a: from_array(a).ndim,
-    np.size: lambda a, axis=None: _size(from_array(a), axis),
-}
+for _kind in ("sum", "prod", "mean", "std", "var", "min", "max", "any", "all"):
+    dispatch.implements(getattr(np, _kind))(_reduction_function(_kind))
+dispatch.implements(np.amin)(_reduction_function("min"))
+dispatch.implements(np.amax)(_reduction_function("max"))
+dispatch.implements(np.argmin)(_arg_function("argmin"))
+dispatch.implements(np.argmax)(_arg_function("argmax"))
+for _name, _axis in (
+    ("sort", -1), ("argsort", -1), ("cumsum", None), ("cumprod", None),
+    ("nancumsum", None), ("nancumprod", None), ("diff", -1),
+):  # fmt: skip
+    dispatch.implements(getattr(np, _name))(_along(_name, _axis))
+dispatch.implements(np.shape)(lambda a: from_array(a).shape)
+dispatch.implements(np.ndim)(lambda a: from_array(a).ndim)
+dispatch.implements(np.size)(lambda a, axis=None: _size(from_array(a), axis))
 if hasattr(np, "astype"):
-    FUNCTIONS[np.astype] = _astype
-
-from . import quantiles  # noqa: E402 -- it imports this module's neighbours first
-
-FUNCTIONS.update(quantiles.FUNCTIONS)
-
-from . import frequencies  # noqa: E402 -- it imports this module's neighbours, not this module
-
-FUNCTIONS.update(frequencies.FUNCTIONS)
-
-FUNCTIONS.update(products.FUNCTIONS)
-
-from . import rowwise  # noqa: E402 -- it builds on this module's functions
-
-FUNCTIONS.update(rowwise.FUNCTIONS)
-
-from . import sorting  # noqa: E402 -- its module imports the Array, as this one does
-
-FUNCTIONS.update(sorting.FUNCTIONS)
+    dispatch.implements(np.astype)(_astype)

@@ -1,7 +1,7 @@
-"""The ndarray methods and attributes a NumPy user reaches for on a lazy array, and
-NumPy's names for its functions in errors.
+"""The ndarray methods and attributes a NumPy user reaches for on a lazy array.
 
-Three kinds (``Array`` methods in :mod:`tierflow.engine.array` delegate here):
+Three kinds (``Array`` methods in :mod:`tierflow.engine.array` reach the first two
+through the registry, :data:`tierflow.engine.api.dispatch.METHODS`):
 
 * lazy, row by row: ``copy``, ``rechunk``, ``conj``/``conjugate``, ``real``, ``imag``,
   ``dot``, ``take``/``compress``/``repeat``/``swapaxes``/``diagonal``/``trace`` along
@@ -9,7 +9,7 @@ Three kinds (``Array`` methods in :mod:`tierflow.engine.array` delegate here):
   ``flatten`` of a 1-D array;
 * computed now, as NumPy's: ``tolist`` (refused when the list would not fit the RAM
   budget), ``item``;
-* refused with what to do instead (:data:`REFUSED`): methods that change an array in
+* refused with what to do instead (:data:`tierflow.engine.api.dispatch.REFUSED`): methods that change an array in
   place (``sort``, ``fill``, ``resize``, ``put``...), that need every row at once
   (``nonzero``, ``searchsorted``...) or the array's memory (``data``, ``strides``,
   ``flags``...). ``Array`` gets one raising method or property per name, so a name
@@ -21,54 +21,42 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..config import format_bytes
 from . import blocksize, graph
-from .array import Array, _defer_method, _describe_shape, _shape_only, _value_apply, _wrap
+from .api import build, dispatch
 from .graph import Chunked, Value
+from .rowwise import on_blocks
+
+if TYPE_CHECKING:
+    from .array import Array
 
 __all__ = [
     "LIST_BYTES_PER_ELEMENT",
-    "REFUSED",
     "Rechunk",
-    "function_name",
     "rechunk",
-    "refused_attribute",
     "tolist",
 ]
 
 LIST_BYTES_PER_ELEMENT = 32  # a list slot (8) and a Python float or int (24)
 
 
-def function_name(func: Any) -> str:
-    """How a user writes ``func``: ``np.linalg.norm``, ``np.fft.fft``, ``np.sum``
-    (private modules left out: ``numpy._core.fromnumeric`` reads as ``np``).
-
-    >>> function_name(np.linalg.norm), function_name(np.sum)
-    ('np.linalg.norm', 'np.sum')
-    """
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    module = str(getattr(func, "__module__", None) or "")
-    parts = [p for p in module.split(".") if p and not p.startswith("_")]
-    if parts and parts[0] == "numpy":
-        parts[0] = "np"
-    return ".".join([*parts, str(name)])
-
-
 # -- lazy -------------------------------------------------------------------------------
 
 
+@dispatch.method("copy")
 def copy(x: Array, order: str = "C") -> Array:
     """A new handle on the same lazy graph: a lazy array never changes, so nothing needs
     copying until it is computed (each compute gives a new NumPy array)."""
     if order not in ("C", "K", "A"):
         raise ValueError(f"a lazy array is copied in C order, not order={order!r}")
-    return _wrap(x._node)
+    return build.wrap(x._node)
 
 
+@dispatch.method("rechunk")
 def rechunk(x: Array, rows: int) -> Array:
     """``x`` in blocks of ``rows`` rows (the last may be shorter): lazy, nothing is read.
 
@@ -87,15 +75,15 @@ def rechunk(x: Array, rows: int) -> Array:
         )
     if node.n_rows is None:
         meta = (node.dtype, node.row_shape)
-        return _defer_method(node, "rechunk", (step,), meta, f"rechunk({step})")
+        return build.defer_method(node, "rechunk", (step,), meta, f"rechunk({step})")
     row_nbytes = np.dtype(node.dtype).itemsize * math.prod(node.row_shape)
     bounds = blocksize.bounds(node.n_rows, step, row_nbytes)
     if bounds == node.bounds:
         return x
     if isinstance(node, graph.Source):
         # As from_npy(path, rows=...): the same rows, read in other blocks, same key.
-        return _wrap(graph.Source(node.reader, bounds, key=node.key))
-    return _wrap(Rechunk(node, step, bounds))
+        return build.wrap(graph.Source(node.reader, bounds, key=node.key))
+    return build.wrap(Rechunk(node, step, bounds))
 
 
 class Rechunk(graph.Concat):
@@ -117,11 +105,9 @@ class Rechunk(graph.Concat):
 
 def per_block(name: str, fn: Callable[..., Any], x: Array, **kwargs: Any) -> Array:
     """NumPy's ``fn`` on each block of ``x`` (or on its in-memory result)."""
-    from .rowwise import _per_block
-
     if isinstance(x._node, Value):
-        return _value_apply(fn, x._node, name=name, **kwargs)
-    return _per_block(name, fn, [x], **kwargs)
+        return build.value_apply(fn, x._node, name=name, **kwargs)
+    return on_blocks(name, fn, [x], **kwargs)
 
 
 def _trailing_axis(x: Array, axis: Any, what: str, instead: str) -> int:
@@ -134,16 +120,19 @@ def _trailing_axis(x: Array, axis: Any, what: str, instead: str) -> int:
     return k
 
 
+@dispatch.method("real")
 def real(x: Array) -> Array:
     """The real part (``x`` itself for real data)."""
     return x if x.dtype.kind != "c" else per_block("real", np.real, x)
 
 
+@dispatch.method("imag")
 def imag(x: Array) -> Array:
     """The imaginary part (zeros for real data, as NumPy)."""
     return per_block("imag", np.imag, x)
 
 
+@dispatch.method("take")
 def take(x: Array, indices: Any, axis: Any = None) -> Array:
     """``x.take(indices, axis)``: rows picked (axis 0, or a 1-D array), or a trailing
     axis picked on each block."""
@@ -162,10 +151,11 @@ def take(x: Array, indices: Any, axis: Any = None) -> Array:
     return per_block("take", np.take, x, indices=np.asarray(indices), axis=k % x.ndim)
 
 
+@dispatch.method("compress")
 def compress(x: Array, condition: Any, axis: Any = None) -> Array:
     """``x.compress(condition, axis)``: rows kept where ``condition`` is true (axis 0, or
     a 1-D array), or a trailing axis on each block."""
-    cond = condition if isinstance(condition, Array) else np.asarray(condition, bool)
+    cond = condition if build.is_array(condition) else np.asarray(condition, bool)
     if axis is None:
         if x.ndim != 1:
             raise ValueError(
@@ -184,6 +174,7 @@ def _compress_block(block: np.ndarray, condition: np.ndarray, axis: int) -> np.n
     return np.compress(condition, block, axis=axis)
 
 
+@dispatch.method("repeat")
 def repeat(x: Array, repeats: Any, axis: Any = None) -> Array:
     """``x.repeat(repeats, axis)`` along a trailing axis (each row's values repeated)."""
     if axis is None:
@@ -195,24 +186,27 @@ def repeat(x: Array, repeats: Any, axis: Any = None) -> Array:
     return per_block("repeat", np.repeat, x, repeats=repeats, axis=k)
 
 
+@dispatch.method("swapaxes")
 def swapaxes(x: Array, axis1: Any, axis2: Any) -> Array:
     """``x.swapaxes(a, b)`` of two trailing axes (each row's own axes)."""
-    np.swapaxes(_shape_only(x._node), axis1, axis2)  # NumPy's errors for the axes
+    np.swapaxes(build.shape_only(x._node), axis1, axis2)  # NumPy's errors for the axes
     instead = "moves the rows elsewhere; swap trailing axes only, or compute() first"
     a = _trailing_axis(x, axis1, "swapaxes", instead)
     b = _trailing_axis(x, axis2, "swapaxes", instead)
     return per_block("swapaxes", np.swapaxes, x, axis1=a, axis2=b)
 
 
+@dispatch.method("diagonal")
 def diagonal(x: Array, offset: int = 0, axis1: int = 0, axis2: int = 1) -> Array:
     """``x.diagonal(offset, axis1, axis2)`` of two trailing axes, row by row."""
-    np.diagonal(_shape_only(x._node), offset, axis1, axis2)  # NumPy's errors for the axes
+    np.diagonal(build.shape_only(x._node), offset, axis1, axis2)  # NumPy's errors for the axes
     instead = "needs every row at once; give two trailing axes, or compute() first"
     a = _trailing_axis(x, axis1, "diagonal", instead)
     b = _trailing_axis(x, axis2, "diagonal", instead)
     return per_block("diagonal", np.diagonal, x, offset=offset, axis1=a, axis2=b)
 
 
+@dispatch.method("trace")
 def trace(  # noqa: PLR0913 -- ndarray.trace's signature
     x: Array, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype: Any = None,
     out: Any = None,
@@ -221,13 +215,14 @@ def trace(  # noqa: PLR0913 -- ndarray.trace's signature
     if out is not None:
         raise TypeError("x.trace(..., out=...) is not supported on lazy arrays")
     # NumPy's errors for the axes (its trace is a sum of this diagonal)
-    np.diagonal(_shape_only(x._node), offset, axis1, axis2)
+    np.diagonal(build.shape_only(x._node), offset, axis1, axis2)
     instead = "needs every row at once; give two trailing axes, or compute() first"
     a = _trailing_axis(x, axis1, "trace", instead)
     b = _trailing_axis(x, axis2, "trace", instead)
     return per_block("trace", np.trace, x, offset=offset, axis1=a, axis2=b, dtype=dtype)
 
 
+@dispatch.method("squeeze")
 def squeeze(x: Array, axis: Any = None) -> Array:
     """``x.squeeze(axis)``: trailing axes of length one dropped; the row axis too when
     there is one row (then the result is an in-memory value, as a row is). Whether the
@@ -235,7 +230,7 @@ def squeeze(x: Array, axis: Any = None) -> Array:
     ``squeeze(axis=0)`` count the rows first, now, as ``len()`` does."""
     node = x._node
     if isinstance(node, Value):
-        return _value_apply(np.squeeze, node, axis=axis, name="squeeze")
+        return build.value_apply(np.squeeze, node, axis=axis, name="squeeze")
     shape = x.shape
     axes = None if axis is None else tuple(a % x.ndim for a in np.atleast_1d(axis).tolist())
     if shape[0] is None and (axes is None or 0 in axes):
@@ -249,23 +244,25 @@ def squeeze(x: Array, axis: Any = None) -> Array:
                     "cannot select an axis to squeeze out which has size not equal to one"
                 )
     if 0 in axes:
-        return _value_apply(np.squeeze, x._node, axis=axes, name="squeeze")
+        return build.value_apply(np.squeeze, x._node, axis=axes, name="squeeze")
     kept = [n for i, n in enumerate(shape) if i not in axes and i > 0]
     return x.reshape(-1, *kept) if axes else x
 
 
+@dispatch.method("ravel")
 def ravel(x: Array, order: str = "C") -> Array:
     """The flattened array: ``x`` itself when 1-D; refused otherwise (it would turn each
     row into several)."""
     if x.ndim == 1 or isinstance(x._node, Value):
-        return x if x.ndim == 1 else _value_apply(np.ravel, x._node, name="ravel")
+        return x if x.ndim == 1 else build.value_apply(np.ravel, x._node, name="ravel")
     raise ValueError(
-        f"x.ravel() of shape {_describe_shape(x.shape)} would turn each row into "
+        f"x.ravel() of shape {build.describe_shape(x.shape)} would turn each row into "
         f"{math.prod(x.shape[1:])} rows, and a lazy array keeps its rows; use "  # type: ignore[arg-type]
         "x.reshape(n, -1) to flatten within rows, or compute() first"
     )
 
 
+@dispatch.method("view")
 def view(x: Array, dtype: Any) -> Array:
     """``x.view(dtype)`` on each block, where the rows' bytes are a whole number of the
     new dtype's elements."""
@@ -284,6 +281,7 @@ def _view_block(block: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(block).view(dtype)
 
 
+@dispatch.method("dot")
 def dot(x: Array, other: Any) -> Array:
     """``np.dot(x, other)``: ``x @ other``, or ``x * other`` for a 0-d ``other``."""
     from .functions import dot
@@ -294,6 +292,7 @@ def dot(x: Array, other: Any) -> Array:
 # -- computed now -----------------------------------------------------------------------
 
 
+@dispatch.method("tolist")
 def tolist(x: Array) -> Any:
     """``x.compute().tolist()``: nested Python lists (a Python scalar for 0-d).
 
@@ -317,13 +316,14 @@ def _check_list_size(size: int, shape: tuple[int | None, ...]) -> None:
     limit = budget.budget_bytes()
     if need > limit:
         raise MemoryError(
-            f"x.tolist() of shape {_describe_shape(shape)} would build {size} Python "
+            f"x.tolist() of shape {build.describe_shape(shape)} would build {size} Python "
             f"numbers, about {format_bytes(need)}, more than the RAM budget "
             f"({format_bytes(limit)}); compute() gives a NumPy array (to_npy() a file), "
             "or take fewer rows first (x[:1000].tolist())"
         )
 
 
+@dispatch.method("item")
 def item(x: Array, *args: Any) -> Any:
     """``x.item()`` (one element) or ``x.item(i)`` / ``x.item(i, j)``: a Python scalar,
     computed now (only the blocks holding it are read). The rows are counted first
@@ -341,6 +341,7 @@ def item(x: Array, *args: Any) -> Any:
     return np.asarray(x[tuple(int(i) for i in index)].compute()).item()
 
 
+@dispatch.method("to_device")
 def to_device(x: Array, device: Any, stream: Any = None) -> Array:
     """``x.to_device("cpu")``: ``x`` (lazy arrays compute into host memory); GPUs go
     through ``persist(device=...)`` or ``map_blocks(device=...)``."""
@@ -351,52 +352,3 @@ def to_device(x: Array, device: Any, stream: Any = None) -> Array:
         f"x.persist(device={str(device)!r}) to keep its blocks on a GPU, or "
         "map_blocks(fn, device=...) to run there"
     )
-
-
-# -- refused, with what to do -----------------------------------------------------------
-
-_IN_PLACE = "lazy arrays never change in place"
-_MEMORY = "a lazy array has no memory of its own until it is computed"
-
-REFUSED: dict[str, tuple[bool, str]] = {
-    # name: (a property?, what to do)
-    "sort": (False, f"it sorts in place; {_IN_PLACE}: use np.sort(x, axis=...), which returns a new array"),
-    "argpartition": (False, "use np.argpartition(x, kth, axis=...) on a trailing axis, or compute() first"),
-    "partition": (False, f"it works in place; {_IN_PLACE}: use np.partition(x, kth, axis=...)"),
-    "fill": (False, f"it writes in place; {_IN_PLACE}: use tw.where(mask, value, x), or np.full_like after compute()"),
-    "put": (False, f"it writes in place; {_IN_PLACE}: use tw.where(mask, values, x)"),
-    "resize": (False, f"it works in place; {_IN_PLACE}: use x.reshape(...) (same rows) or x[:n] (fewer rows)"),
-    "setfield": (False, f"it writes in place; {_IN_PLACE}: compute() first"),
-    "setflags": (False, f"{_MEMORY}: compute() first"),
-    "byteswap": (False, "use x.astype(x.dtype.newbyteorder()) for the values in the other byte order, or compute() first"),
-    "getfield": (False, "structured fields are not supported on lazy arrays; compute() first"),
-    "choose": (False, "use tw.where(condition, a, b) for two choices, or compute() first"),
-    "nonzero": (False, "it gives the position of every non-zero element, an array as long as the data; select with a mask (x[x != 0]), count with np.count_nonzero(x, axis=0), or compute() first"),
-    "searchsorted": (False, "it needs all sorted values at once; compute() first"),
-    "flatten": (False, "it would turn each row into several, and a lazy array keeps its rows; use x.reshape(n, -1) to flatten within rows, or compute() first"),
-    "dump": (False, "use x.to_npy(path), which streams to a .npy file, or compute() first"),
-    "dumps": (False, "use x.to_npy(path), which streams to a .npy file, or compute() first"),
-    "tofile": (False, "use x.to_npy(path), which streams to a .npy file, or compute() first"),
-    "tobytes": (False, f"{_MEMORY}: compute() first (or x.to_npy(path) to write it)"),
-    "base": (True, f"{_MEMORY}: compute() first"),
-    "ctypes": (True, f"{_MEMORY}: compute() first"),
-    "data": (True, f"{_MEMORY}: compute() first"),
-    "flags": (True, f"{_MEMORY}: compute() first"),
-    "strides": (True, f"{_MEMORY}: its blocks are C-contiguous when computed; compute() first"),
-    "flat": (True, "a lazy array cannot be iterated element by element; compute() first, or use map_blocks"),
-}  # fmt: skip
-"""ndarray names a lazy array refuses: whether each is a property, and what to do."""
-
-
-def refused_attribute(name: str) -> Any:
-    """A method (or property) of Array that raises TypeError with the guidance of
-    :data:`REFUSED` for ``name``."""
-    is_property, guidance = REFUSED[name]
-    what = f"x.{name}" if is_property else f"x.{name}()"
-
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"{what} is not supported on lazy arrays: {guidance}")
-
-    refuse.__name__ = name
-    refuse.__doc__ = f"Not supported on lazy arrays: {guidance}."
-    return property(refuse) if is_property else refuse

@@ -22,30 +22,25 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from ..operators import crossprod
 from . import graph, specs
-from .array import (
-    Array,
-    _defer_function,
-    _describe_shape,
-    _line_up_later,
-    _shape_only,
-    _value_apply,
-    _wrap,
-    from_array,
-)
+from .api import build, dispatch
+from .api.creation import from_array
 from .graph import Chunked, Value
 
-__all__ = ["FUNCTIONS", "Transposed", "corrcoef", "cov", "transpose"]
+if TYPE_CHECKING:
+    from .array import Array
+
+__all__ = ["Transposed", "corrcoef", "cov", "transpose"]
 
 SMALL_ROWVAR = 2048  # rows up to which np.cov(x) of a chunked (N, k) array is an N x N matrix
 
 
-class CrossSpec(specs._ReduceSpec):
+class CrossSpec(specs.ReduceSpec):
     """``x.T @ y`` (two inputs) or ``x.T @ x`` (one)."""
 
     def __init__(self, symmetric: bool) -> None:
@@ -67,7 +62,7 @@ class CrossSpec(specs._ReduceSpec):
         return "x.T @ x" if self.symmetric else "x.T @ y"
 
 
-class CoMomentSpec(specs._ReduceSpec):
+class CoMomentSpec(specs.ReduceSpec):
     """The covariance of the columns of one or two arrays."""
 
     def __init__(self, ddof: int, dtype: Any) -> None:
@@ -196,7 +191,7 @@ class Transposed:
         _refuse("iterating over x.T", "iterate over the columns x[:, j], or compute() first")
 
     def __len__(self) -> NoReturn:
-        _refuse("len(x.T)", f"x.T has shape {_describe_shape(self.shape)}")
+        _refuse("len(x.T)", f"x.T has shape {build.describe_shape(self.shape)}")
 
     def __bool__(self) -> NoReturn:
         _refuse("the truth value of x.T", "compute() first")
@@ -232,6 +227,7 @@ for _name in ("neg", "pos", "abs", "invert"):
 Transposed.__hash__ = object.__hash__  # type: ignore[method-assign]
 
 
+@dispatch.method("transpose")
 def transpose(array: Array, axes: Any = None) -> Any:
     """``x.T`` / ``x.transpose(axes)``: a :class:`Transposed` for a chunked 2-D array;
     the array itself for 1-D; a block map when the row axis stays first; a lazy value
@@ -241,10 +237,10 @@ def transpose(array: Array, axes: Any = None) -> Any:
     if axes is None:
         order = tuple(reversed(range(ndim)))
     else:
-        np.transpose(_shape_only(node), axes)  # NumPy's errors for the axes
+        np.transpose(build.shape_only(node), axes)  # NumPy's errors for the axes
         order = tuple(operator.index(a) % ndim if ndim else operator.index(a) for a in axes)
     if isinstance(node, Value):
-        return _value_apply(np.transpose, node, axes=order, name="transpose")
+        return build.value_apply(np.transpose, node, axes=order, name="transpose")
     if order == tuple(range(ndim)):
         return array
     if order[0] == 0:
@@ -259,7 +255,7 @@ def transpose(array: Array, axes: Any = None) -> Any:
     if ndim == 2:
         return Transposed(array)
     raise TypeError(
-        f"transposing the row axis of an array of shape {_describe_shape(array.shape)} is not "
+        f"transposing the row axis of an array of shape {build.describe_shape(array.shape)} is not "
         "lazy (only a 2-D x.T, as the left operand of @, is); keep axis 0 first, or compute() "
         "first"
     )
@@ -269,7 +265,7 @@ def _refuse_other_rows(x: Chunked, y: Chunked) -> None:
     """NumPy's error for ``x.T @ y`` with rows that differ (known rows only): NumPy's
     own check, on stand-ins of the shapes that hold no data."""
     if x.n_rows != y.n_rows:
-        np.matmul(_shape_only(x).T, _shape_only(y))
+        np.matmul(build.shape_only(x).T, build.shape_only(y))
         raise ValueError(f"x.T @ y: the arrays have different rows: {x.n_rows} and {y.n_rows}")
 
 
@@ -292,19 +288,19 @@ def cross(x: Array, other: Any) -> Array:
     assert isinstance(ynode, Chunked)
     if ynode.ndim not in (1, 2):
         _shape_error(node, ynode)
-    if _line_up_later([node, ynode]):  # different masks, block sizes, or known rows
-        return _defer_function(lambda xy: cross(xy[0], xy[1]), [node, ynode], "x.T @ y")
+    if build.line_up_later([node, ynode]):  # different masks, block sizes, or known rows
+        return build.defer_function(lambda xy: cross(xy[0], xy[1]), [node, ynode], "x.T @ y")
     _refuse_other_rows(node, ynode)
     if ynode.ident == node.ident:
-        return _wrap(graph.Reduce(CrossSpec(symmetric=True), (node,)))
-    return _wrap(graph.Reduce(CrossSpec(symmetric=False), (node, ynode)))
+        return build.wrap(graph.Reduce(CrossSpec(symmetric=True), (node,)))
+    return build.wrap(graph.Reduce(CrossSpec(symmetric=False), (node, ynode)))
 
 
 def _shape_error(x: Chunked, y: Any) -> NoReturn:
     k = x.shape[1]
     raise ValueError(
-        f"x.T @ y: x.T has shape {_describe_shape((k, x.n_rows))} and y has shape "
-        f"{_describe_shape(y.shape)}; y must be 1-D or 2-D with x's {x.n_rows} rows"
+        f"x.T @ y: x.T has shape {build.describe_shape((k, x.n_rows))} and y has shape "
+        f"{build.describe_shape(y.shape)}; y must be 1-D or 2-D with x's {x.n_rows} rows"
     )
 
 
@@ -317,7 +313,7 @@ def _variables(a: Any, rowvar: bool, name: str) -> Array:
     if array.ndim > 2:
         raise ValueError(
             f"m has more than 2 dimensions: {name} of an array of shape "
-            f"{_describe_shape(array.shape)}"
+            f"{build.describe_shape(array.shape)}"
         )
     if array.ndim == 2 and rowvar:
         rows = array.shape[0]
@@ -337,9 +333,10 @@ def _small_transpose(array: Array) -> Array:
     node = array._node
     if isinstance(node, Chunked):
         node = graph.Reduce(specs.CollectSpec(), (node,))
-    return _value_apply(np.transpose, node, name="transpose")
+    return build.value_apply(np.transpose, node, name="transpose")
 
 
+@dispatch.implements(np.cov)
 def cov(  # noqa: PLR0913 -- np.cov's own signature
     m: Any,
     y: Any = None,
@@ -365,11 +362,11 @@ def cov(  # noqa: PLR0913 -- np.cov's own signature
     first = originals[0]
     if first.ndim == 2 and first.shape[0 if rowvar else 1] == 0:
         # No variables in m: NumPy's empty matrix, before it looks at y or the rows.
-        return _wrap(graph.Const(np.array([]).reshape(0, 0)))
+        return build.wrap(graph.Const(np.array([]).reshape(0, 0)))
     in_memory = all(isinstance(a._node, Value) for a in originals)
     # NumPy reads a one-row 2-D array as one variable even with rowvar=False.
     if in_memory or any(a.ndim == 2 and a.shape[0] == 1 for a in originals):
-        return _value_apply(
+        return build.value_apply(
             lambda *v: np.cov(*v, rowvar=rowvar, ddof=ddof, dtype=dtype),  # type: ignore[call-overload]
             *(a._node for a in originals),
             name="cov",
@@ -380,8 +377,8 @@ def cov(  # noqa: PLR0913 -- np.cov's own signature
 
 def _comoments(nodes: list[Chunked], ddof: int, dtype: Any) -> Array:
     """The covariance of the columns of ``nodes`` (the variables as columns)."""
-    if len(nodes) == 2 and _line_up_later(nodes):
-        return _defer_function(
+    if len(nodes) == 2 and build.line_up_later(nodes):
+        return build.defer_function(
             lambda xy: _comoments([a._node for a in xy], ddof, dtype),
             nodes,
             "cov",
@@ -392,7 +389,7 @@ def _comoments(nodes: list[Chunked], ddof: int, dtype: Any) -> Array:
             f"exactly, but along dimension 1, the array at index 0 has size {nodes[0].n_rows} "
             f"and the array at index 1 has size {nodes[1].n_rows}"
         )
-    return _wrap(graph.Reduce(CoMomentSpec(ddof, dtype), tuple(nodes)))
+    return build.wrap(graph.Reduce(CoMomentSpec(ddof, dtype), tuple(nodes)))
 
 
 def _chunked(array: Array) -> Chunked:
@@ -418,6 +415,7 @@ def _correlate(c: np.ndarray) -> np.ndarray:
     return c
 
 
+@dispatch.implements(np.corrcoef)
 def corrcoef(  # noqa: PLR0913 -- np.corrcoef's own signature
     x: Any,
     y: Any = None,
@@ -430,15 +428,9 @@ def corrcoef(  # noqa: PLR0913 -- np.corrcoef's own signature
     """``np.corrcoef(x, y, rowvar=False)`` of the columns of lazy arrays: the covariance
     pass of :func:`cov`, then NumPy's normalisation in memory."""
     c = cov(x, y, rowvar=rowvar, dtype=dtype)
-    return _value_apply(_correlate, c._node, name="corrcoef")
+    return build.value_apply(_correlate, c._node, name="corrcoef")
 
 
+@dispatch.implements(np.transpose)
 def _transpose(a: Any, axes: Any = None) -> Any:
     return transpose(from_array(a), axes)
-
-
-FUNCTIONS: dict[Any, Callable[..., Any]] = {
-    np.transpose: _transpose,
-    np.cov: cov,
-    np.corrcoef: corrcoef,
-}

@@ -34,7 +34,7 @@ import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,10 +42,14 @@ from ..operators import order_stats
 from ..operators.order_stats import Limits, Search, Stats
 from ..system import budget as budget_module
 from . import graph, specs
-from .array import Array, _as_value, _deferred, _value_apply, _wrap, from_array
+from .api import build, dispatch
+from .api.creation import from_array
 from .graph import Chunked, Value
 
-__all__ = ["FUNCTIONS", "Rule", "finish", "limits_for", "quantile_passes", "rule_of"]
+if TYPE_CHECKING:
+    from .array import Array
+
+__all__ = ["Rule", "finish", "limits_for", "quantile_passes", "rule_of"]
 
 
 def _numpy_quantile_module() -> Any:
@@ -184,7 +188,7 @@ def _scalar(values: np.ndarray) -> Any:
 # -- the passes -------------------------------------------------------------------------
 
 
-class StatsSpec(specs._ReduceSpec):
+class StatsSpec(specs.ReduceSpec):
     """Pass 1 of a quantile: count, NaN, min and max per column."""
 
     def __init__(self, flat: bool) -> None:
@@ -206,7 +210,7 @@ class StatsSpec(specs._ReduceSpec):
         return "order stats" + (" (all values)" if self.flat else " (per column)")
 
 
-class NarrowSpec(specs._ReduceSpec):
+class NarrowSpec(specs.ReduceSpec):
     """Narrowing pass ``level`` (1, 2, ...) of a quantile: its value parameter is the
     previous pass's result (:class:`Stats` for the first, a :class:`Search` after)."""
 
@@ -247,7 +251,7 @@ def quantile_passes(array: Array, rule: Rule, limits: Limits | None = None) -> l
     count = order_stats.passes_needed(rule.dtype, rule.columns, rule.max_ranks(), limits)
     for level in range(1, count + 1):
         passes.append(graph.Reduce(NarrowSpec(rule, level, limits), (node,), (passes[-1],)))
-    return [_wrap(p) for p in passes]
+    return [build.wrap(p) for p in passes]
 
 
 def finish(search: Any, rule: Rule) -> Any:
@@ -366,12 +370,12 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
     keep = bool(keepdims) if keepdims is not np._NoValue else False
     node = array._node
     if isinstance(node, Chunked) and node.n_rows == 0:
-        node = _as_value(node)  # NumPy's own answer (or error) over no rows
+        node = build.as_value(node)  # NumPy's own answer (or error) over no rows
     if isinstance(node, Value):
         extra: dict[str, Any] = {} if function.endswith("median") else {"method": method}
         args = () if function.endswith("median") else (q,)
         fn = getattr(np, function)
-        return _value_apply(fn, node, *args, axis=axis, keepdims=keep, name=function, **extra)
+        return build.value_apply(fn, node, *args, axis=axis, keepdims=keep, name=function, **extra)
     assert isinstance(node, Chunked)
     if node.n_rows is None:
         _flat_axis(function, axis, node.ndim)  # the refusal of a trailing axis comes first
@@ -379,7 +383,7 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
             return _once_counted(function, array, q, axis, method, keep)
     rule = rule_of(function, array, q, axis=axis, method=method, keepdims=keep)
     passes = quantile_passes(array, rule)
-    return _wrap(graph.Apply(finish, (passes[-1]._node,), {"rule": rule}, name=rule.function))
+    return build.wrap(graph.Apply(finish, (passes[-1]._node,), {"rule": rule}, name=rule.function))
 
 
 def _numpy_on(function: str, node: Chunked, rows: int, q: Any, axis: Any, **kwargs: Any) -> Any:
@@ -426,11 +430,11 @@ def _once_counted(  # noqa: PLR0913 -- NumPy's arguments
         meta = (np.dtype(np.float64), ())
 
     def make(lookup: Callable[[graph.Node], graph.Node]) -> graph.Node:
-        counted = Array(lookup(node))
+        counted = build.wrap(lookup(node))
         return _lazy(function, counted, q, axis, method, keepdims)._node
 
     token = (function, q, axis, method, keepdims)
-    return _deferred([node], make, meta, function, token, rows=False)
+    return build.deferred([node], make, meta, function, token, rows=False)
 
 
 def rule_of(  # noqa: PLR0913 -- NumPy's arguments
@@ -501,11 +505,9 @@ def _median_function(function: str) -> Callable[..., Any]:
     return handler
 
 
-FUNCTIONS: dict[Any, Callable[..., Any]] = {
-    np.quantile: _quantile_function("quantile"),
-    np.percentile: _quantile_function("percentile"),
-    np.nanquantile: _quantile_function("nanquantile"),
-    np.nanpercentile: _quantile_function("nanpercentile"),
-    np.median: _median_function("median"),
-    np.nanmedian: _median_function("nanmedian"),
-}
+dispatch.implements(np.quantile)(_quantile_function("quantile"))
+dispatch.implements(np.percentile)(_quantile_function("percentile"))
+dispatch.implements(np.nanquantile)(_quantile_function("nanquantile"))
+dispatch.implements(np.nanpercentile)(_quantile_function("nanpercentile"))
+dispatch.implements(np.median)(_median_function("median"))
+dispatch.implements(np.nanmedian)(_median_function("nanmedian"))

@@ -28,32 +28,26 @@ import math
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..operators import reductions as red
 from ..operators.types import block_bytes
 from . import graph, specs
-from .array import (
-    Array,
-    _defer_function,
-    _describe_shape,
-    _line_up_later,
-    _node_of,
-    _shape_only,
-    _value_apply,
-    _wrap,
-    from_array,
-)
+from .api import build, dispatch
+from .api.creation import from_array
 from .graph import Chunked, Value
+
+if TYPE_CHECKING:
+    from .array import Array
 
 try:
     from numpy.lib.array_utils import normalize_axis_tuple
 except ImportError:  # NumPy < 2
     from numpy.core.numeric import normalize_axis_tuple  # type: ignore[no-redef]
 
-__all__ = ["FUNCTIONS", "BlockFunction", "BlockFunctionSpec"]
+__all__ = ["BlockFunction", "BlockFunctionSpec", "on_blocks"]
 
 
 # -- NumPy's function on each block ----------------------------------------------------
@@ -126,7 +120,7 @@ class BlockFunction:
         return block_bytes(rows, self.out_row_shape, self.out_dtype) + rows * self.in_bytes
 
 
-class BlockFunctionSpec(specs._Spec):
+class BlockFunctionSpec(specs.Spec):
     """A NumPy function on each block (see :class:`BlockFunction`), named ``name``."""
 
     def __init__(
@@ -153,10 +147,10 @@ class BlockFunctionSpec(specs._Spec):
         return f"{self.name}({shown.lstrip(', ')})"
 
 
-def _per_block(name: str, fn: Callable[..., Any], operands: Sequence[Any], **kwargs: Any) -> Array:
+def on_blocks(name: str, fn: Callable[..., Any], operands: Sequence[Any], **kwargs: Any) -> Array:
     """``fn(*operands, **kwargs)`` on each block of the chunked operands (same rows);
     in-memory operands are constants, lazy in-memory results values."""
-    nodes = [_node_of(o) for o in operands]
+    nodes = [build.node_of(o) for o in operands]
     chunked = [n for n in nodes if isinstance(n, Chunked)]
     values = tuple(n for n in nodes if isinstance(n, Value))
     template = tuple(
@@ -164,13 +158,13 @@ def _per_block(name: str, fn: Callable[..., Any], operands: Sequence[Any], **kwa
         for n in nodes
     )
     spec = BlockFunctionSpec(name, fn, kwargs, template)
-    return _wrap(graph.BlockMap(spec, tuple(chunked), values))
+    return build.wrap(graph.BlockMap(spec, tuple(chunked), values))
 
 
 def _in_memory(fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Array:
     """``fn`` of in-memory (or lazy in-memory) operands, as a lazy value."""
-    nodes = [_node_of(a) if isinstance(a, Array) else a for a in args]
-    return _value_apply(fn, *nodes, name=name, **kwargs)
+    nodes = [build.node_of(a) if build.is_array(a) else a for a in args]
+    return build.value_apply(fn, *nodes, name=name, **kwargs)
 
 
 def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
@@ -214,7 +208,7 @@ def _numpy_dtype(
 def _lazy(ufunc: np.ufunc, *operands: Any) -> Array:
     """``ufunc`` of lazy operands, as the lazy array it gives."""
     result = ufunc(*operands)
-    assert isinstance(result, Array)
+    assert build.is_array(result)
     return result
 
 
@@ -230,6 +224,7 @@ def _float_acc(dtype: np.dtype) -> np.dtype:
 # -- np.linalg.norm ---------------------------------------------------------------------
 
 
+@dispatch.implements(np.linalg.norm)
 def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> Any:
     """``np.linalg.norm(x, ord, axis, keepdims)``: within rows on each block; over the
     rows as sums (``ord`` None, 2, 1, a power, ``'fro'``), maxima or minima (``inf``,
@@ -249,7 +244,7 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> A
         axis = (operator.index(axis),)
     axes = _axes(axis, ndim)
     if 0 not in axes:
-        return _per_block("norm", np.linalg.norm, [array], ord=ord, axis=axis, keepdims=keepdims)
+        return on_blocks("norm", np.linalg.norm, [array], ord=ord, axis=axis, keepdims=keepdims)
     values = array if array.dtype.kind in "fc" else array.astype(np.float64)
     # NumPy's norm of every value (its square root of re.re + im.im over the raveled x).
     every = ord is None or (ord in ("f", "fro") and ndim == 2) or (ord == 2 and ndim == 1)
@@ -335,6 +330,7 @@ def _matrix_norm(
 # -- np.einsum --------------------------------------------------------------------------
 
 
+@dispatch.implements(np.einsum)
 def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) -> Any:
     """``np.einsum(subscripts, *operands)`` with lazy operands that share their rows.
 
@@ -354,7 +350,7 @@ def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) ->
     arrays = list(operands[1:])
     if dtype is not None:
         kwargs["dtype"] = np.dtype(dtype)
-    nodes = [_node_of(a) for a in arrays]
+    nodes = [build.node_of(a) for a in arrays]
     if not any(isinstance(n, Chunked) for n in nodes):
         return _in_memory(np.einsum, "einsum", subscripts, *arrays, **kwargs)
     if "..." in subscripts:
@@ -377,9 +373,9 @@ def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) ->
         from_array(a) if isinstance(n, np.ndarray) and row in t else a
         for a, n, t in zip(arrays, nodes, terms, strict=True)
     ]
-    nodes = [_node_of(a) for a in arrays]
+    nodes = [build.node_of(a) for a in arrays]
     chunked = [n for n in nodes if isinstance(n, Chunked)]
-    if _line_up_later(chunked):  # different masks, block sizes, or known rows
+    if build.line_up_later(chunked):  # different masks, block sizes, or known rows
 
         def again(xs: list[Array]) -> Any:
             picked = iter(xs)
@@ -392,13 +388,13 @@ def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) ->
                 **kwargs,
             )
 
-        return _defer_function(again, chunked, f"einsum({subscripts!r})")
+        return build.defer_function(again, chunked, f"einsum({subscripts!r})")
     _refuse_other_rows(subscripts, nodes)
     for n, t in zip(nodes, terms, strict=True):
         if not isinstance(n, Chunked) and row in t:
             raise ValueError(
                 f"np.einsum({subscripts!r}): the row axis '{row}' of the lazy operands also "
-                f"indexes an in-memory result of shape {_describe_shape(n.shape)}; only "
+                f"indexes an in-memory result of shape {build.describe_shape(n.shape)}; only "
                 "arrays with the same rows (lazy, or in memory with the rows first) can share it"
             )
     full = f"{inputs}->{output}"
@@ -410,7 +406,7 @@ def einsum(*operands: Any, out: Any = None, dtype: Any = None, **kwargs: Any) ->
                 f"{output.index(row)} of the output; a lazy array keeps its rows first: write "
                 f"'{inputs}->{row}{rest}' and move the axis after compute(), or compute() first"
             )
-        return _per_block("einsum", _einsum_rows, arrays, subscripts=full, **kwargs)
+        return on_blocks("einsum", _einsum_rows, arrays, subscripts=full, **kwargs)
     return _einsum_over_rows(full, arrays, nodes, kwargs)
 
 
@@ -427,7 +423,7 @@ def _refuse_other_rows(subscripts: str, nodes: Sequence[Any]) -> None:
             "compute() the one-row operand first"
         )
     standins = [
-        _shape_only(n)
+        build.shape_only(n)
         if isinstance(n, Chunked)
         else graph.placeholder(n)
         if isinstance(n, Value)
@@ -494,7 +490,7 @@ def _einsum_over_rows(
     )  # fmt: skip
     finish = functools.partial(_cast_result, out_dtype)
     op = red.Reduction(chunk, np.add, finish, options)
-    return _wrap(graph.Reduce(specs.UserSpec(op, (chunk, np.add, finish)), chunked))
+    return build.wrap(graph.Reduce(specs.UserSpec(op, (chunk, np.add, finish)), chunked))
 
 
 def _cast_result(dtype: np.dtype, partial: Any) -> Any:
@@ -504,6 +500,7 @@ def _cast_result(dtype: np.dtype, partial: Any) -> Any:
 # -- vstack, hstack, column_stack -------------------------------------------------------
 
 
+@dispatch.implements(np.vstack)
 def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind") -> Any:
     """``np.vstack``: arrays of two or more dimensions one after the other along the
     rows (lazy, nothing copied until computed). A 1-D lazy array would become one
@@ -514,7 +511,7 @@ def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
     for item in items:
         if item.ndim < 2 and isinstance(item._node, Chunked):
             raise ValueError(
-                f"np.vstack of a 1-D lazy array of shape {_describe_shape(item.shape)} would "
+                f"np.vstack of a 1-D lazy array of shape {build.describe_shape(item.shape)} would "
                 "make its rows one row; stack with np.column_stack (its values as a column) "
                 "or np.stack(..., axis=1), or reshape it to (-1, 1) first"
             )
@@ -522,6 +519,7 @@ def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
     return cast_joined(concatenate(items, axis=0), dtype, casting)
 
 
+@dispatch.implements(np.hstack)
 def hstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind") -> Any:
     """``np.hstack``: 1-D arrays one after the other (along the rows); arrays of two or
     more dimensions side by side along axis 1 (they must have the same rows)."""
@@ -532,6 +530,7 @@ def hstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind")
     return cast_joined(concatenate(items, axis=axis), dtype, casting)
 
 
+@dispatch.implements(np.column_stack)
 def column_stack(tup: Sequence[Any]) -> Any:
     """``np.column_stack``: 1-D arrays as columns, 2-D arrays as they are, side by side
     (same rows)."""
@@ -543,7 +542,7 @@ def column_stack(tup: Sequence[Any]) -> Any:
 
 
 def _sequence(name: str, tup: Any) -> list[Any]:
-    if isinstance(tup, Array) or not isinstance(tup, (list, tuple)):
+    if build.is_array(tup) or not isinstance(tup, (list, tuple)):
         raise TypeError(f"np.{name} takes a sequence of arrays (a list or a tuple)")
     if not tup:
         raise ValueError("need at least one array to concatenate")
@@ -568,9 +567,10 @@ def _within_rows(name: str, fn: Callable[..., Any], array: Array, **kwargs: Any)
     """NumPy's ``fn`` itself: on each block, or on an in-memory result."""
     if isinstance(array._node, Value):
         return _in_memory(fn, name, array, **kwargs)
-    return _per_block(name, fn, [array], **kwargs)
+    return on_blocks(name, fn, [array], **kwargs)
 
 
+@dispatch.implements(np.nanmin)
 def nanmin(  # noqa: PLR0913 -- NumPy's signature
     a: Any, axis: Any = None, out: Any = None, keepdims: Any = np._NoValue,
     initial: Any = np._NoValue, where: Any = np._NoValue,
@@ -579,6 +579,7 @@ def nanmin(  # noqa: PLR0913 -- NumPy's signature
     return _nan_extreme("nanmin", a, axis, out, keepdims, initial, where)
 
 
+@dispatch.implements(np.nanmax)
 def nanmax(  # noqa: PLR0913 -- NumPy's signature
     a: Any, axis: Any = None, out: Any = None, keepdims: Any = np._NoValue,
     initial: Any = np._NoValue, where: Any = np._NoValue,
@@ -606,12 +607,14 @@ def _fill(array: Array, missing: Array, value: Any) -> Array:
     return where(missing, np.asarray(value, array.dtype), array)
 
 
+@dispatch.implements(np.nanargmin)
 def nanargmin(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = np._NoValue) -> Any:
     """``np.nanargmin``: NaN left out; an all-NaN slice raises NumPy's ValueError when
     computed."""
     return _nan_arg("nanargmin", a, axis, out, keepdims)
 
 
+@dispatch.implements(np.nanargmax)
 def nanargmax(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = np._NoValue) -> Any:
     """``np.nanargmax``: NaN left out; an all-NaN slice raises NumPy's ValueError when
     computed."""
@@ -640,6 +643,7 @@ def _finish_arg(found: Any, empty: Any) -> Any:
     return _scalar_or_array(np.asarray(found))
 
 
+@dispatch.implements(np.nanprod)
 def nanprod(  # noqa: PLR0913 -- NumPy's signature
     a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: Any = np._NoValue,
     initial: Any = np._NoValue, where: Any = np._NoValue,
@@ -652,6 +656,7 @@ def nanprod(  # noqa: PLR0913 -- NumPy's signature
     return array.prod(axis=axis, dtype=dtype, keepdims=_keep(keepdims))
 
 
+@dispatch.implements(np.nanmean)
 def nanmean(  # noqa: PLR0913 -- NumPy's signature
     a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: Any = np._NoValue,
     *, where: Any = np._NoValue,
@@ -695,6 +700,7 @@ def _finish_mean(total: Any, count: Any, dtype: np.dtype) -> Any:
     return _scalar_or_array(np.asarray(mean).astype(dtype))
 
 
+@dispatch.implements(np.nanvar)
 def nanvar(  # noqa: PLR0913 -- NumPy's signature
     a: Any, axis: Any = None, dtype: Any = None, out: Any = None, ddof: Any = 0,
     keepdims: Any = np._NoValue, *, where: Any = np._NoValue, mean: Any = np._NoValue,
@@ -706,6 +712,7 @@ def nanvar(  # noqa: PLR0913 -- NumPy's signature
     return _nan_moment("nanvar", a, axis, dtype, out, ddof, keepdims, where, mean, correction)
 
 
+@dispatch.implements(np.nanstd)
 def nanstd(  # noqa: PLR0913 -- NumPy's signature
     a: Any, axis: Any = None, dtype: Any = None, out: Any = None, ddof: Any = 0,
     keepdims: Any = np._NoValue, *, where: Any = np._NoValue, mean: Any = np._NoValue,
@@ -766,20 +773,3 @@ def _finish_moment(squares: Any, count: Any, ddof: Any, root: bool, dtype: np.dt
     if root:
         var = np.sqrt(var)
     return _scalar_or_array(np.asarray(var).astype(dtype))
-
-
-FUNCTIONS: dict[Any, Callable[..., Any]] = {
-    np.linalg.norm: norm,
-    np.einsum: einsum,
-    np.vstack: vstack,
-    np.hstack: hstack,
-    np.column_stack: column_stack,
-    np.nanmin: nanmin,
-    np.nanmax: nanmax,
-    np.nanargmin: nanargmin,
-    np.nanargmax: nanargmax,
-    np.nanprod: nanprod,
-    np.nanmean: nanmean,
-    np.nanvar: nanvar,
-    np.nanstd: nanstd,
-}

@@ -13,20 +13,25 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..operators import byteorder
 from ..operators import sorting as kernels
 from . import graph
-from .array import Array, _deferred, _describe_shape, _value_apply, _wrap, from_array
+from .api import build, dispatch
+from .api.creation import from_array
 from .external_sort import Sorting, check_kth, sorted_node
 from .graph import Chunked, Value
 
-__all__ = ["FUNCTIONS", "along_rows", "partition", "sort_rows", "topk"]
+if TYPE_CHECKING:
+    from .array import Array
+
+__all__ = ["along_rows", "partition", "sort_rows", "topk"]
 
 
+@dispatch.method("sort_rows")
 def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
     """``np.sort`` or ``np.argsort`` of ``node`` along axis 0 (``name``), lazily.
 
@@ -43,7 +48,7 @@ def along_rows(node: Chunked, name: str, kwargs: dict[str, Any]) -> Array:
         return from_array(no_rows)  # nothing to sort: NumPy's answer, whatever the dtype
     kernels.check_sortable(np.dtype(node.dtype), f"np.{name} along the rows")
     mode = "values" if name == "sort" else "indices"
-    return _wrap(sorted_node(node, Sorting(mode)))
+    return build.wrap(sorted_node(node, Sorting(mode)))
 
 
 def sort_rows(x: Any, by: int | Sequence[int] | None = None, descending: bool = False) -> Array:
@@ -68,15 +73,15 @@ def sort_rows(x: Any, by: int | Sequence[int] | None = None, descending: bool = 
     if node.ndim not in (1, 2):
         raise ValueError(
             f"sort_rows sorts the rows of a 1-D or 2-D array, not one of shape "
-            f"{_describe_shape(node.shape)}; reshape it to [rows, columns] first"
+            f"{build.describe_shape(node.shape)}; reshape it to [rows, columns] first"
         )
     columns = _key_columns(node, by)
     kernels.check_sortable(np.dtype(node.dtype), "sort_rows")
     how = Sorting("rows", columns, bool(descending))
     if isinstance(node, Value):
-        return _value_apply(_sort_rows_now, node, columns, bool(descending), name=how.label())
+        return build.value_apply(_sort_rows_now, node, columns, bool(descending), name=how.label())
     assert isinstance(node, Chunked)
-    return _wrap(sorted_node(node, how))
+    return build.wrap(sorted_node(node, how))
 
 
 def _key_columns(node: graph.Node, by: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -246,13 +251,13 @@ def topk(x: Any, k: int, axis: int = 0) -> Array:
         raise ValueError(f"topk: k={k} is more than the {n} rows of the array; ask for at most {n}")
     if isinstance(node, Value):
         row_shape = tuple(node.shape[1:])
-        return _value_apply(
+        return build.value_apply(
             lambda v: _top(np.asarray(v).reshape(len(v), -1), k).reshape(k, *row_shape),
             node,
             name=f"topk({k})",
         )
     assert isinstance(node, Chunked)
-    return _wrap(graph.Reduce(TopKSpec(k), (node,)))
+    return build.wrap(graph.Reduce(TopKSpec(k), (node,)))
 
 
 # -- partition --------------------------------------------------------------------------
@@ -276,7 +281,7 @@ def partition(
     array = from_array(a)
     node = array._node
     if isinstance(node, Value):
-        return _value_apply(np.partition, node, kth, axis=axis, kind=kind, name="partition")
+        return build.value_apply(np.partition, node, kth, axis=axis, kind=kind, name="partition")
     assert isinstance(node, Chunked)
     # NumPy checks kind, kth and axis on an array like this one without elements.
     empty = np.empty((0, *node.row_shape), node.dtype)
@@ -303,24 +308,22 @@ def _partition_later(node: Chunked, kth: tuple[int, ...], axis: int, kind: str) 
     every row, a pass counts the rows first (none: the array as it is)."""
     if axis == 0:
         kernels.check_sortable(np.dtype(node.dtype), "np.partition along the rows")
-        return _wrap(sorted_node(node, Sorting("values", kth=kth)))
+        return build.wrap(sorted_node(node, Sorting("values", kth=kth)))
     try:
         check_kth(kth, node.shape[axis])  # type: ignore[arg-type]
     except ValueError:
-        return _deferred(
+        return build.deferred(
             [node],
-            lambda lookup: partition(Array(lookup(node)), kth, axis, kind)._node,
+            lambda lookup: partition(build.wrap(lookup(node)), kth, axis, kind)._node,
             (node.dtype, node.row_shape),
             "partition",
             ("partition", kth, axis),
         )
-    return Array(node).along("sort", axis)
+    return build.wrap(node).along("sort", axis)
 
 
+@dispatch.implements(np.partition)
 def _partition(
     a: Any, kth: Any, axis: int | None = -1, kind: str = "introselect", order: Any = None
 ) -> Any:
     return partition(a, kth, axis=axis, kind=kind, order=order)
-
-
-FUNCTIONS: dict[Any, Any] = {np.partition: _partition}

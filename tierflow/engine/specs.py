@@ -36,8 +36,10 @@ __all__ = [
     "MapSpec",
     "MatmulSpec",
     "ReduceOptions",
+    "ReduceSpec",
     "ReshapeSpec",
     "RowwiseSpec",
+    "Spec",
     "StackSpec",
     "UfuncOutSpec",
     "UserSpec",
@@ -54,7 +56,7 @@ def _axis_text(axis: Any) -> str:
     return "" if axis is None else f"axis={axis}"
 
 
-class _Spec:
+class Spec:
     user = False  # True: the operator runs user code; its errors name the block
     epilogue = False  # True: its operator can end a fused elementwise kernel
     device: str | None = None
@@ -104,7 +106,7 @@ class ReduceOptions:
         return [e for e in extra if e]
 
 
-class RowwiseSpec(_Spec):
+class RowwiseSpec(Spec):
     """A reduction over trailing axes only (``x.sum(axis=1)``): a block op."""
 
     epilogue = True
@@ -130,7 +132,7 @@ class RowwiseSpec(_Spec):
         return f"{self.kind}({args})"
 
 
-class MatmulSpec(_Spec):
+class MatmulSpec(Spec):
     """``x @ w`` for 2-D and wider ``x``; ``w`` in memory, or a lazy value (``values[0]``)."""
 
     epilogue = True
@@ -155,7 +157,7 @@ class MatmulSpec(_Spec):
         return f"@ w{shape}"
 
 
-class IndexSpec(_Spec):
+class IndexSpec(Spec):
     """``x[:, key]``: indexing of trailing axes."""
 
     epilogue = True
@@ -181,7 +183,7 @@ class IndexSpec(_Spec):
         return f"[:, {inner}]"
 
 
-class MapSpec(_Spec):
+class MapSpec(Spec):
     """``map_blocks(fn)``: a user function on blocks, on the CPU or a torch device."""
 
     user = True
@@ -223,7 +225,7 @@ class MapSpec(_Spec):
         return f"map_blocks({_fn_name(self.fn)}{where})"
 
 
-class AlongAxisSpec(_Spec):
+class AlongAxisSpec(Spec):
     """``np.sort(x, axis=1)``, ``np.cumsum(x, axis=-1)``...: a NumPy function along a
     trailing axis (``axis`` counts the row axis, as NumPy does)."""
 
@@ -248,7 +250,7 @@ class AlongAxisSpec(_Spec):
         return f"{self.name}(axis={self.axis}{extra})"
 
 
-class ReshapeSpec(_Spec):
+class ReshapeSpec(Spec):
     """``x.reshape(n, *row_shape)``: new trailing axes, same rows."""
 
     def __init__(self, row_shape: tuple[int, ...]) -> None:
@@ -269,7 +271,7 @@ class ReshapeSpec(_Spec):
         return f"reshape(rows, {', '.join(map(str, self.row_shape))})"
 
 
-class StackSpec(_Spec):
+class StackSpec(Spec):
     """``np.concatenate`` / ``np.stack`` of row-aligned arrays along a trailing axis."""
 
     def __init__(self, function: Callable[..., Any], axis: int) -> None:
@@ -291,7 +293,7 @@ class StackSpec(_Spec):
         return f"{self.function.__name__}(axis={self.axis})"
 
 
-class UfuncOutSpec(_Spec):
+class UfuncOutSpec(Spec):
     """One output of a ufunc with several (``np.divmod(x, 3)[1]``).
 
     ``template`` holds the ufunc's operands in order: None where a block goes, the
@@ -330,14 +332,14 @@ VALUE = type("_ValueSlot", (), {"__repr__": lambda self: "<value>"})()
 # -- reductions -------------------------------------------------------------------------
 
 
-class _ReduceSpec(_Spec):
+class ReduceSpec(Spec):
     needs_offset = False  # True: chunk needs the global row offset of its block
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...] | None]:
         return op.out_dtype, op.out_shape
 
 
-class KindSpec(_ReduceSpec):
+class KindSpec(ReduceSpec):
     """A NumPy reduction whose axes include the row axis (``sum``, ``std``, ``argmax``...)."""
 
     def __init__(self, options: ReduceOptions) -> None:
@@ -361,7 +363,7 @@ class KindSpec(_ReduceSpec):
         return f"{self.kind}({', '.join(self.options.texts())})"
 
 
-class HistogramSpec(_ReduceSpec):
+class HistogramSpec(ReduceSpec):
     """``np.histogram(x, bins, range)``: counts per bin (the edges are known at once)."""
 
     def __init__(self, bins: Any, range: Any, density: bool) -> None:
@@ -410,7 +412,7 @@ class HistogramCounts:
         return int(self.histogram.partial_bytes())
 
 
-class UserSpec(_ReduceSpec):
+class UserSpec(ReduceSpec):
     """``x.reduction(chunk, combine, aggregate)``."""
 
     user = True
@@ -444,7 +446,7 @@ class UserSpec(_ReduceSpec):
         return f"reduction({self.reduction.name})"
 
 
-class ContractSpec(_ReduceSpec):
+class ContractSpec(ReduceSpec):
     """``x @ w`` for 1-D ``x`` and ``w @ x``: a product over the row axis."""
 
     needs_offset = True
@@ -474,7 +476,7 @@ class ContractSpec(_ReduceSpec):
         return "x @ w" if self.side == "right" else "w @ x"
 
 
-class HeadSpec(_ReduceSpec):
+class HeadSpec(ReduceSpec):
     """``head(n)`` of an array whose row count is unknown."""
 
     def __init__(self, n: int) -> None:
@@ -499,7 +501,7 @@ class HeadSpec(_ReduceSpec):
         return f"head({self.n})"
 
 
-class CollectSpec(_ReduceSpec):
+class CollectSpec(ReduceSpec):
     """All rows in memory (a small lazy array used as a broadcast constant)."""
 
     def _fields(self) -> tuple[Any, ...]:
