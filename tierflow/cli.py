@@ -133,12 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _report() -> dict[str, Any]:
     """Status, limits, pressure and devices, read once each."""
-    from .system import devices, limits, pressure
+    from .system import devices, pressure
     from .system import status as status_module
 
     return {
         "status": status_module.status(),
-        "limits": limits.limits(),
+        "limits": status_module.limits(),
         "pressure": pressure.pressure(),
         "devices": devices.devices(),
     }

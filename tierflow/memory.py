@@ -22,9 +22,8 @@ from .storage.store import cached, store
 from .storage.stream import chunks, map
 from .system.budget import budget
 from .system.devices import best_device, devices
-from .system.limits import limits
 from .system.pressure import pressure, relieve
-from .system.status import status
+from .system.status import limits, status
 from .system.watch import on_pressure
 
 __all__ = [

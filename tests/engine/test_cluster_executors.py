@@ -22,7 +22,7 @@ import tierflow as tw
 from tierflow import config
 from tierflow.engine import executors, halving, tasks
 from tierflow.engine.executors import DaskExecutor, RayExecutor, cluster
-from tierflow.engine.executors.dask import RESOURCE
+from tierflow.engine.executors.cluster import RESOURCE
 from tierflow.engine.types import RowRange
 from tierflow.errors import DependencyError, install_command
 

@@ -13,7 +13,7 @@ import pytest
 
 from tierflow import config
 from tierflow.system import limits as limits_module
-from tierflow.system.limits import Limits, MemoryFigures, limits, own_cgroup, read_memory
+from tierflow.system.limits import MemoryFigures, own_cgroup, read_memory
 
 import cgroups
 from .cgroupfs import GB, MB, V1_UNLIMITED, FakeSystem, V1Stat
@@ -426,54 +426,6 @@ def test_a_warning_is_logged_once(fake: FakeSystem, caplog: pytest.LogCaptureFix
     read_memory(fake.root)
     levels = [r.levelno for r in caplog.records if "garbage" in r.getMessage()]
     assert levels == [logging.WARNING, logging.DEBUG]
-
-
-# -- the Limits object -----------------------------------------------------------------------
-
-
-def test_limits_str_in_a_container() -> None:
-    shown = Limits(
-        usable=int(5.8 * GB), free=int(5.8 * GB), budget=4 * GB, source="cgroup v1",
-        host_total=int(23.4 * GB),
-    )  # fmt: skip
-    assert str(shown) == "5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB"
-    assert repr(shown) == (
-        "Limits(usable=5.8 GB, free=5.8 GB, budget=4.0 GB, source='cgroup v1', host_total=23.4 GB)"
-    )
-
-
-def test_limits_str_on_the_host() -> None:
-    shown = Limits(int(23.4 * GB), 20 * GB, 14 * GB, "host", int(23.4 * GB))
-    assert str(shown) == "23.4 GB usable (host), 20.0 GB free, budget 14.0 GB"
-
-
-def test_limits_as_dict_for_json() -> None:
-    shown = Limits(2 * GB, 1 * GB, 512 * MB, "cgroup v2", 16 * GB, limited_by="/job")
-    assert shown.as_dict() == {
-        "usable": 2 * GB, "free": 1 * GB, "budget": 512 * MB, "source": "cgroup v2",
-        "host_total": 16 * GB, "limited_by": "/job", "where": "container (cgroup v2)",
-        "text": "2.0 GB usable (container (cgroup v2)), 1.0 GB free, budget 512.0 MB",
-    }  # fmt: skip
-
-
-def test_limits_html_is_a_small_escaped_table() -> None:
-    shown = Limits(2 * GB, 1 * GB, 512 * MB, "cgroup v2", 16 * GB, limited_by="/a<b>")
-    page = shown._repr_html_()
-    assert page.startswith("<table>") and page.endswith("</table>")
-    assert page.count("<tr>") == 4
-    assert "container (cgroup v2): /a&lt;b&gt;" in page
-    assert "512.0 MB" in page and "16.0 GB" in page
-
-
-def test_limits_reads_figures_and_the_budget(fake: FakeSystem) -> None:
-    fake.mount_v1("/job")
-    fake.v1("/job", limit=6 * GB, usage=2 * GB)
-    with config.set(proc_root=fake.root, ram_budget="3GB"):
-        shown = limits()
-    assert (shown.usable, shown.free, shown.budget, shown.source) == (
-        6 * GB, 4 * GB, 3 * GB, "cgroup v1",
-    )  # fmt: skip
-    assert str(shown) == "6.0 GB usable (container (cgroup v1)), 4.0 GB free, budget 3.0 GB"
 
 
 # -- where tests/cgroups.py makes its cgroups -----------------------------------------------

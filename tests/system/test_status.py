@@ -1,4 +1,4 @@
-"""memory.status(): one container-aware line, a table, and a dict for JSON."""
+"""memory.status() and memory.limits(): container-aware lines, tables, and dicts for JSON."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from tierflow.errors import SpillError
 from tierflow.system import status as status_module
 from tierflow.system.devices import FakeGpus, use_provider
 from tierflow.system.limits import MemoryFigures
+from tierflow.system.status import Limits, limits
+
+from .cgroupfs import MB, FakeSystem
 
 GB = 1 << 30
 
@@ -59,7 +62,9 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespace:
         load=(0.34, 0.2, 0.1),
         measured=[],
     )
-    monkeypatch.setattr(status_module.limits, "read_memory", lambda root=None: figures.memory)
+    monkeypatch.setattr(
+        status_module.memory_limits, "read_memory", lambda root=None: figures.memory
+    )
     monkeypatch.setattr(status_module.budget, "budget_bytes", lambda: figures.budget)
     monkeypatch.setattr(status_module.devices, "cpu_cores", lambda root=None: 2)
     monkeypatch.setattr(
@@ -288,3 +293,52 @@ def test_real_status_on_this_machine_parses() -> None:
     assert found.ssd_free > 0
     assert os.path.isdir(found.ssd_path)
     assert found.spill_dir == os.path.abspath(os.path.expanduser(config.get("spill_dir")))
+
+
+# -- the Limits object -----------------------------------------------------------------------
+
+
+def test_limits_str_in_a_container() -> None:
+    shown = Limits(
+        usable=int(5.8 * GB), free=int(5.8 * GB), budget=4 * GB, source="cgroup v1",
+        host_total=int(23.4 * GB),
+    )  # fmt: skip
+    assert str(shown) == "5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB"
+    assert repr(shown) == (
+        "Limits(usable=5.8 GB, free=5.8 GB, budget=4.0 GB, source='cgroup v1', host_total=23.4 GB)"
+    )
+
+
+def test_limits_str_on_the_host() -> None:
+    shown = Limits(int(23.4 * GB), 20 * GB, 14 * GB, "host", int(23.4 * GB))
+    assert str(shown) == "23.4 GB usable (host), 20.0 GB free, budget 14.0 GB"
+
+
+def test_limits_as_dict_for_json() -> None:
+    shown = Limits(2 * GB, 1 * GB, 512 * MB, "cgroup v2", 16 * GB, limited_by="/job")
+    assert shown.as_dict() == {
+        "usable": 2 * GB, "free": 1 * GB, "budget": 512 * MB, "source": "cgroup v2",
+        "host_total": 16 * GB, "limited_by": "/job", "where": "container (cgroup v2)",
+        "text": "2.0 GB usable (container (cgroup v2)), 1.0 GB free, budget 512.0 MB",
+    }  # fmt: skip
+
+
+def test_limits_html_is_a_small_escaped_table() -> None:
+    shown = Limits(2 * GB, 1 * GB, 512 * MB, "cgroup v2", 16 * GB, limited_by="/a<b>")
+    page = shown._repr_html_()
+    assert page.startswith("<table>") and page.endswith("</table>")
+    assert page.count("<tr>") == 4
+    assert "container (cgroup v2): /a&lt;b&gt;" in page
+    assert "512.0 MB" in page and "16.0 GB" in page
+
+
+def test_limits_reads_figures_and_the_budget(tmp_path: Path) -> None:
+    fake = FakeSystem(tmp_path / "root", total=16 * GB, available=12 * GB)
+    fake.mount_v1("/job")
+    fake.v1("/job", limit=6 * GB, usage=2 * GB)
+    with config.set(proc_root=fake.root, ram_budget="3GB"):
+        shown = limits()
+    assert (shown.usable, shown.free, shown.budget, shown.source) == (
+        6 * GB, 4 * GB, 3 * GB, "cgroup v1",
+    )  # fmt: skip
+    assert str(shown) == "6.0 GB usable (container (cgroup v1)), 4.0 GB free, budget 3.0 GB"

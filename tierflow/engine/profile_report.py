@@ -14,6 +14,10 @@ The picture (:func:`plot`, matplotlib) has two panels over one time axis::
 summary), :func:`save` one HTML file with nothing fetched from the network (the same
 picture, the summary, each compute's plan). matplotlib is imported only here, when a
 picture is drawn: it is the ``plot`` extra.
+
+:class:`~tierflow.engine.profile.Profile` imports this module when one of its report
+methods is called; this module names ``Profile`` for typing only, so neither imports the
+other when the package loads.
 """
 
 from __future__ import annotations

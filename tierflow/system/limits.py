@@ -33,22 +33,22 @@ Everything is read under a ``root`` path (default: the ``proc_root`` setting, ``
 tests point it at a fake tree. A missing or garbled file never raises: that level is
 skipped (the next readable level or the host figure wins) and a warning is logged once on
 the ``tierflow.system`` logger.
+
+This module reads figures only; the report for people that adds the budget,
+``memory.limits()``, lives in :mod:`tierflow.system.status`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import html
 import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from .. import config
 from ..config import format_bytes
 
-__all__ = ["Cgroup", "Limits", "MemoryFigures", "limits", "own_cgroup", "read_memory"]
+__all__ = ["Cgroup", "MemoryFigures", "own_cgroup", "read_memory"]
 
 logger = logging.getLogger("tierflow.system")
 
@@ -100,84 +100,6 @@ class Cgroup:
     name: str
     folder: str
     mount: str
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Usable, free and budget bytes, and what set the usable figure.
-
-    ``str()`` reads like ``5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB``;
-    in a notebook the object shows as a small table.
-    """
-
-    usable: int
-    free: int
-    budget: int
-    source: str
-    host_total: int
-    limited_by: str | None = None
-
-    @property
-    def where(self) -> str:
-        """``host`` or ``container (cgroup v1)`` / ``container (cgroup v2)``."""
-        return "host" if self.source == "host" else f"container ({self.source})"
-
-    def __str__(self) -> str:
-        return (
-            f"{format_bytes(self.usable)} usable ({self.where}), "
-            f"{format_bytes(self.free)} free, budget {format_bytes(self.budget)}"
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"Limits(usable={format_bytes(self.usable)}, free={format_bytes(self.free)}, "
-            f"budget={format_bytes(self.budget)}, source={self.source!r}, "
-            f"host_total={format_bytes(self.host_total)})"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        """Every figure (bytes) plus ``where`` and the readable line as ``text``, for JSON."""
-        return {**dataclasses.asdict(self), "where": self.where, "text": str(self)}
-
-    def _repr_html_(self) -> str:
-        limit = self.where if self.limited_by is None else f"{self.where}: {self.limited_by}"
-        rows = [
-            ("usable", format_bytes(self.usable), limit),
-            ("free", format_bytes(self.free), "page cache that can be dropped counts as free"),
-            ("budget", format_bytes(self.budget), "RAM tierflow's arrays and blocks may use"),
-            ("host RAM", format_bytes(self.host_total), "MemTotal in /proc/meminfo"),
-        ]
-        body = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
-            f"<td style='text-align:right'>{html.escape(value)}</td>"
-            f"<td style='text-align:left'>{html.escape(note)}</td></tr>"
-            for name, value, note in rows
-        )
-        return f"<table><caption>tierflow memory limits</caption>{body}</table>"
-
-
-def limits(root: str | None = None) -> Limits:
-    """Usable, free and budget memory of this process, for people to read.
-
-    ``root`` is where ``/proc`` and ``/sys/fs/cgroup`` are read (default: the
-    ``proc_root`` setting). The budget is this process's (:func:`tierflow.memory.budget`),
-    which is fixed at first use. Never raises for unreadable system files (see the module
-    docstring); a malformed ``TIERFLOW_RAM_BUDGET`` raises ``ConfigError``.
-
-    >>> print(limits())  # doctest: +SKIP
-    5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB
-    """
-    from .budget import budget_bytes  # budget builds on this module
-
-    figures = read_memory(root)
-    return Limits(
-        usable=figures.usable,
-        free=figures.free,
-        budget=budget_bytes(),
-        source=figures.source,
-        host_total=figures.host_total,
-        limited_by=figures.limited_by,
-    )
 
 
 def read_memory(root: str | None = None) -> MemoryFigures:

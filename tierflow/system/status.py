@@ -1,4 +1,13 @@
-"""``memory.status()``: the machine as this process sees it, on one line.
+"""The reports for people: ``memory.status()`` and ``memory.limits()``.
+
+They read the layers below (:mod:`tierflow.system.limits`, :mod:`tierflow.system.budget`,
+the devices) and import none of them back; nothing in ``tierflow.system`` imports this
+module, so a report can combine any figures without making an import circle.
+
+``memory.limits()`` (:class:`Limits`): usable, free and budget memory and what set the
+usable figure, e.g. ``5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB``.
+
+``memory.status()`` (:class:`Status`): the machine as this process sees it, on one line.
 
 ::
 
@@ -26,6 +35,7 @@ Sizes are binary GB (2**30 bytes). ``as_dict()`` gives every figure in bytes for
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import os
 import shutil
@@ -38,11 +48,13 @@ from typing import Any
 import psutil
 
 from .. import config
-from . import budget, device_budget, devices, limits
+from ..config import format_bytes
+from . import budget, device_budget, devices
+from . import limits as memory_limits  # the name limits is this module's limits()
 from .device_budget import DeviceBudget
 from .devices import Device
 
-__all__ = ["SpillFolderWarning", "Status", "status"]
+__all__ = ["Limits", "SpillFolderWarning", "Status", "limits", "status"]
 
 GB = config.GB
 
@@ -172,6 +184,82 @@ class Status:
         return f"<table><caption>tierflow status</caption>{body}</table>"
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Usable, free and budget bytes, and what set the usable figure.
+
+    ``str()`` reads like ``5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB``;
+    in a notebook the object shows as a small table.
+    """
+
+    usable: int
+    free: int
+    budget: int
+    source: str
+    host_total: int
+    limited_by: str | None = None
+
+    @property
+    def where(self) -> str:
+        """``host`` or ``container (cgroup v1)`` / ``container (cgroup v2)``."""
+        return "host" if self.source == "host" else f"container ({self.source})"
+
+    def __str__(self) -> str:
+        return (
+            f"{format_bytes(self.usable)} usable ({self.where}), "
+            f"{format_bytes(self.free)} free, budget {format_bytes(self.budget)}"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Limits(usable={format_bytes(self.usable)}, free={format_bytes(self.free)}, "
+            f"budget={format_bytes(self.budget)}, source={self.source!r}, "
+            f"host_total={format_bytes(self.host_total)})"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every figure (bytes) plus ``where`` and the readable line as ``text``, for JSON."""
+        return {**dataclasses.asdict(self), "where": self.where, "text": str(self)}
+
+    def _repr_html_(self) -> str:
+        limit = self.where if self.limited_by is None else f"{self.where}: {self.limited_by}"
+        rows = [
+            ("usable", format_bytes(self.usable), limit),
+            ("free", format_bytes(self.free), "page cache that can be dropped counts as free"),
+            ("budget", format_bytes(self.budget), "RAM tierflow's arrays and blocks may use"),
+            ("host RAM", format_bytes(self.host_total), "MemTotal in /proc/meminfo"),
+        ]
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
+            f"<td style='text-align:right'>{html.escape(value)}</td>"
+            f"<td style='text-align:left'>{html.escape(note)}</td></tr>"
+            for name, value, note in rows
+        )
+        return f"<table><caption>tierflow memory limits</caption>{body}</table>"
+
+
+def limits(root: str | None = None) -> Limits:
+    """Usable, free and budget memory of this process, for people to read.
+
+    ``root`` is where ``/proc`` and ``/sys/fs/cgroup`` are read (default: the
+    ``proc_root`` setting). The budget is this process's (:func:`tierflow.memory.budget`),
+    which is fixed at first use. Never raises for unreadable system files (see
+    :mod:`tierflow.system.limits`); a malformed ``TIERFLOW_RAM_BUDGET`` raises ``ConfigError``.
+
+    >>> print(limits())  # doctest: +SKIP
+    5.8 GB usable (container (cgroup v1)), 5.8 GB free, budget 4.0 GB
+    """
+    figures = memory_limits.read_memory(root)
+    return Limits(
+        usable=figures.usable,
+        free=figures.free,
+        budget=budget.budget_bytes(),
+        source=figures.source,
+        host_total=figures.host_total,
+        limited_by=figures.limited_by,
+    )
+
+
 def status(root: str | None = None) -> Status:
     """Read the machine now (a few file reads; GPUs as :func:`~tierflow.system.devices.gpus`).
 
@@ -185,7 +273,7 @@ def status(root: str | None = None) -> Status:
     >>> print(status())  # doctest: +SKIP
     RAM 7.3/7.8 GB free (this program 0.04 GB, budget 5.1 GB) | swap 0.0 GB | ...
     """
-    figures = limits.read_memory(root)
+    figures = memory_limits.read_memory(root)
     found = devices.gpus()
     spill_dir = os.path.abspath(os.path.expanduser(config.get("spill_dir")))
     ssd_path = _existing_parent(spill_dir)

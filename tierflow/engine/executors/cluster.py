@@ -14,10 +14,10 @@ tasks described as data (:class:`~tierflow.engine.tasks.BlockTask`), through
   holds is written by the worker to the shared folder and travels by path
   (:class:`~tierflow.engine.program.SharedBlock`); a ``.npy`` output's rows are written
   by the workers in place.
-* **Memory per slot:** each task declares its projected bytes to the engine (a Dask
-  resource, Ray's ``memory``), counted against the budget of the worker that runs it;
-  the worker's own tierflow runs with that worker's budget. The driver does not count
-  block tasks that run elsewhere against its own RAM.
+* **Memory per slot:** each task declares its projected bytes to the engine (the Dask
+  resource :data:`RESOURCE`, Ray's ``memory``), counted against the budget of the
+  worker that runs it; the worker's own tierflow runs with that worker's budget. The
+  driver does not count block tasks that run elsewhere against its own RAM.
 * **Retries are tierflow's** (the engine's own are turned off): a task whose worker
   died is sent again, up to :data:`TRIES` times; when it died of memory, on halved
   blocks (every operator of its program is capped at half the rows that died, in the
@@ -74,6 +74,7 @@ from ..types import Done
 from .local import ThreadExecutor, running_task
 
 __all__ = [
+    "RESOURCE",
     "STRAGGLER_FACTOR",
     "STRAGGLER_MIN_SECONDS",
     "STRAGGLER_MIN_TASKS",
@@ -89,6 +90,9 @@ __all__ = [
 
 log = logging.getLogger("tierflow.engine")
 
+# The Dask worker resource a block task asks for its projected bytes of, and that the
+# worker plugin declares as its budget (Ray's tasks ask for Ray's own ``memory``).
+RESOURCE = "tierflow-bytes"
 TRIES = 4  # times a task is sent before the deaths of its workers fail it
 STRAGGLER_MIN_TASKS = 10  # tasks of a pass before a straggler gets a backup copy ...
 STRAGGLER_DONE = 0.5  # ... at least this share of them done ...

@@ -9,8 +9,9 @@ shares):
   it gives the worker's tierflow the budget of that worker
   (:func:`~.cluster.node_budget`: ``budget_fraction`` of the smaller of its
   ``memory_limit`` and its cgroup's memory), declares it as the worker resource
-  ``tierflow-bytes``, and turns off Dask's spilling in that worker (tierflow's blocks
-  never sit in Dask's memory; the pause and terminate thresholds stay, as a backstop).
+  ``tierflow-bytes`` (:data:`~.cluster.RESOURCE`), and turns off Dask's spilling in
+  that worker (tierflow's blocks never sit in Dask's memory; the pause and terminate
+  thresholds stay, as a backstop).
   Each block task asks for its projected bytes of that resource, so Dask runs it only
   on a worker where it fits beside the others (a task under :data:`DECLARED_SHARE` of
   the smallest worker's budget asks for nothing: see ``DaskExecutor._resources``).
@@ -45,6 +46,7 @@ from typing import Any
 
 from ...errors import TierflowError, missing_dependency
 from .cluster import (
+    RESOURCE,
     ClusterExecutor,
     Death,
     discard_shared,
@@ -57,7 +59,6 @@ __all__ = ["RESOURCE", "DaskExecutor", "current_client"]
 
 log = logging.getLogger("tierflow.engine")
 
-RESOURCE = "tierflow-bytes"  # the worker resource block tasks ask for
 MEMORY_DEATH = 0.7  # a worker last seen above this share of its limit died of memory
 RESTART_TOPIC = "worker-restart-memory"  # the event a nanny logs when it kills for memory
 RESTART_EVENT_WAIT = 1.0  # seconds a death waits for that event at most

@@ -1,4 +1,8 @@
-"""The worker plugin of the Dask executor (imported only where Dask is)."""
+"""The worker plugin of the Dask executor (imported only where Dask is).
+
+It imports :mod:`.cluster` (the resource name, the node budget) and never :mod:`.dask`,
+which imports this module when it installs the plugin on a client's workers.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ... import config
 from . import cluster
-from .cluster import node_budget
-from .dask import RESOURCE
+from .cluster import RESOURCE, node_budget
 
 __all__ = ["TierflowPlugin"]
 
