@@ -32,10 +32,12 @@ test: $(STAMP)
 	fi
 	$(PY) -m pytest -q
 
+# lint-imports checks the import contracts in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tierflow tests examples
 	$(VENV)/bin/ruff format --check tierflow tests examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # The property tests (hypothesis) with fresh seeds and 20 times the examples, and the
 # conformance suite with a fresh seed and 20 times the samples per entry (its failures
@@ -55,4 +57,4 @@ bench: $(STAMP)
 	$(PY) -m pytest tests/benchmarks -q --benchmark-enable -o python_files="bench_*.py"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .stress
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .stress

@@ -218,9 +218,9 @@ def demo(args: argparse.Namespace) -> int:
     Writes a 1 GB float32 ``.npy`` to a temporary folder, computes per-column mean and
     standard deviation in one pass, writes the standardised features with ``to_npy``,
     and prints the throughput, the peak RSS and the budget (see
-    :mod:`tierflow.engine.demo`). The folder is removed at the end.
+    :mod:`tierflow.demo`). The folder is removed at the end.
     """
-    from .engine.demo import run_demo
+    from .demo import run_demo
     from .system import status as status_module
 
     budget = parse_size(args.budget, "--budget")

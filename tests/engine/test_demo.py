@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierflow.config import MB
-from tierflow.engine.demo import run_demo
+from tierflow.demo import run_demo
 
 
 def test_demo_standardises_a_file_bigger_than_its_budget(tmp_path: Path) -> None:
