@@ -16,6 +16,7 @@ Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (or ``--hypothesis-profi
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,20 @@ def ray_runtime() -> Iterator[Any]:
         # this runtime stop first.
         close_cluster_executors("ray")
         ray.shutdown()
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt during the test, as Ctrl-C in a terminal does.
+
+    A shell without job control starts a background command (``make test &``) with
+    SIGINT ignored, and Python then installs no handler: a test that sends itself
+    SIGINT would wait for an interrupt that never comes."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture

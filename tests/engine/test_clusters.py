@@ -437,6 +437,7 @@ def _files_left(*folders: Path) -> list[str]:
     return sorted(str(p) for f in folders if f.exists() for p in f.rglob("*") if p.is_file())
 
 
+@pytest.mark.usefixtures("ctrl_c")
 @pytest.mark.executors("dask", "ray")
 def test_ctrl_c_cancels_the_cluster_tasks_and_leaves_no_file(
     executor_name: str, request: pytest.FixtureRequest, tmp_path: Path

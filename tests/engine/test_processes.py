@@ -193,6 +193,7 @@ def _slow_until_stopped(started: str) -> object:
     return work
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_keyboard_interrupt_kills_the_busy_workers_and_leaves_no_file(tmp_path: Path) -> None:
     started = tmp_path / "started"
     started.mkdir()

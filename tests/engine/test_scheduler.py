@@ -330,6 +330,7 @@ def test_inbox_loses_no_wake_up_between_workers_and_the_scheduler() -> None:
     assert inbox.wanted > total  # nobody waits: workers take no lock
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_delivered_to_another_thread_stops_the_scheduler_waiting_for_tasks() -> None:
     # The kernel hands a process's SIGINT to any thread; Python runs its handler in the
     # main thread, which must wake up for it: a scheduler waiting for tasks with no
