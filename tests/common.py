@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from hypothesis import settings
 
-from tierflow.engine.executors.cluster import ClusterExecutor
+from tierflow.engine.runtime.executors.cluster import ClusterExecutor
 
 # Hypothesis's own default, which the `ci` and `default` profiles keep.
 _BASE_EXAMPLES = 100

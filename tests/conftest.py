@@ -25,7 +25,7 @@ import pytest
 from hypothesis import settings
 
 from tierflow import config
-from tierflow.engine.executors import close_cluster_executors
+from tierflow.engine.runtime.executors import close_cluster_executors
 from tierflow.system import pressure
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
@@ -76,7 +76,10 @@ def ray_runtime() -> Iterator[Any]:
     # Workers import the tests' modules (functions defined there pickle by reference).
     tests = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    # address="local": a runtime of its own, not one another test session (or a
+    # `ray start`) left on the machine, which ray.init() would join.
     ray.init(
+        address="local",
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -8,7 +8,9 @@ arrays over files bigger than RAM.
 from __future__ import annotations
 
 from . import config, errors, memory
-from .engine import factorize as linalg
+from .engine.api import linalg
+from .engine.api.array import Array
+from .engine.api.compute import compute, persist, to_npy
 from .engine.api.creation import (
     from_array,
     from_files,
@@ -18,15 +20,13 @@ from .engine.api.creation import (
     from_raw,
     from_zarr,
 )
-from .engine.array import Array
-from .engine.cache import cache_clear, cache_info
-from .engine.compute import compute, persist, to_npy
-from .engine.dask_arrays import from_dask
-from .engine.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
-from .engine.frequencies import value_counts
-from .engine.functions import concatenate, stack, where
-from .engine.profile import Profile, last_profile, profile
-from .engine.sorting import sort_rows, topk
+from .engine.api.dask import from_dask
+from .engine.api.frequencies import value_counts
+from .engine.api.functions import concatenate, stack, where
+from .engine.api.sort import sort_rows, topk
+from .engine.io.cache import cache_clear, cache_info
+from .engine.observe.profile import Profile, last_profile, profile
+from .engine.runtime.executors import DaskExecutor, ProcessExecutor, RayExecutor, use_executor
 from .engine.types import Callback
 from .errors import TierflowError
 

@@ -1,5 +1,5 @@
 """``python -m tierflow``: the same as the ``tierflow`` command."""
 
-from tierflow.cli import main
+from .cli import main
 
 raise SystemExit(main())

@@ -239,7 +239,7 @@ def profile(args: argparse.Namespace) -> int:
     traceback from the script's own frames down, as python prints it (130 for Ctrl-C)."""
     import runpy
 
-    from .engine.profile import Profile
+    from .engine.observe.profile import Profile
 
     script = os.path.abspath(args.script)
     if not os.path.isfile(script):

@@ -312,7 +312,7 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _quiet(options: Options, waits: list[tuple[float, float]]) -> None:
+def quiet(options: Options, waits: list[tuple[float, float]]) -> None:
     if options.quiet is not None:
         waits.append(wait_quiet(options.quiet, options.quiet_wait))
 
@@ -344,7 +344,7 @@ def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str
         cases[case]["difference"][engine] = _difference(got, references[case], case)
     waits: list[tuple[float, float]] = []
     for _ in range(options.rounds):
-        _quiet(options, waits)
+        quiet(options, waits)
         for case in MAP_CASES:
             row: dict[str, Any] = {}
             _, row["threads"] = _timed(run(case, "threads"))
@@ -485,7 +485,7 @@ def measure_columns(path: str, cluster: Cluster, options: Options) -> dict[str, 
         _, cases[case]["first"] = _timed(tierflow_on(executor, case))
     waits: list[tuple[float, float]] = []
     for _ in range(options.column_rounds):
-        _quiet(options, waits)
+        quiet(options, waits)
         for case in COLUMN_CASES:
             row: dict[str, Any] = {}
             for name, make in contenders.items():
@@ -553,7 +553,7 @@ def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
     difference = _difference(got, reference, "sum")
     waits: list[tuple[float, float]] = []
     for _ in range(options.rounds):
-        _quiet(options, waits)
+        quiet(options, waits)
         row: dict[str, Any] = {}
         _, row["serial"] = _timed(run("serial"))
         got, row["engine"] = _timed(run(executor), workers=workers())

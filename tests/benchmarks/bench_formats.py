@@ -127,7 +127,7 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
         with open(path, "rb") as f:
             while f.read(1 << 24):
                 pass
-    from tierflow.engine import program
+    from tierflow.engine.program import program
 
     times: dict[str, dict[str, list[float]]] = {
         n: {e: [] for e in (*EXECUTORS, FRESH)} for n in paths

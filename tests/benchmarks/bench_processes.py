@@ -77,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import emit, make_npy, run_sampled, save_figures
 
-from tierflow.engine.executors import ProcessExecutor, default_workers
+from tierflow.engine.runtime.executors import ProcessExecutor, default_workers
 
 WIDTH = 8
 ROWS = 200_000

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import tierflow as tw
-from tierflow.engine import products
+from tierflow.engine.api import products
 
 from .conformance import (
     ELEMENTWISE,

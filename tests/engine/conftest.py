@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierflow.engine import cache as cache_module
-from tierflow.engine.executors import use_executor
+from tierflow.engine.io import cache as cache_module
+from tierflow.engine.runtime.executors import use_executor
 from tierflow.system import budget
 
 

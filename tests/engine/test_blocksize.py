@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import tierflow as tw
 from tierflow.config import GB, MB
-from tierflow.engine import blocksize
-from tierflow.engine.blocksize import MAX_BLOCK_BYTES, default_rows, output_bounds
+from tierflow.engine.graph import blocksize
+from tierflow.engine.graph.blocksize import MAX_BLOCK_BYTES, default_rows, output_bounds
 
 ROW = 8 * 4  # a row of 8 float32
 

@@ -15,8 +15,8 @@ import pytest
 
 import tierflow as tw
 from tierflow import config, memory
-from tierflow.engine import cache as cache_module
-from tierflow.engine.cache import CacheWarning
+from tierflow.engine.io import cache as cache_module
+from tierflow.engine.io.cache import CacheWarning
 from tierflow.errors import StoreError
 from tierflow.storage import pages
 from tierflow.storage.store import Store, StoreWarning

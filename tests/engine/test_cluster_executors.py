@@ -20,9 +20,10 @@ import pytest
 
 import tierflow as tw
 from tierflow import config
-from tierflow.engine import executors, halving, tasks
-from tierflow.engine.executors import DaskExecutor, RayExecutor, cluster
-from tierflow.engine.executors.cluster import RESOURCE
+from tierflow.engine.program import halving, tasks
+from tierflow.engine.runtime import executors
+from tierflow.engine.runtime.executors import DaskExecutor, RayExecutor, cluster
+from tierflow.engine.runtime.executors.cluster import RESOURCE
 from tierflow.engine.types import RowRange
 from tierflow.errors import DependencyError, install_command
 
@@ -99,18 +100,18 @@ def test_big_held_blocks_come_back_by_the_shared_folder_and_are_removed(
     data = np.arange(200_000, dtype=np.float64).reshape(50_000, 4)
     x = tw.from_array(data, rows=10_000)  # 320 KB blocks, over SHARED_MIN
     seen: list[str] = []
-    original = tw.engine.program.SharedBlock.take
+    original = tw.engine.program.program.SharedBlock.take
 
     def take(block: Any) -> np.ndarray:
         seen.append(block.path)
         return original(block)
 
-    tw.engine.program.SharedBlock.take = take  # type: ignore[method-assign]
+    tw.engine.program.program.SharedBlock.take = take  # type: ignore[method-assign]
     try:
         kept = x[x[:, 0] % 3 == 0].compute(executor=executor)  # unknown rows: held blocks
         doubled = (x * 2).compute(executor=executor)
     finally:
-        tw.engine.program.SharedBlock.take = original  # type: ignore[method-assign]
+        tw.engine.program.program.SharedBlock.take = original  # type: ignore[method-assign]
     assert np.array_equal(kept, data[data[:, 0] % 3 == 0])
     assert np.array_equal(doubled, data * 2)
     assert len(seen) == 10 and all(Path(p).parent == shared for p in seen)
@@ -314,7 +315,7 @@ def test_executor_ray_without_ray_starts_a_local_one_and_says_so(tmp_path: Path)
     # executor="ray" makes a new one on a new local Ray.
     code = (
         "import numpy as np, ray, tierflow as tw\n"
-        "from tierflow.engine.executors import make_executor\n"
+        "from tierflow.engine.runtime.executors import make_executor\n"
         "x = tw.from_array(np.ones((40, 2)), rows=8)\n"
         "print('sum', x.sum().compute(executor='ray'))\n"
         "old = make_executor('ray')[0]\n"
@@ -339,7 +340,7 @@ def test_executor_ray_without_ray_starts_a_local_one_and_says_so(tmp_path: Path)
 def test_a_dask_task_declares_its_bytes_when_they_matter_to_a_worker(
     dask_executor: DaskExecutor,
 ) -> None:
-    from tierflow.engine.executors.dask import DECLARED_SHARE
+    from tierflow.engine.runtime.executors.dask import DECLARED_SHARE
 
     smallest, largest = dask_executor._smallest, dask_executor._largest
     assert 0 < smallest <= largest

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tierflow.engine.executors import cluster
-from tierflow.engine.tasks import BlockTask
+from tierflow.engine.program.tasks import BlockTask
+from tierflow.engine.runtime.executors import cluster
 from tierflow.engine.types import RowRange
 
 from common import IdleCluster

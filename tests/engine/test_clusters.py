@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.executors import ClusterExecutor, DaskExecutor, RayExecutor, cluster
+from tierflow.engine.runtime.executors import ClusterExecutor, DaskExecutor, RayExecutor, cluster
 from tierflow.system import processes
 
 from common import IdleCluster, wait_for
@@ -245,7 +245,7 @@ def _ray_oom_above(rows: int) -> Callable[..., Any]:
     def task(desc: Any, data: bytes, settings: Any, cap: Any, shared: Any) -> Any:
         import ray
 
-        from tierflow.engine.executors.ray import _ray_block
+        from tierflow.engine.runtime.executors.ray import _ray_block
 
         if cap is None or cap > rows:
             raise ray.exceptions.OutOfMemoryError(f"task killed on {cap or 'all'} rows")
@@ -353,8 +353,8 @@ def _stragglers(done: list[float], count: int, running: dict[int, float | None])
     """The blocks :meth:`ClusterExecutor.stragglers` picks at time 100 s: ``done`` the
     workers' times of the finished tasks of a pass of ``count``, ``running`` how long
     each block not done has run (None: it waits in the engine's queue)."""
-    from tierflow.engine.executors.cluster import _Kind, _Pending
-    from tierflow.engine.tasks import BlockTask
+    from tierflow.engine.program.tasks import BlockTask
+    from tierflow.engine.runtime.executors.cluster import _Kind, _Pending
     from tierflow.engine.types import RowRange
 
     executor = IdleCluster(2)
@@ -369,7 +369,7 @@ def _stragglers(done: list[float], count: int, running: dict[int, float | None])
 
 @pytest.mark.executors("threads")
 def test_the_straggler_rules() -> None:
-    from tierflow.engine.executors.cluster import (
+    from tierflow.engine.runtime.executors.cluster import (
         STRAGGLER_FACTOR,
         STRAGGLER_MIN_SECONDS,
         STRAGGLER_MIN_TASKS,
@@ -386,8 +386,8 @@ def test_the_straggler_rules() -> None:
 
 @pytest.mark.executors("threads")
 def test_a_straggler_gets_one_backup_copy() -> None:
-    from tierflow.engine.executors.cluster import _Kind, _Pending
-    from tierflow.engine.tasks import BlockTask
+    from tierflow.engine.program.tasks import BlockTask
+    from tierflow.engine.runtime.executors.cluster import _Kind, _Pending
     from tierflow.engine.types import RowRange
 
     executor = IdleCluster(2)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import executors, scheduler, types
+from tierflow.engine import types
+from tierflow.engine.runtime import executors, scheduler
 from tierflow.system import budget
 
 from common import Concurrency

@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
-from tierflow.engine import distinct, frequencies
-from tierflow.engine.plan import Target, build_plan, describe
-from tierflow.engine.sinks import ArraySink
+from tierflow.engine.api import frequencies
+from tierflow.engine.io.sinks import ArraySink
+from tierflow.engine.planning.plan import Target, build_plan, describe
+from tierflow.engine.rowwide import distinct
 from tierflow.errors import OutOfMemoryError
 from tierflow.storage import spill
 

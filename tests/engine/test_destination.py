@@ -24,7 +24,7 @@ import pytest
 import zarr
 
 import tierflow as tw
-from tierflow.engine import destination
+from tierflow.engine.io import destination
 from tierflow.errors import DestinationExistsError, IncompleteError, TierflowError
 
 ONES = np.ones((10, 2), np.float32)

@@ -70,7 +70,7 @@ def test_hdf5_errors_name_the_file_and_the_dataset(tmp_path: Path) -> None:
 
 
 def test_hdf5_blocks_are_read_into_pooled_buffers_that_come_back(tmp_path: Path) -> None:
-    from tierflow.engine import program
+    from tierflow.engine.program import program
 
     data = np.random.default_rng(1).random((8000, 4))
     x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
@@ -117,7 +117,7 @@ def test_a_partial_that_is_a_view_of_a_pooled_block_keeps_its_rows(tmp_path: Pat
 def test_an_hdf5_array_is_read_straight_into_the_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierflow.engine import program
+    from tierflow.engine.program import program
 
     lent: list[tuple[int, ...]] = []
     lend = program._lend
@@ -556,7 +556,7 @@ def test_zarr_rows_in_object_storage_are_fetched_ahead_of_their_tasks(
 def test_a_zarr_task_is_admitted_with_its_decoded_rows_and_the_codec_scratch(
     tmp_path: Path,
 ) -> None:
-    from tierflow.engine.program import SourceStep
+    from tierflow.engine.program.program import SourceStep
 
     _zarr(tmp_path / "a.zarr", np.ones((1000, 4), np.float32), chunks=(100, 4))
     x = tw.from_zarr(tmp_path / "a.zarr", rows=200)
@@ -584,9 +584,9 @@ def test_a_compressed_hdf5_dataset_is_read_by_worker_processes_by_default(
 ) -> None:
     import threading
 
-    from tierflow.engine import compute as compute_module
+    from tierflow.engine.runtime import run as run_module
 
-    monkeypatch.setattr(compute_module, "PROCESSES_PAY", 1)  # any size pays here
+    monkeypatch.setattr(run_module, "PROCESSES_PAY", 1)  # any size pays here
     data = np.random.default_rng(7).random((4000, 4)).astype(np.float32)
     gz = _h5(tmp_path / "gz.h5", data, chunks=(500, 4), compression="gzip")
     plain = _h5(tmp_path / "plain.h5", data, chunks=(500, 4))

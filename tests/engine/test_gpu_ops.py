@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import tierflow as tw
 from engine.test_properties import arrays, outcome
 from tierflow import config
-from tierflow.engine import gpu_tier, offload, transfer
+from tierflow.engine.gpu import offload, tier, transfer
 from tierflow.system.devices import FakeGpus, use_provider
 
 from common import examples
@@ -192,7 +192,7 @@ def test_cuda_takes_the_gpu_with_the_most_free_memory_or_the_admitted_one(
     x = tw.from_array(a, rows=ROWS)
     (x * 2).sum().compute(device="cuda", executor="serial")
     assert (transfer.stats("cuda:0").h2d, transfer.stats("cuda:1").h2d) == (0, 4)
-    with gpu_tier.running_on("cuda:0"):
+    with tier.running_on("cuda:0"):
         (x * 2).sum().compute(device="cuda", executor="serial")
     assert transfer.stats("cuda:0").h2d == 4
 
@@ -251,7 +251,7 @@ def test_auto_puts_a_block_on_the_gpu_only_where_the_copy_pays() -> None:
 
 @pytest.mark.usefixtures("gpus")
 def test_a_gpu_model_that_runs_out_of_memory_is_halved_on_the_device(a: np.ndarray) -> None:
-    from tierflow.engine import halving
+    from tierflow.engine.program import halving
 
     sizes: list[int] = []
 
@@ -290,7 +290,7 @@ def test_on_a_real_gpu_a_chain_copies_each_block_in_once(a: np.ndarray) -> None:
 
 @pytest.mark.usefixtures("gpus")
 def test_a_programs_device_bytes_count_copies_outputs_and_intermediates(a: np.ndarray) -> None:
-    from tierflow.engine.lower import lower_pass
+    from tierflow.engine.planning.lower import lower_pass
 
     x = tw.from_array(a, rows=ROWS)
     y = ((x - 0.5) * 2).map_blocks(lambda t: t * 3, device="cuda:1").sum(axis=0)

@@ -19,7 +19,7 @@ import pytest
 
 import tierflow as tw
 from tierflow import config
-from tierflow.engine import gpu_tier
+from tierflow.engine.gpu import tier
 from tierflow.errors import OutOfMemoryError
 from tierflow.system import device_budget
 from tierflow.system.devices import FakeGpus, use_provider
@@ -68,12 +68,12 @@ class Watch:
         self.together = threading.Event()
 
     def __call__(self, t: Any) -> Any:
-        device = gpu_tier.current_device()
+        device = tier.current_device()
         with self.lock:
             self.now[device] += 1
             self.most[device] = max(self.most[device], self.now[device])
             self.blocks[device] += 1
-            self.slots.add((device, gpu_tier.current_slot()))
+            self.slots.add((device, tier.current_slot()))
             self.tensors.add(t.device.type)
             if sum(self.now.values()) >= self.company:
                 self.together.set()
@@ -237,8 +237,8 @@ def test_a_compute_inside_a_device_task_runs_though_its_caller_holds_the_only_sl
 
 
 def test_the_plan_gives_block_tasks_their_device_and_gpu_bytes() -> None:
-    from tierflow.engine.plan import Target, build_plan, describe
-    from tierflow.engine.sinks import ArraySink
+    from tierflow.engine.io.sinks import ArraySink
+    from tierflow.engine.planning.plan import Target, build_plan, describe
 
     a = np.ones((2 * ROWS, COLS), np.float32)
     with use_provider(gpus(100)):
@@ -268,10 +268,10 @@ def test_a_probed_function_gets_tensors_on_a_simulated_gpu() -> None:
 
 
 def test_running_on_sets_the_device_for_the_block_only() -> None:
-    assert gpu_tier.current_device() is None
-    with gpu_tier.running_on("cuda:1"):
-        assert gpu_tier.current_device() == "cuda:1"
-    assert gpu_tier.current_device() is None
+    assert tier.current_device() is None
+    with tier.running_on("cuda:1"):
+        assert tier.current_device() == "cuda:1"
+    assert tier.current_device() is None
 
 
 @pytest.mark.gpu
@@ -281,9 +281,9 @@ def test_each_slot_runs_on_its_own_cuda_stream() -> None:
     streams: set[tuple[int | None, Any]] = set()
 
     def where(t: Any) -> Any:
-        device, slot = gpu_tier.current_device(), gpu_tier.current_slot()
+        device, slot = tier.current_device(), tier.current_slot()
         assert device is not None and slot is not None
-        assert torch.cuda.current_stream(t.device) == gpu_tier.slot_stream(device, slot)
+        assert torch.cuda.current_stream(t.device) == tier.slot_stream(device, slot)
         streams.add((slot, torch.cuda.current_stream(t.device)))
         return t * 2
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import halving
+from tierflow.engine.program import halving
 from tierflow.errors import OutOfMemoryError
 from tierflow.storage import oom
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.executors import ComputeForbidden
+from tierflow.engine.runtime.executors import ComputeForbidden
 from tierflow.storage.sources import FileSource
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.ops import MapBlocks
+from tierflow.engine.graph.block_operators import MapBlocks
 from tierflow.errors import BlockError, DependencyError, install_command
 
 

@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     import tierflow as tw
     from tierflow import config
-    from tierflow.engine import scheduler
+    from tierflow.engine.runtime import scheduler
 
     FIELDS = ("RssAnon", "RssFile")
 

@@ -1,5 +1,5 @@
 """The ndarray methods a NumPy user reaches for on a lazy array, and NumPy's names in
-errors (tierflow/engine/ndarray_methods.py)."""
+errors (tierflow/engine/api/methods.py)."""
 
 from __future__ import annotations
 

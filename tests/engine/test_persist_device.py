@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.device_persist import DeviceReader
+from tierflow.engine.io.persisted import DeviceReader
 from tierflow.storage import gpu, placement
 from tierflow.system import devices
 from tierflow.system.devices import FakeGpus

@@ -108,7 +108,7 @@ def test_an_array_in_the_other_byte_order_keeps_it_whatever_the_pickler(
 
 def test_a_block_tasks_result_keeps_its_arrays_byte_order_under_protocol_4() -> None:
     """Dask's scheduler and multiprocessing pickle results with protocol 4."""
-    from tierflow.engine.tasks import BlockResult
+    from tierflow.engine.program.tasks import BlockResult
 
     swapped = np.array([1, 256, 70000], ">i4")
     result = BlockResult((swapped, [swapped, (swapped[:1], "x")], None), (swapped, None))

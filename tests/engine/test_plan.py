@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import cache as cache_module
-from tierflow.engine.graph import Chunked, Const
-from tierflow.engine.plan import ConstOutput, Target, TaskOutput, build_plan, describe
-from tierflow.engine.sinks import ArraySink, NpySink
+from tierflow.engine.graph.nodes import Chunked, Const
+from tierflow.engine.io import cache as cache_module
+from tierflow.engine.io.sinks import ArraySink, NpySink
+from tierflow.engine.planning.plan import ConstOutput, Target, TaskOutput, build_plan, describe
 
 GOLDEN = Path(__file__).parent / "golden" / "plans.txt"
 BUDGET = 64 << 20

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import tasks
-from tierflow.engine.executors import ProcessExecutor, WorkerDied, make_executor
-from tierflow.engine.executors.processes import TRIES
+from tierflow.engine.program import tasks
+from tierflow.engine.runtime.executors import ProcessExecutor, WorkerDied, make_executor
+from tierflow.engine.runtime.executors.processes import TRIES
 from tierflow.engine.types import RowRange
 from tierflow.errors import BlockError, PortabilityError
 from tierflow.system import processes

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
-from tierflow.engine import products
+from tierflow.engine.api import products
 
 from common import examples
 
@@ -270,7 +270,7 @@ def test_transposes_that_are_not_x_T() -> None:
 # -- np.cov and np.corrcoef -------------------------------------------------------------
 
 
-def _quiet(fn: Callable[[], Any]) -> Any:
+def quiet(fn: Callable[[], Any]) -> Any:
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         return fn()
@@ -293,20 +293,20 @@ def test_cov_matches_numpy_on_any_shape_block_and_dtype(data: st.DataObject) -> 
     y = tw.from_array(b, rows=data.draw(st.integers(1, 7))) if b is not None else None
     kwargs: dict[str, Any] = {"rowvar": False, "bias": bias, "ddof": ddof}
     try:
-        expected = _quiet(lambda: np.cov(a, b, **kwargs))
+        expected = quiet(lambda: np.cov(a, b, **kwargs))
     except ValueError:  # NumPy reads one row of a and b as variables of different lengths
         with pytest.raises(ValueError):
-            _quiet(lambda: np.cov(x, y, **kwargs).compute())
+            quiet(lambda: np.cov(x, y, **kwargs).compute())
         return
-    got = _quiet(lambda: np.cov(x, y, **kwargs).compute())
+    got = quiet(lambda: np.cov(x, y, **kwargs).compute())
     assert got.dtype == expected.dtype and got.shape == expected.shape
     # NumPy's own rounding: its float64 mean of data near v is off by ~eps * v, which
     # gives a constant column a variance of ~(eps * v)**2 where the exact one is 0.
     rounding = (8 * np.finfo(np.float64).eps * _largest(a, b)) ** 2
     scale = np.abs(np.nan_to_num(expected)).max(initial=1)
     np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9 * scale + rounding)
-    expected_r = _quiet(lambda: np.corrcoef(a, b, rowvar=False))
-    got_r = _quiet(lambda: np.corrcoef(x, y, rowvar=False).compute())
+    expected_r = quiet(lambda: np.corrcoef(a, b, rowvar=False))
+    got_r = quiet(lambda: np.corrcoef(x, y, rowvar=False).compute())
     assert got_r.shape == expected_r.shape
     # Correlations with a column whose variance is all rounding are noise in NumPy.
     spread = np.atleast_1d(np.diagonal(np.atleast_2d(expected)))

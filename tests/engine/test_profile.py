@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import halving
-from tierflow.engine.profile import ComputeRecord, Profile, Sample, TaskRecord, tier_of
+from tierflow.engine.observe.profile import ComputeRecord, Profile, Sample, TaskRecord, tier_of
+from tierflow.engine.program import halving
 from tierflow.errors import install_command
 from tierflow.system import budget
 
@@ -178,7 +178,7 @@ def test_a_compute_shorter_than_a_sample_still_shows_what_it_held(data: np.ndarr
 
 @pytest.mark.executors("serial")
 def test_a_sample_takes_the_recorded_pressure_level(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierflow.engine import profile as profile_module
+    from tierflow.engine.observe import profile as profile_module
     from tierflow.system.types import Level
 
     monkeypatch.setattr(profile_module.pressure, "recorded_level", lambda: Level.HIGH)
@@ -189,7 +189,7 @@ def test_a_sample_takes_the_recorded_pressure_level(monkeypatch: pytest.MonkeyPa
 def test_a_sample_that_fails_does_not_fail_the_compute(
     data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierflow.engine import profile as profile_module
+    from tierflow.engine.observe import profile as profile_module
 
     def unreadable(pid: int | None = None) -> Any:
         raise OSError("no /proc here")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.profile_report import DPI, KIND_COLOURS
+from tierflow.engine.observe.report import DPI, KIND_COLOURS
 
 pytestmark = [pytest.mark.slow, pytest.mark.executors("threads")]
 

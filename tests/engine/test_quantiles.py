@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierflow as tw
-from tierflow.engine import quantiles
-from tierflow.engine.plan import Target, build_plan, describe
+from tierflow.engine.api import quantiles
+from tierflow.engine.planning.plan import Target, build_plan, describe
 from tierflow.operators import order_stats
 from tierflow.operators.order_stats import Limits
 

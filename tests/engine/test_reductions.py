@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.plan import Target, build_plan
-from tierflow.engine.sources import FileReader
+from tierflow.engine.io.readers import FileReader
+from tierflow.engine.planning.plan import Target, build_plan
 
 
 @pytest.fixture

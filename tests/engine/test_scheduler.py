@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine import executors, types
+from tierflow.engine import types
+from tierflow.engine.runtime import executors
 from tierflow.errors import BlockError
 from tierflow.storage import pages, spill
 from tierflow.system import pressure
@@ -304,7 +305,7 @@ def test_progress_bar_after_a_delay_or_at_once(capsys: pytest.CaptureFixture[str
 
 
 def test_inbox_loses_no_wake_up_between_workers_and_the_scheduler() -> None:
-    from tierflow.engine.scheduler import _Inbox
+    from tierflow.engine.runtime.scheduler import _Inbox
 
     inbox = _Inbox()
     per_worker, workers = 3000, 3
@@ -335,7 +336,7 @@ def test_a_ctrl_c_delivered_to_another_thread_stops_the_scheduler_waiting_for_ta
     # The kernel hands a process's SIGINT to any thread; Python runs its handler in the
     # main thread, which must wake up for it: a scheduler waiting for tasks with no
     # timeout (a compute's tasks running on a cluster) never would.
-    from tierflow.engine.scheduler import _NOBODY, _Inbox
+    from tierflow.engine.runtime.scheduler import _NOBODY, _Inbox
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run in the main thread only")
@@ -364,7 +365,7 @@ def test_a_ctrl_c_delivered_to_another_thread_stops_the_scheduler_waiting_for_ta
 
 
 def test_inbox_wakes_the_scheduler_at_once_for_an_error() -> None:
-    from tierflow.engine.scheduler import _Inbox
+    from tierflow.engine.runtime.scheduler import _Inbox
 
     inbox = _Inbox()
     inbox.put((0, None, None))
@@ -395,7 +396,7 @@ class CountingThreads(executors.ThreadExecutor):
 
 def run_tasks(fn: Any, n: int, executor: Any) -> list[Any]:
     """Run ``fn(k)`` for k < n as one kind of task; the results in order."""
-    from tierflow.engine import scheduler
+    from tierflow.engine.runtime import scheduler
 
     tasks = [types.Task(f"task {k}", fn, args=(k,)) for k in range(n)]
     try:
@@ -407,7 +408,7 @@ def run_tasks(fn: Any, n: int, executor: Any) -> list[Any]:
 
 
 def test_tiny_tasks_share_one_job_and_never_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierflow.engine import scheduler
+    from tierflow.engine.runtime import scheduler
 
     # A threshold no hiccup of a busy machine crosses: the test is about the lane itself.
     monkeypatch.setattr(scheduler, "TINY_TASK_SECONDS", 0.01)
@@ -451,7 +452,7 @@ def test_a_kind_that_turns_slow_leaves_the_lane() -> None:
 
 
 def test_kind_judgement_probe_and_band() -> None:
-    from tierflow.engine.scheduler import LANE_PROBE, TINY_TASK_SECONDS, _Kind
+    from tierflow.engine.runtime.scheduler import LANE_PROBE, TINY_TASK_SECONDS, _Kind
 
     tiny, slow = TINY_TASK_SECONDS / 3, TINY_TASK_SECONDS * 3
     kind = _Kind()
@@ -503,7 +504,7 @@ def test_an_error_on_the_lane_stops_it(raised: BaseException) -> None:
 
 
 def test_lane_loses_no_task_when_its_job_ends_as_tasks_come() -> None:
-    from tierflow.engine.scheduler import _Inbox, _Lane
+    from tierflow.engine.runtime.scheduler import _Inbox, _Lane
 
     # A job that finds the queue empty ends under the lock; an append meanwhile makes
     # ``extend`` ask for a new job. Each round appends as soon as the last task is in,

@@ -111,7 +111,7 @@ import os, subprocess, sys, threading, time, warnings
 import numpy as np
 import tierflow as tw
 from tierflow import memory
-from tierflow.engine import cache
+from tierflow.engine.io import cache
 from tierflow.storage import leases
 from tierflow.storage.store.keys import encode_key, name_of
 

@@ -20,7 +20,7 @@ import pytest
 
 import tierflow as tw
 from tierflow.config import format_bytes
-from tierflow.engine.sinks import npy_header
+from tierflow.engine.io.sinks import npy_header
 from tierflow.errors import BlockError
 from tierflow.storage import placement, spill
 
@@ -172,7 +172,8 @@ def test_failed_compute_frees_its_spilled_output() -> None:
 def test_masked_blocks_wait_for_slow_appends_rather_than_spill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierflow.engine import sinks, types
+    from tierflow.engine import types
+    from tierflow.engine.io import sinks
 
     tw.memory.budget("8MB")
     write = sinks.NpySink.append

@@ -1,12 +1,12 @@
-"""The staging pool and the lanes of :mod:`tierflow.engine.transfer`."""
+"""The staging pool and the lanes of :mod:`tierflow.engine.gpu.transfer`."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tierflow.engine import transfer
-from tierflow.engine.sources import ArrayReader
+from tierflow.engine.gpu import transfer
+from tierflow.engine.io.readers import ArrayReader
 from tierflow.system.devices import FakeGpus, use_provider
 
 torch = pytest.importorskip("torch")

@@ -1,6 +1,6 @@
 """Arrays of unknown row counts (after a boolean mask, a filter, files of varying rows)
 take every operation that needs the row count: a first pass counts rows per block, then
-the operation runs on known block boundaries (tierflow.engine.counting). NumPy is the
+the operation runs on known block boundaries (tierflow.engine.planning.counting). NumPy is the
 oracle, errors included."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierflow as tw
-from tierflow.engine import counting
+from tierflow.engine.planning import counting
 
 from common import examples
 
@@ -325,7 +325,7 @@ def test_to_dask_needs_the_counts_and_computes_nothing(tmp_path: Path) -> None:
 
 
 def test_a_counted_block_projects_the_whole_blocks_it_is_cut_from() -> None:
-    from tierflow.engine.plan import Target, build_plan
+    from tierflow.engine.planning.plan import Target, build_plan
 
     a = np.arange(3000.0).reshape(1000, 3)
     x = tw.from_array(a, rows=100)

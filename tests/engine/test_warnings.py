@@ -1,5 +1,5 @@
 """Floating-point warnings and errors of fused kernels and built-in operators name the
-line of user code that built the operation (tierflow.engine.float_errors), on every
+line of user code that built the operation (tierflow.engine.program.float_errors), on every
 executor; the errstate in force around compute() is the one that applies."""
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _correctness_checks(torch: Any) -> list[Callable[[], None]]:
 
     @check("a chain through a GPU model copies each block in once and partials out")
     def _chain() -> None:
-        from tierflow.engine import transfer
+        from tierflow.engine.gpu import transfer
 
         y = ((x - 0.5) * 2).map_blocks(lambda t: torch.relu(t) * 3, device="cuda").sum(axis=0)
         transfer.reset_stats()  # after the probe block's copies
@@ -147,8 +147,8 @@ def _example_check() -> Callable[[], None]:
 
 def _figures(torch: Any) -> list[Callable[[], None]]:
     import tierflow as tw
-    from tierflow.engine import transfer
-    from tierflow.engine.sources import ArrayReader
+    from tierflow.engine.gpu import transfer
+    from tierflow.engine.io.readers import ArrayReader
 
     @check("figures: copy bandwidth, fused expression plus sum, overlap")
     def _measure() -> None:
@@ -203,7 +203,7 @@ def _figures(torch: Any) -> list[Callable[[], None]]:
 
 def _halving_check(torch: Any) -> Callable[[], None]:
     import tierflow as tw
-    from tierflow.engine import halving
+    from tierflow.engine.program import halving
 
     @check("a GPU model allocating more than the GPU has is halved until it fits")
     def _halving() -> None:

@@ -1,17 +1,17 @@
 """Contracts of the engine layer: executors, callbacks, tasks and their events.
 
-The scheduler (:mod:`tierflow.engine.scheduler`) runs a :class:`Task` graph; it does not
+The scheduler (:mod:`tierflow.engine.runtime.scheduler`) runs a :class:`Task` graph; it does not
 know how tasks run. An :class:`Executor` runs them: ``submit(fn, done)`` starts ``fn()``
 somewhere and calls ``done(result, error)`` when it has finished (from any thread);
 ``shutdown(cancel=True)`` drops tasks not started yet and returns once none is running.
 Threads (the default), a serial executor for debugging and one that raises if anything
-computes (laziness tests) live in :mod:`tierflow.engine.executors`; a distributed engine
+computes (laziness tests) live in :mod:`tierflow.engine.runtime.executors`; a distributed engine
 plugs in the same way.
 
 A :class:`Callback` sees a compute start, every task finish, and the compute finish;
-the progress bar is one (:mod:`tierflow.engine.progress`). Callbacks are called on the
+the progress bar is one (:mod:`tierflow.engine.observe.progress`). Callbacks are called on the
 thread that called ``compute``, one at a time, so they need no lock. A callback that is
-also a :class:`Tracer` (the profiler, :mod:`tierflow.engine.profile`) follows each task
+also a :class:`Tracer` (the profiler, :mod:`tierflow.engine.observe.profile`) follows each task
 where it runs: its worker, its start and end, what happened inside it.
 """
 
@@ -68,14 +68,14 @@ class Executor(Protocol):
 class TaskExecutor(Executor, Protocol):
     """An executor that also runs block tasks described as data, in other processes.
 
-    ``submit_task(desc, done)`` runs the :class:`~tierflow.engine.tasks.BlockTask`
+    ``submit_task(desc, done)`` runs the :class:`~tierflow.engine.program.tasks.BlockTask`
     ``desc`` somewhere that sees the same paths (shipping its program there first,
-    from :func:`~tierflow.engine.tasks.program_bytes`) and calls ``done(outcome,
+    from :func:`~tierflow.engine.program.tasks.program_bytes`) and calls ``done(outcome,
     error)`` with ``outcome = (BlockResult, seconds)``. ``submit(fn, done)`` runs the
     driver's own tasks (finishing a reduction, committing a file) in this process.
 
     An executor whose ``admits_memory`` is true (a cluster's,
-    :mod:`tierflow.engine.executors.cluster`) admits block tasks itself, against the
+    :mod:`tierflow.engine.runtime.executors.cluster`) admits block tasks itself, against the
     budget of the worker that runs each: the scheduler does not count them against
     this process's budget and calls ``submit_task(desc, done, need)`` with the task's
     projected bytes.
@@ -151,7 +151,7 @@ class Task:
     sum"``).
 
     A block task (``block`` True, ``args == (index, request)``) can also travel as data
-    to another process (:mod:`tierflow.engine.tasks`): ``program`` is the pass's
+    to another process (:mod:`tierflow.engine.program.tasks`): ``program`` is the pass's
     program, or None when it is the first item of the result of the task's only
     dependency (a pass whose program binds computed values is made by a ``prepare``
     task).

@@ -30,7 +30,7 @@ float32 rows of 8 (one thread): 77 us per call before, 46 us now, against 39 us 
 NumPy's own expression and float32 sum. The generated code's file name is
 ``KERNEL_FILENAME``, and ``expression_at(code, lineno)`` names the expression node a
 frame of it was evaluating: what a warning or an error raised there is about (the
-engine names the user's line for it, see :mod:`tierflow.engine.float_errors`).
+engine names the user's line for it, see :mod:`tierflow.engine.program.float_errors`).
 
 Wide view. A constant with more than one element (a row vector of column means) makes
 NumPy iterate one row at a time: on float32 ``[N, 8]`` its inner loops are 8 elements
@@ -689,7 +689,7 @@ class FusedKernel:
     def expression_at(self, code: Any, lineno: int) -> Expr | None:
         """The expression node a frame (its ``code`` at ``lineno``) of this kernel's
         generated code was evaluating, or None: what a floating-point warning or error
-        raised there is about (see :mod:`tierflow.engine.float_errors`)."""
+        raised there is about (see :mod:`tierflow.engine.program.float_errors`)."""
         return self._program.expression_at(code, lineno)
 
     def temp_bytes(self, rows: int) -> int:

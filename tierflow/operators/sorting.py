@@ -1,5 +1,5 @@
 """Sorting kernels on blocks in memory: keys, stable orders, and the split and merge of
-sorted runs. The engine's external sort (:mod:`tierflow.engine.external_sort`) runs on
+sorted runs. The engine's external sort (:mod:`tierflow.engine.rowwide.external_sort`) runs on
 these; they know nothing about files.
 
 Order. Every order here is NumPy's ``kind="stable"`` order: NaN after every number

@@ -28,7 +28,7 @@ big** for what is left. For ``MemoryError`` the RAM figures of
 figures, drop the failed attempt's frames, collect garbage, empty the GPU caches, then
 retry smaller or give up with the diagnosis. :func:`fit_batch` (``memory.fit_batch``),
 which calls a function with a batch size and halves it, and the engine's block halving
-(:mod:`tierflow.engine.halving`) both follow it.
+(:mod:`tierflow.engine.program.halving`) both follow it.
 """
 
 from __future__ import annotations

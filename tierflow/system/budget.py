@@ -23,7 +23,7 @@ The budget is one for the process, however many computes run at once: :data:`led
 (a :class:`Ledger`) holds the bytes every compute's scheduler admitted against it — the
 projections of running tasks and the results held for later tasks — so two computes on
 two threads share the budget instead of each filling it (see the scheduler's Admission,
-:mod:`tierflow.engine.scheduler`).
+:mod:`tierflow.engine.runtime.scheduler`).
 """
 
 from __future__ import annotations

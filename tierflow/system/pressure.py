@@ -236,7 +236,7 @@ def pressure(root: str | None = None) -> Pressure:
     >>> print(pressure())  # doctest: +SKIP
     ok: 5.8 GB free (99 %), stalls 0.0 % (some) / 0.0 % (full)
     """
-    from . import limits  # looked up per call so that tests can replace read_memory
+    from . import limits
 
     figures = limits.read_memory(root)
     usable = max(0, int(figures.usable))

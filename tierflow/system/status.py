@@ -50,7 +50,7 @@ import psutil
 from .. import config
 from ..config import format_bytes
 from . import budget, device_budget, devices
-from . import limits as memory_limits  # the name limits is this module's limits()
+from . import limits as memory_limits
 from .device_budget import DeviceBudget
 from .devices import Device
 

@@ -1,6 +1,6 @@
 """Counts of what happened inside one task, on the thread that runs it.
 
-A profile (:mod:`tierflow.engine.profile`) wants, per task, how many operator calls ran
+A profile (:mod:`tierflow.engine.observe.profile`) wants, per task, how many operator calls ran
 out of memory and were halved, how many arrays went to the SSD, how many blocks came
 from the cache. Those events happen deep in the layers (halving, placement, the cache);
 each of them calls :func:`add`, which counts into the tally opened on the calling thread

@@ -20,13 +20,7 @@ from tierflow.errors import StoreError
 from tierflow.storage import leases
 from tierflow.storage.store import signing
 from tierflow.storage.store.keys import encode_key
-from tierflow.storage.store.serial import (
-    EntryDamaged,
-    Written,
-    read_entry,
-    read_meta,
-    write_entry,
-)
+from tierflow.storage.store.serial import EntryDamaged, Written, read_entry, read_meta, write_entry
 from tierflow.storage.store.signing import KEY_BYTES, Signer, load_signer
 
 KEY = encode_key("k")

@@ -5,10 +5,10 @@ Operands (:func:`node_of`, :func:`align`, :func:`as_value`), NumPy's broadcastin
 unknown row counts (:func:`result_shape`), elementwise operations
 (:func:`elementwise`), functions of in-memory values (:func:`value_apply`) and
 operations that wait for row counts (:func:`deferred`, :func:`defer_function`,
-:func:`defer_method`; see :mod:`tierflow.engine.counting`).
+:func:`defer_method`; see :mod:`tierflow.engine.planning.counting`).
 
 A builder returns an Array through :func:`wrap`, whose type
-:mod:`tierflow.engine.array` registers once (:func:`register_array`), as dask's
+:mod:`tierflow.engine.api.array` registers once (:func:`register_array`), as dask's
 ``new_collection`` does: so no module that builds nodes imports the Array class, and
 the class imports none of them (they register in :mod:`tierflow.engine.api.dispatch`).
 """
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...config import format_bytes
-from .. import blocksize, callsites, graph, specs
-from ..graph import Chunked, ElemOp, Node, Value
-from ..sources import ArrayReader
+from .. import graph
+from ..graph import Chunked, ElemOp, Node, Value, blocksize, callsites, specs
+from ..io.readers import ArrayReader
 
 if TYPE_CHECKING:
-    from ..array import Array
+    from .array import Array
 
 # A lazy operand that is not row-aligned is held whole in memory as a broadcast constant;
 # above this share of the RAM budget that is refused rather than risked.
@@ -40,7 +40,7 @@ _ARRAY: type[Any] | None = None  # the Array class, once registered
 
 
 def register_array(cls: type[Any]) -> None:
-    """Make ``cls`` (:class:`tierflow.engine.array.Array`, once) the type that
+    """Make ``cls`` (:class:`tierflow.engine.api.array.Array`, once) the type that
     :func:`wrap` returns and :func:`is_array` recognises."""
     global _ARRAY
     if _ARRAY is not None and _ARRAY is not cls:
@@ -357,7 +357,7 @@ def _probe_shape(
     second time (a length that no longer broadcasts) leaves every axis unknown."""
     args, kwargs = call
     probes: list[np.ndarray] = []
-    with graph._quiet():
+    with graph.quiet():
         for standin in _standins(fn, call):
             try:
                 out = fn(*graph.substitute(args, standin), **graph.substitute(kwargs, standin))
@@ -384,7 +384,7 @@ def _apply_later(
     data_length: bool,
 ) -> Array:
     """``fn(*args, **kwargs)`` (``call``) once the values in it whose length is unknown
-    are computed (:mod:`tierflow.engine.counting`). Its dtype is known now; its first
+    are computed (:mod:`tierflow.engine.planning.counting`). Its dtype is known now; its first
     axis stays unknown (None) until then, as do other axes whose lengths depend on the
     unknown ones; a scalar's shape is ()."""
     meta = _probe_shape(fn, call, first_unknown=True)
@@ -436,7 +436,7 @@ def _made(
 
 def _probe_meta(fn: Callable[..., Any], *args: Any) -> tuple[np.dtype, tuple[int, ...]]:
     """Dtype and shape of ``fn`` on zero placeholders (unknown rows count as 1)."""
-    with graph._quiet():
+    with graph.quiet():
         probe = np.asarray(fn(*graph.substitute(args, graph.placeholder)))
     return probe.dtype, probe.shape
 

@@ -1,9 +1,9 @@
 """The constructors of lazy arrays: ``tw.from_npy``, ``tw.from_raw``, ``tw.from_zarr``,
 ``tw.from_hdf5``, ``tw.from_parquet``, ``tw.from_array`` and ``tw.from_files`` (and
-``tw.from_dask``, in :mod:`tierflow.engine.dask_arrays`).
+``tw.from_dask``, in :mod:`tierflow.engine.api.dask`).
 
 Each opens its source now (a header, metadata: no data is read) and returns an Array
-over a source node cut into row blocks (:mod:`tierflow.engine.blocksize`).
+over a source node cut into row blocks (:mod:`tierflow.engine.graph.blocksize`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from ...errors import SourceError
 from ...operators import selection
 from ...storage import sources as storage_sources
 from ...storage import stream
-from .. import blocksize, graph
-from ..sources import FileReader, FileRows, FilesReader
+from .. import graph
+from ..graph import blocksize
+from ..io.readers import FileReader, FileRows, FilesReader
 from .build import array_node, is_array, wrap
 
 if TYPE_CHECKING:
-    from ..array import Array
+    from .array import Array
 
 __all__ = [
     "from_array",
@@ -42,7 +43,7 @@ def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
 
     Nothing is read but the header. ``rows`` defaults from the RAM budget: a block is
     ``budget / max(16, 4 x cores)`` bytes, clamped to [1 MB, 32 MB], and small enough
-    that every core gets four blocks (:mod:`tierflow.engine.blocksize`). Blocks are
+    that every core gets four blocks (:mod:`tierflow.engine.graph.blocksize`). Blocks are
     views of a read-only memory map: reading one faults in exactly its bytes, and
     finished blocks are dropped from the process.
 
@@ -81,7 +82,7 @@ def from_zarr(
     which counts the chunks not stored and says how to finish it, unless
     ``allow_incomplete=True`` (its missing chunks then read as the fill value).
     """
-    from ..formats import ZarrReader
+    from ..io.formats import ZarrReader
 
     reader = ZarrReader(path_or_url, storage_options, allow_incomplete=allow_incomplete)
     n_rows = int(reader.n_rows or 0)
@@ -104,7 +105,7 @@ def from_hdf5(path: str | os.PathLike[str], dataset: str, rows: int | None = Non
     dataset (listing those there), a group or a dataset that does not hold numbers. A
     file changed after this call makes a later compute raise SourceError.
     """
-    from ..formats import Hdf5Reader
+    from ..io.formats import Hdf5Reader
 
     reader = Hdf5Reader(path, dataset)
     n_rows = int(reader.n_rows or 0)
@@ -136,7 +137,7 @@ def from_parquet(
     when no file matches. A file changed after this call makes a later compute raise
     SourceError.
     """
-    from ..formats import ParquetReader, parquet_paths
+    from ..io.formats import ParquetReader, parquet_paths
 
     reader = ParquetReader(parquet_paths(paths_or_glob), columns, dtype, nulls)
     step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, reader.n_rows)

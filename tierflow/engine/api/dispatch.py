@@ -1,6 +1,6 @@
 """What each NumPy name does on a lazy array: the registry.
 
-The Array class (:mod:`tierflow.engine.array`) and the modules that implement NumPy's
+The Array class (:mod:`tierflow.engine.api.array`) and the modules that implement NumPy's
 functions over it meet here, so the class imports none of them:
 
 * :data:`FUNCTIONS`: NumPy functions (``np.median``, ``np.concatenate``...) that

@@ -1,0 +1,220 @@
+"""Sinks of the public API: ``tw.compute``, ``Array.compute``, ``to_npy``, ``persist``.
+
+Each opens the compute's cache session (:mod:`tierflow.engine.io.cache`: which nodes are
+kept in which store, and the cached values that need no computing), builds a plan
+(:mod:`tierflow.engine.planning.plan`), runs it on an executor (:mod:`tierflow.engine.runtime.executors`)
+through the scheduler (:mod:`tierflow.engine.runtime.scheduler`), and on any error or interrupt
+aborts its sinks: outputs freed, temporary files removed. Blocks already written to the
+cache stay there, which is what lets a compute that was stopped resume.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from .. import graph
+from ..gpu.offload import check
+from ..graph import Chunked, blocksize
+from ..io.destination import check_npy, install_file, local_path, sweep_temps, temp_file
+from ..io.readers import ArrayReader
+from ..io.sinks import ArraySink, NpySink, ZarrSink
+from ..planning.plan import Target
+from ..runtime.run import RunOptions, run
+from ..types import Executor
+from . import build
+from .creation import from_array
+
+__all__ = ["compute", "persist", "to_npy", "to_zarr"]
+
+log = logging.getLogger("tierflow.engine")
+
+
+def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
+    *arrays: Any,
+    progress: bool | None = None,
+    executor: str | Executor | None = None,
+    workers: int | None = None,
+    callbacks: Any = None,
+    cache: Any = None,
+    device: str | None = None,
+    profile: Any = None,
+) -> tuple[Any, ...]:
+    """Compute several results in one run; inputs they share are read once per stage.
+
+    ``tw.compute(x.mean(axis=0), x.std(axis=0))`` reads ``x`` once. Returns a tuple of
+    NumPy arrays (chunked results, allocated with ``memory.array``: RAM or a spill
+    file) and NumPy scalars or small arrays (reductions), in the order given.
+
+    ``progress``: None shows a tqdm bar for computes longer than about a second, True
+    from the start, False never. ``executor``: ``"threads"`` (default), ``"serial"``,
+    ``"raise"`` or an executor object; ``workers``: threads (default: usable cores).
+    ``callbacks``: objects with ``start`` / ``task_done`` / ``finish`` methods
+    (:class:`~tierflow.engine.types.Callback`).
+
+    ``cache``: keep the results, and the values they depend on, in a two-tier store,
+    block by block as they are computed, and read from it what is already there:
+    ``True`` (the store of the ``cache`` setting, else the store named ``"cache"``), a
+    store name or path, or a store from ``memory.store``; ``None`` (default) follows the
+    ``cache`` setting (``TIERFLOW_CACHE``); ``False`` caches nothing, not even nodes
+    marked with ``x.cache()``. See :mod:`tierflow.engine.io.cache`. A cache that cannot be
+    written is a :class:`~tierflow.engine.io.cache.CacheWarning`, never an error.
+
+    ``device``: where fused elementwise operators and row reductions run: ``"cpu"``,
+    ``"cuda"`` (the GPU with the most free memory), ``"cuda:N"``, or ``"auto"`` (a GPU
+    where copying a block costs less than computing it on the CPU); None (default)
+    follows a ``map_blocks(device="cuda")`` in the same pass, else the ``device``
+    setting. Results come back as NumPy arrays either way. See
+    :mod:`tierflow.engine.gpu.offload` and docs/engine.md.
+
+    ``profile``: record the compute's tasks, memory samples and plan
+    (:mod:`tierflow.engine.observe.profile`): True (into the enclosing ``with tw.profile()``
+    block's profile, else a new one that ``tw.last_profile()`` returns), a
+    :class:`~tierflow.engine.observe.profile.Profile` to record into, False (not even inside a
+    ``with tw.profile()`` block), or None (default: the enclosing block's, if any).
+
+    Raises what a task raised (the first error; operators' errors as NumPy raises them,
+    user functions' as :class:`~tierflow.errors.BlockError` naming the block),
+    :class:`~tierflow.errors.SourceError` for a source file changed since the array was
+    built, :class:`~tierflow.errors.OutOfMemoryError` when an operator does not fit even
+    on one row. On any error or KeyboardInterrupt the workers are stopped and nothing
+    is left behind (outputs freed, spill files deleted).
+    """
+    items = [from_array(a) for a in arrays]
+    requests = [
+        Target(a._node, ArraySink(a._node) if isinstance(a._node, Chunked) else None) for a in items
+    ]
+    options = RunOptions(
+        progress,
+        executor,
+        workers,
+        callbacks,
+        cache,
+        None if device is None else check(device),
+        profile,
+    )
+    outputs, _ = run(requests, options)
+    return tuple(outputs)
+
+
+def _check_options(function: str, options: dict[str, Any], *also: str) -> None:
+    """Refuse an option that :func:`compute` does not take, naming the public
+    ``function`` the caller called (not the internal one that would refuse it)."""
+    known = [
+        p.name for p in inspect.signature(compute).parameters.values() if p.kind is p.KEYWORD_ONLY
+    ]
+    for name in options:
+        if name not in known:
+            raise TypeError(
+                f"{function}() got an unexpected keyword argument {name!r}; its options are "
+                f"{', '.join([*known, *also])}"
+            )
+
+
+def persist(array: Any, *, device: str | None = None, **options: Any) -> Any:
+    """Compute ``array`` now and return an Array over the result (in RAM or on the SSD)
+    with the same key; options as :func:`compute`. ``device`` (``"cuda"``, ``"cuda:N"``,
+    ``"auto"``) also computes there, as :func:`compute` does, and keeps the result's
+    blocks on that GPU while they fit its budget (:mod:`tierflow.engine.io.persisted`)."""
+    _check_options("persist", options)
+    node = array._node
+    (result,) = compute(array, device=device, **options)
+    if isinstance(node, Chunked):
+        reader: Any = ArrayReader(result)
+        if node.bounds is not None:
+            bounds = node.bounds
+        else:
+            bounds = blocksize.bounds(result.shape[0], None, reader.row_nbytes)
+        if device not in (None, "cpu"):
+            from ..io import persisted
+
+            token = f"persisted({node.key})"
+            placed = persisted.place(result, tuple(bounds), str(device), token)
+            if placed is not None:
+                reader = placed
+        return build.wrap(graph.Source(reader, bounds, key=node.key))
+    const = graph.Const(result)
+    const._key = node.key
+    return build.wrap(const)
+
+
+def to_npy(
+    array: Any,
+    path: str | os.PathLike[str],
+    *,
+    fsync: bool = False,
+    overwrite: bool = False,
+    **options: Any,
+) -> None:
+    """Write ``array`` to the ``.npy`` file ``path``, streaming (see ``Array.to_npy``)."""
+    _check_options("to_npy", options, "fsync", "overwrite")
+    node = array._node
+    if not isinstance(node, Chunked):
+        target = local_path(path)
+        check_npy(target, overwrite)
+        (value,) = compute(array, **options)
+        _save_atomic(np.asarray(value), target, fsync=fsync, overwrite=overwrite)
+        return
+    if options.get("device") is not None:
+        options["device"] = check(options["device"])
+    sink = NpySink(node, path, fsync=fsync, overwrite=overwrite)
+    sink.claim()
+    run([Target(node, sink)], RunOptions(**options))
+
+
+def to_zarr(  # noqa: PLR0913 -- public: the array's layout and the store's options
+    array: Any,
+    path_or_url: str | os.PathLike[str],
+    *,
+    chunks: Any = None,
+    shards: Any = None,
+    compressors: Any = "auto",
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    **options: Any,
+) -> None:
+    """Write ``array`` to a Zarr array at ``path_or_url`` (see ``Array.to_zarr``)."""
+    _check_options(
+        "to_zarr", options, "chunks", "shards", "compressors", "storage_options", "overwrite"
+    )
+    node = array._node
+    if not isinstance(node, Chunked):
+        raise TypeError(
+            "to_zarr writes chunked arrays (row blocks); this is a reduction's result: "
+            "compute() it and save it with np.save or zarr"
+        )
+    if options.get("device") is not None:
+        options["device"] = check(options["device"])
+    sink = ZarrSink(
+        node,
+        path_or_url,
+        chunks=chunks,
+        shards=shards,
+        compressors=compressors,
+        storage_options=storage_options,
+        overwrite=overwrite,
+    )
+    sink.claim()
+    run([Target(node, sink)], RunOptions(**options))
+
+
+def _save_atomic(value: np.ndarray, path: str, *, fsync: bool, overwrite: bool) -> None:
+    """``np.save`` to ``path`` by way of a temporary file, renamed into place as the
+    destination rules allow (:func:`~tierflow.engine.io.destination.install_file`)."""
+    sweep_temps(os.path.dirname(path))
+    fd, tmp = temp_file(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, value, allow_pickle=False)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        install_file(tmp, path, overwrite)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

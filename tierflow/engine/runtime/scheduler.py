@@ -1,0 +1,953 @@
+"""The scheduler: runs a plan's tasks through an executor, within the RAM and GPU budgets.
+
+It knows tasks (:class:`~tierflow.engine.types.Task`) and one ``submit`` call of an
+:class:`~tierflow.engine.types.Executor`; it does not know threads. All of its state
+lives on the calling thread; workers only put ``(task, result, error)`` into an inbox.
+The scheduler wakes for every finished task, except while a deep queue of small tasks
+is in flight: then it wakes once half of the queue is done (the workers stay busy, and
+a wake-up costs a thread hand-off); an error wakes it at once.
+
+Order
+-----
+Ready tasks run lowest index first. The plan numbers tasks depth-first
+(:mod:`tierflow.engine.planning.plan`), so a block's follow-up work (an ``append`` of a masked
+block to a file) outranks reading the next block, and a pass finishes before the next
+stage starts::
+
+    block 0 -> append 0           ready: {append 0, block 2}
+    block 1 -> append 1     =>    runs append 0 first: the held block 0 is
+    block 2 -> append 2           released before block 2 is read
+
+Order alone does not stop blocks computed on every worker from outrunning appends that
+run one after another; the plan also makes block ``j`` wait (``Task.after``) for the
+append of block ``j - 2 x workers``.
+
+Admission (backpressure)
+------------------------
+At most two tasks per worker are in flight: one running and one queued, whose source
+rows are read ahead (``prefetch``) while the other runs (tasks projecting under 1 MB may
+queue 16 deep when no task waits for their result: bounding them bounds nothing, and
+each hand-off between threads costs as much as such a task). A task is admitted only
+when
+
+* its projected bytes (inputs + outputs + scratch, see
+  :meth:`tierflow.engine.program.program.Program.memory`) fit what is left of the budget:
+  ``budget - RAM held by memory.array - admitted``;
+* and the pressure level (:func:`tierflow.system.pressure.level_now`) is below ``high``.
+
+``admitted`` is the process's, not the run's: the projections of running tasks and the
+held results of *every* compute, kept in one ledger (:data:`tierflow.system.budget.ledger`).
+A run reserves a task's bytes there before it submits the task (the check and the
+reservation are one step under the ledger's lock, so two computes cannot both take the
+last room), gives them back when the task finishes, and counts a result while it holds
+it. Whatever a run still has admitted when it ends — it finished, failed or was
+interrupted — it gives back. Two computes on two threads therefore share one budget::
+
+    budget 8 MB, tasks of 4.2 MB       admitted
+    compute A: block 0 admitted        4.2 MB
+    compute B: block 0 refused         (8.4 MB would not fit; B waits)
+    A: block 0 done -> block 1 ...     B runs when A's tasks leave room
+
+Readers therefore never run ahead of consumers. A run with nothing in flight admits its
+best ready task as above, and otherwise once no task of any compute is running, whatever
+it projects and whatever the level: one task at a time always makes progress, and this
+single task may exceed the budget (out-of-memory halving covers a projection that was
+wrong). At ``high`` that makes one task at a time in the whole process. Results that
+other computes hold do not make a run with nothing in flight wait (they leave only when
+those computes run more tasks); their running tasks finish and give their bytes back,
+and the ledger wakes the waiting run. A compute whose tasks do not fit beside another's runs after it rather
+than beside it. Tasks that project nothing (finishing a reduction, committing a file)
+are always admitted.
+
+GPUs
+----
+A device task (``Task.device``: a block task running ``map_blocks`` on a GPU) is also
+admitted against a GPU (:mod:`tierflow.system.device_budget`). Each GPU has a budget
+(its free memory less the ``gpu_margin``), a pressure level from its free fraction, and
+``gpu_slots`` worker slots (2) shared by every compute. The task is seated on a free
+slot of the GPU it names, or for ``"cuda"`` of the GPU with the most room
+(``budget - admitted``) at that moment, when its projected device bytes fit beside what
+is admitted there and the GPU's level is below ``high`` (a GPU that holds nothing takes
+one task at any level); otherwise it waits like a task whose RAM does not fit. The seat
+is taken before its RAM (and given back if the RAM does not fit), and returned when the
+task ends. Blocks of one array therefore spread over several GPUs by free memory::
+
+    cuda:0 budget 40 MB, cuda:1 budget 20 MB, tasks of 10 MB, 8 slots each
+    admitted:  0 -> cuda:0 (room 40)   1 -> cuda:0 (30)   2 -> cuda:0 (20, tie, first)
+               3 -> cuda:1 (20)        4 -> cuda:0 (10)   5 -> cuda:1 (10) ... then wait
+
+The task runs inside :func:`tierflow.engine.gpu.tier.running_in_slot`: it learns its GPU
+(``current_device()``, which ``map_blocks(device="cuda")`` uses) and runs on its slot's
+CUDA stream. A task that projects more than its GPU's whole budget (for ``"cuda"``: than
+the largest) could never be admitted: the run refuses it before any task starts, with
+the numbers. A nested run (below) with nothing in flight seats its task whatever is
+taken: its caller holds a slot of that GPU and waits for it.
+
+One wait could have no end: a running task that waits for a compute it started on
+another thread, rather than in its own (see "Nested computes"). So a run that has
+waited :data:`STARVED_SECONDS` with nothing in flight logs a warning and, from then on,
+admits one task whenever it has nothing in flight, as a nested run does: at worst one
+task beyond the budget, never a deadlock.
+
+Nested computes
+---------------
+A compute started inside a task (a ``map_blocks`` function or a ``from_files`` loader
+that calls ``compute``) runs on the thread of that task with the serial executor,
+whatever executor it names (:func:`tierflow.engine.runtime.executors.in_task` tells): the
+workers are busy with the outer compute, one of them with the very task that waits,
+so queueing work for them could wait forever. Its first task is always admitted while
+it has nothing in flight, even when the outer compute — whose running task is the one
+waiting — holds the budget; so it runs one task at a time beyond the budget at worst,
+and never waits for the ledger. Its error stops only itself (it shuts down its own
+serial executor, not the outer compute's workers).
+
+Tiny tasks
+----------
+A task that takes less than :data:`TINY_TASK_SECONDS` is mostly the interpreter's work,
+done under the GIL. Two workers running such tasks take turns at the GIL at every NumPy
+call and finish them more slowly than one does (measured here: 51 against 29 us per
+block of 1,000 rows). So tasks projecting under :data:`SMALL_TASK` start on the *lane*:
+one executor job that runs queued tasks one after another, taking each from a shared
+queue without a thread hand-off. The first :data:`LANE_PROBE` tasks of a kind (one
+``fn``) are timed there one at a time. If their median (leaving out the first, which
+warms up) is below the threshold, the kind stays on the lane; otherwise it goes to the
+workers (feature extraction that releases the GIL, loading many files), as soon as two
+tasks after the first have taken more than twice the threshold. Afterwards a
+running mean moves a kind on the lane to the workers above twice the threshold, and a
+kind on the workers to the lane below half of it::
+
+    probe t0..t6, median  60 us  ->  lane:     one job runs t7, t8, t9 ... in turn
+    probe t0..t6, median   3 ms  ->  workers:  t7 | t8 run at once
+
+Lane tasks are admitted like any other (the same windows and budget); the scheduler
+tops the lane's queue up whenever it wakes.
+
+Placement and release
+---------------------
+A result is held only while a task that takes it has not run; the last consumer
+releases it. Results the caller asked for are kept. Source pages a block task read are
+dropped from the process when it finishes (and from the page cache too at ``high``),
+inside the task (:meth:`tierflow.engine.program.program.Program.run`). Held results are
+counted against the budget; when the results held by every compute together outgrow
+half of it, or the level reaches ``critical``, a run spills its own — copies them into
+spill files on the SSD, drops them from RAM — largest first. A spilled result is mapped
+read-only under a read lease (:func:`tierflow.storage.spill.write_array`): another
+process truncating its file waits until the result's consumers are done, rather than
+making them fault. A spilled result's pages leave the process when its last consumer
+has run (they were read back through the mapping); its spill file is deleted when the
+scheduler returns, whatever happened::
+
+    held: [block 3: 120 MB RAM] [block 4: 120 MB RAM]     level -> critical
+    held: [block 3: SSD]        [block 4: SSD]            RAM freed, files deleted at end
+
+Out-of-memory halving
+---------------------
+Inside a task, an operator that raises ``MemoryError`` or a torch/cupy out-of-memory
+error is retried on pieces of half its block, down to one row, the pieces' results
+stitched; each failure remembers half its size at once, for the rest of the block and
+for that operator's next blocks (:mod:`tierflow.engine.program.halving`). Operators on whole in-memory values cannot be split;
+their out-of-memory errors are explained (:func:`tierflow.storage.oom.explain_oom`).
+
+Profiling
+---------
+A callback that is a :class:`~tierflow.engine.types.Tracer` (the profiler,
+:mod:`tierflow.engine.observe.profile`) wraps each task's function when it is submitted, sees the
+outcome of each task another process ran, and hears of each held result spilled. With
+none among the callbacks, the only cost is one check per task.
+
+Failure and interruption
+------------------------
+The first error stops the compute: nothing more is submitted, tasks not started are
+dropped (``shutdown(cancel=True)``), the scheduler waits for the running ones, deletes
+its spill files and raises the error. ``KeyboardInterrupt`` — in the calling thread
+while it waits, or raised by a task — does the same. The caller then aborts its sinks
+(output freed, temporary ``.npy`` removed): no partial output is left.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from ...config import format_bytes
+from ...errors import OutOfMemoryError, TierflowError
+from ...storage import device_store, pages, placement, spill
+from ...system import budget as budget_module
+from ...system import device_budget, pressure
+from ...system.device_budget import Seat
+from ...system.types import Level
+from ..gpu import tier
+from ..program import float_errors, halving
+from ..program import tasks as tasks_module
+from ..program.tasks import BlockTask
+from ..types import (
+    ComputeFinished,
+    ComputeStarted,
+    Executor,
+    Task,
+    TaskExecutor,
+    TaskFinished,
+    Tracer,
+)
+from .executors import SerialExecutor, in_task
+
+__all__ = ["LANE_PROBE", "TASKS_PER_WORKER", "TINY_TASK_SECONDS", "Stats", "run"]
+
+log = logging.getLogger("tierflow.engine")
+
+TASKS_PER_WORKER = 2  # one running, one queued with its reads ahead
+# Tasks projecting less than SMALL_TASK bytes whose results nobody waits for (blocks of a
+# reduction or of a sink with known rows) may queue SMALL_TASKS_PER_WORKER deep: they
+# cost no memory worth bounding, and a deeper queue saves a thread hand-off per task.
+# An executor may ask for another depth (its ``small_tasks_per_worker``: a cluster's,
+# whose round trip to a worker takes milliseconds, and which packs short tasks).
+SMALL_TASK = 1 << 20
+SMALL_TASKS_PER_WORKER = 16
+# Tasks faster than this run one at a time on the lane (module docstring, "Tiny tasks").
+# As the probe times ((x + 1) * 2 - 3).sum(0) on a worker: blocks of 1,000 rows take
+# 60-100 us and 16,000 rows 85-110 us (both faster on one worker), 64,000 rows 140-180 us
+# (faster on two).
+TINY_TASK_SECONDS = 150e-6
+LANE_PROBE = 7  # tasks of a kind timed, one at a time, before the kind is judged
+HELD_SHARE = 2  # held results above budget / HELD_SHARE are spilled
+_WAIT = 0.05  # seconds between pressure re-readings while admission is refused
+# A run with nothing in flight that waited this long for other computes' tasks admits one
+# task anyway, from then on (module docstring, "Admission"): those tasks may wait for it.
+STARVED_SECONDS = 10.0
+# Level comparisons parse names; set membership is what a per-task check can afford.
+_HIGH = frozenset({Level.HIGH, Level.CRITICAL})
+_NOBODY = 1 << 62  # the inbox's ``wanted`` while the scheduler is not waiting
+# The longest the scheduler's thread waits at once: a signal (Ctrl-C) is handled in the
+# main thread, which must wake up to run it when the kernel delivered it to another.
+_SIGNAL_SLICE = 0.25
+
+
+class Stats:
+    """What one run did: tasks done, peak projected bytes, bytes spilled, halvings."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.peak_bytes = 0
+        self.spilled_bytes = 0
+        self.oom_retries = 0
+        self.seconds = 0.0
+        self.max_in_flight = 0
+
+
+def _nbytes_in_ram(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        if isinstance(value, np.memmap) or spill.spill_file_of(value) is not None:
+            return 0
+        return int(value.nbytes)
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes_in_ram(v) for v in value)
+    return 0
+
+
+class _Inbox:
+    """Finished tasks, put by workers and taken by the scheduler in batches.
+
+    A put is a deque append (atomic under the GIL) and takes no lock unless the
+    scheduler waits for enough items to have come in, or the item is an error: a worker
+    finishing a small task while the scheduler is busy pays no lock and no wake-up.
+    ``take(n, timeout)`` waits until ``n`` items (or one error) are in, or ``timeout``
+    seconds have passed. No wake-up is lost: the scheduler publishes ``wanted`` before
+    it counts the items, a worker appends before it reads ``wanted``, so one of them sees
+    the other; and the notify needs the condition's lock, which the scheduler holds from
+    publishing until ``wait`` releases it.
+    """
+
+    def __init__(self) -> None:
+        self.items: collections.deque[tuple[int, Any, BaseException | None]] = collections.deque()
+        self.wanted = _NOBODY
+        self.failed = False
+        self.cond = threading.Condition(threading.Lock())
+
+    def put(self, item: tuple[int, Any, BaseException | None]) -> None:
+        self.items.append(item)
+        if item[2] is not None:
+            self.failed = True
+            with self.cond:
+                self.cond.notify()
+        elif len(self.items) >= self.wanted:
+            with self.cond:
+                self.cond.notify()
+
+    def take(self, n: int, timeout: float | None) -> list[tuple[int, Any, BaseException | None]]:
+        items = self.items
+        if len(items) < n and not self.failed:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with self.cond:
+                self.wanted = n
+                while len(items) < n and not self.failed:
+                    left = _SIGNAL_SLICE if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    # In slices: a Ctrl-C that the kernel hands to another thread runs
+                    # its handler here only once this thread runs Python code again.
+                    self.cond.wait(min(left, _SIGNAL_SLICE))
+                self.wanted = _NOBODY
+        pop = items.popleft
+        return [pop() for _ in range(len(items))]
+
+
+class _Kind:
+    """Tasks of one ``fn`` that may run on the lane: where they run and how long they take.
+
+    Scheduler thread only."""
+
+    __slots__ = ("admitted", "lane", "mean", "probing", "samples")
+
+    def __init__(self) -> None:
+        self.lane = True  # probed on the lane first
+        self.probing = True
+        self.samples: list[float] = []
+        self.admitted = 0
+        self.mean = 0.0
+
+    def probe_busy(self) -> bool:
+        """Whether a probed task of this kind is still running (probes run one at a time)."""
+        return self.probing and self.admitted > len(self.samples)
+
+    def observe(self, seconds: float) -> None:
+        """Time one finished task: judge the kind after :data:`LANE_PROBE` tasks, then
+        move it when its running mean leaves a wide band around the threshold (times on
+        the workers are longer: they share the GIL)."""
+        if self.probing:
+            samples = self.samples
+            samples.append(seconds)
+            # The first task of a kind pays for warming up (buffers, caches): left out.
+            slow = sum(1 for t in samples[1:] if t > 2 * TINY_TASK_SECONDS)
+            if len(samples) >= LANE_PROBE or slow >= 2:  # slow kinds need no full probe
+                self.probing = False
+                self.mean = statistics.median(samples[1:])
+                self.lane = self.mean < TINY_TASK_SECONDS
+            return
+        self.mean += (seconds - self.mean) / 8
+        if self.lane:
+            if self.mean > 2 * TINY_TASK_SECONDS:
+                self.lane = False
+        elif self.mean < TINY_TASK_SECONDS / 2:
+            self.lane = True
+
+
+class _Lane:
+    """Tiny tasks, run in turn by one executor job at a time (module docstring).
+
+    The scheduler appends with :meth:`extend`; the job pops until the queue is empty.
+    ``lock`` guards ``active``: a job that finds the queue empty ends under it, so a
+    task appended meanwhile makes the scheduler submit a new job rather than wait in a
+    queue nobody runs. A task's error ends the job and the lane (no job starts again);
+    :meth:`stop` drops the tasks left.
+    """
+
+    def __init__(self, inbox: _Inbox) -> None:
+        self.queue: collections.deque[tuple[int, Any, tuple[Any, ...]]] = collections.deque()
+        self.lock = threading.Lock()
+        self.active = False
+        self.put = inbox.put
+
+    def extend(self, items: list[tuple[int, Any, tuple[Any, ...]]]) -> bool:
+        """Queue ``items``; True when no job runs them yet and one must be submitted."""
+        with self.lock:
+            self.queue.extend(items)
+            if self.active:
+                return False
+            self.active = True
+            return True
+
+    def job(self) -> None:
+        """Run queued tasks until none is left (on an executor's worker)."""
+        queue, put = self.queue, self.put
+        while True:
+            try:
+                i, fn, args = queue.popleft()
+            except IndexError:
+                with self.lock:
+                    if not queue:
+                        self.active = False
+                        return
+                continue
+            start = perf_counter()
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # KeyboardInterrupt too: the scheduler re-raises it
+                # ``active`` stays set: the run ends with this error, and no new job
+                # may start on the tasks still queued.
+                put((i, None, exc))
+                return
+            put((i, (result, perf_counter() - start), None))
+
+    def done(self, result: Any, error: BaseException | None) -> None:
+        """The job's report: tasks report themselves; only a failing job is news."""
+        if error is not None:
+            self.put((-1, None, error))
+
+    def stop(self) -> None:
+        """Drop the tasks not started; the running one finishes."""
+        self.queue.clear()
+
+
+class _Run:
+    """The state of one run; every method runs on the scheduler's thread."""
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        executor: Executor,
+        keep: set[int],
+        callbacks: Sequence[Any],
+        what: str,
+    ) -> None:
+        self.tasks = tasks
+        self.executor = executor
+        self.keep = keep
+        self.callbacks = callbacks
+        self.what = what
+        # Admits one task whenever it has nothing in flight, whatever other computes
+        # run: a nested run, and one that starved (see the module docstring).
+        self.one_always = False  # set by run() for a nested run
+        self._room: int | None = None  # the budget's room, read once per _admit call
+        self.waiting_since: float | None = None  # when it began waiting for others
+        n = len(tasks)
+        self.waiting = [len(t.deps) + len(t.after) for t in tasks]
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        self.consumers = [0] * n
+        for i, t in enumerate(tasks):
+            for d in t.deps:
+                self.dependents[d].append(i)
+                self.consumers[d] += 1
+            for d in t.after:
+                self.dependents[d].append(i)
+        for i in keep:
+            self.consumers[i] += 1
+        self.ready = [i for i in range(n) if self.waiting[i] == 0]
+        heapq.heapify(self.ready)
+        self.results: dict[int, Any] = {}
+        self.sizes: dict[int, int] = {}
+        self.held = 0
+        self.running = 0
+        self.in_flight = 0
+        self.inbox = _Inbox()
+        window = TASKS_PER_WORKER * max(1, executor.workers)
+        small_depth = getattr(executor, "small_tasks_per_worker", SMALL_TASKS_PER_WORKER)
+        deep_window = small_depth * max(1, executor.workers)
+        self.needs = [t.memory.total for t in tasks]
+        # How many tasks may be in flight when task i is admitted. A task's consumers
+        # have not run before it has, so whether anything waits for its result is known
+        # now: small tasks nobody waits for may queue deeper (see _admit).
+        self.limits = [
+            deep_window if need < SMALL_TASK and not self.consumers[i] else window
+            for i, need in enumerate(self.needs)
+        ]
+        # Block tasks travel to other processes when the executor runs tasks as data.
+        self.remote = isinstance(executor, TaskExecutor)
+        if self.remote and getattr(executor, "admits_memory", False):
+            # A cluster admits block tasks against the budget of the worker that runs
+            # them (the task declares its bytes); this process's budget is not theirs.
+            self.needs = [0 if t.block else need for t, need in zip(tasks, self.needs, strict=True)]
+        # GPUs a task is admitted on (a worker process admits against its own GPUs).
+        self.devices = [None if self.remote and t.block else t.device for t in tasks]
+        self.seats: dict[int, Seat] = {}  # device tasks in flight -> their seats
+        self.gpu_budgets: dict[str, int] = {}  # read once by check_devices
+        self.gpu_slots = 0
+        self._levels: dict[str, Level] | None = None  # read once per _admit call
+        # Kinds of tasks that may run on the lane: those projecting under SMALL_TASK
+        # (no lane beside worker processes: the lane saves thread hand-offs; none for
+        # device tasks, which run on their GPU's slots).
+        kinds: dict[Any, _Kind] = {}
+        self.kinds: list[_Kind | None] = [
+            (kinds.get(t.fn) or kinds.setdefault(t.fn, _Kind()))
+            if need < SMALL_TASK and not (self.remote and t.block) and device is None
+            else None
+            for t, need, device in zip(tasks, self.needs, self.devices, strict=True)
+        ]
+        self.lane = _Lane(self.inbox)
+        # Callbacks' task_done methods, looked up once rather than for every task.
+        self.task_done = [m for cb in callbacks if (m := getattr(cb, "task_done", None))]
+        # A profiler follows each task where it runs (types.Tracer); None costs nothing.
+        self.tracer: Tracer | None = next((cb for cb in callbacks if isinstance(cb, Tracer)), None)
+        self.stats = Stats()
+        self.spilled: list[np.ndarray] = []
+        self.level = Level.OK
+
+    # -- admission --------------------------------------------------------------------
+
+    def _submit(self, i: int, task: Task, need: int, lane: list[Any] | None) -> None:
+        """Hand task ``i`` to the executor, or append it to ``lane`` (the items
+        :meth:`_admit` queues on the lane, and reads ahead for, when it returns).
+        Scheduler thread only."""
+        args = (*task.args, *[self.results[d] for d in task.deps]) if task.deps else task.args
+        fn = task.fn if self.tracer is None else self.tracer.wrap(i, task, task.fn)
+        in_flight = self.in_flight = self.in_flight + 1
+        running = self.running = self.running + need
+        stats = self.stats
+        if in_flight > stats.max_in_flight:
+            stats.max_in_flight = in_flight
+        if running + self.held > stats.peak_bytes:
+            stats.peak_bytes = running + self.held
+        if lane is not None:
+            lane.append((i, fn, args))
+            return
+        put = self.inbox.put
+        if task.block and self.remote:
+            self._submit_remote(i, task, args)
+            if task.prefetch is not None:
+                self._prefetch(task, remote=True)
+            return
+
+        seat = self.seats.get(i)
+        if seat is None:
+
+            def call() -> tuple[Any, float]:
+                start = perf_counter()
+                return fn(*args), perf_counter() - start
+
+        else:
+
+            def call() -> tuple[Any, float]:
+                start = perf_counter()
+                with tier.running_in_slot(seat.device, seat.slot):
+                    result = fn(*args)
+                return result, perf_counter() - start
+
+        def done(outcome: Any, error: BaseException | None) -> None:
+            put((i, outcome, error))
+
+        self.executor.submit(call, done)
+        if task.prefetch is not None:
+            self._prefetch(task)
+
+    def _submit_remote(self, i: int, task: Task, args: tuple[Any, ...]) -> None:
+        """Send block task ``i`` to a worker process as data. The worker's result is
+        received (partials added, blocks placed) on the thread that reports it.
+        Scheduler thread only."""
+        program = task.program if task.program is not None else args[-1][0]
+        index, req = task.args
+        desc = BlockTask(tasks_module.ship(program), index, req, float_errors.modes())
+        executor: Any = self.executor
+        put = self.inbox.put
+        tracer = self.tracer
+
+        def done(outcome: Any, error: BaseException | None) -> None:
+            if error is None:
+                try:
+                    if tracer is not None:
+                        tracer.landed(i, task, outcome)
+                    result, seconds = outcome
+                    outcome = (program.receive(index, req, result), seconds)
+                except BaseException as exc:
+                    outcome, error = None, exc
+            put((i, outcome, error))
+
+        if getattr(executor, "admits_memory", False):
+            executor.submit_task(desc, done, task.memory.total)
+        else:
+            executor.submit_task(desc, done)
+
+    @staticmethod
+    def _prefetch(task: Task, remote: bool = False) -> None:
+        """Read ahead for a submitted task. After the submit: a task that waits in the
+        queue has its rows read meanwhile; one that started at once reads them itself.
+        ``remote``: the task runs in another process, which reads what this one would
+        fetch into its own memory (object storage): only files are read ahead, for the
+        page cache a worker on this machine shares."""
+        assert task.prefetch is not None
+        try:
+            task.prefetch(remote=remote) if remote else task.prefetch()
+        except Exception:  # a hint; the read itself reports real problems
+            log.debug("readahead for %s failed", task.name, exc_info=True)
+
+    def _admit(self) -> bool:
+        """Submit ready tasks while admission allows; False if the best one waits.
+
+        A task that projects nothing is admitted. One that projects bytes reserves them
+        in the process's ledger (:data:`tierflow.system.budget.ledger`): when the level
+        is below ``high`` and they fit the budget's room beside what every compute
+        admitted; when this run has nothing in flight, also when no task of any compute
+        runs; and always as the only task in flight of a nested run (see the module
+        docstring). Small tasks may queue deeper (:data:`SMALL_TASK`); tasks of a kind
+        on the lane are queued there, one at a time while the kind is probed. A device
+        task is seated on a GPU first (module docstring, "GPUs")."""
+        ready, tasks, needs, limits, kinds, devices = (
+            self.ready, self.tasks, self.needs, self.limits, self.kinds, self.devices,
+        )  # fmt: skip
+        self._room = None
+        self._levels = None
+        lane: list[Any] = []
+        admitted = True
+        while ready:
+            i = ready[0]
+            need = needs[i]
+            if self.in_flight >= limits[i]:
+                break
+            kind = kinds[i]
+            if kind is not None and not kind.lane:
+                kind = None  # runs on the workers
+            if kind is not None and kind.probe_busy():
+                break  # probed one at a time, so no other thread slows it down
+            if devices[i] is not None and not self._seat(i):
+                admitted = False
+                break
+            if need and not self._reserve(need):
+                if devices[i] is not None:
+                    device_budget.ledger.release(self.seats.pop(i))
+                admitted = False
+                break
+            heapq.heappop(ready)
+            if kind is None:
+                self._submit(i, tasks[i], need, None)
+            else:
+                if kind.probing:
+                    kind.admitted += 1
+                self._submit(i, tasks[i], need, lane)
+        if lane:
+            if self.lane.extend(lane):
+                self.executor.submit(self.lane.job, self.lane.done)
+            for i, _, _ in lane:
+                if tasks[i].prefetch is not None:
+                    self._prefetch(tasks[i])
+        return admitted
+
+    def _reserve(self, need: int) -> bool:
+        """Reserve ``need`` bytes in the process's ledger for a task, by the rules of
+        :meth:`_admit`; False when the task must wait."""
+        ledger = budget_module.ledger
+        if self.in_flight == 0:
+            if self.one_always:
+                ledger.force(need)
+                return True
+            # Alone first: with no other compute running, no room to read.
+            if ledger.admit(need, -1, alone=True):
+                return True
+        if self.level in _HIGH:
+            return False
+        room = self._room
+        if room is None:  # read once per _admit call
+            room = self._room = budget_module.budget_bytes() - placement.ram_held()
+        return ledger.admit(need, room)
+
+    def check_devices(self) -> None:
+        """Read the GPUs' budgets and slots for this run, before any task runs. Raises
+        :class:`~tierflow.errors.OutOfMemoryError` for a device task that projects more
+        than its GPU's whole budget (it could never be admitted), and
+        :class:`~tierflow.errors.TierflowError` for one whose GPU is not here."""
+        asked: dict[tuple[str, int], str] = {}  # (device, bytes) -> the first task's name
+        for t, d in zip(self.tasks, self.devices, strict=True):
+            if d is not None:
+                asked.setdefault((d, t.device_bytes), t.name)
+        if not asked:
+            return
+        self.gpu_budgets = device_budget.budgets()
+        self.gpu_slots = device_budget.slots()
+        for (device, nbytes), name in asked.items():
+            budgets = self.gpu_budgets
+            if device == "cuda":
+                where = max(budgets, key=lambda d: budgets[d], default=None)
+            else:
+                where = device if device in budgets else None
+            if where is None:
+                have = ", ".join(budgets) or "none"
+                raise TierflowError(
+                    f"{name} runs on {device}, which is not here (GPUs: {have}); run it with "
+                    "device='cpu' or on a machine with that GPU"
+                )
+            if nbytes > budgets[where]:
+                figures = {b.id: b for b in device_budget.device_budgets()}
+                fig = figures.get(where)
+                why = (
+                    f" ({format_bytes(fig.free)} free of {format_bytes(fig.total)} less a "
+                    f"margin of {format_bytes(fig.margin)})"
+                    if fig is not None
+                    else ""
+                )
+                largest = " (the largest of the GPUs here)" if device == "cuda" else ""
+                raise OutOfMemoryError(
+                    f"{name} needs {format_bytes(nbytes, 3)} on the GPU (blocks in, result "
+                    f"out and the function's own tensors), more than the whole budget of "
+                    f"{where}{largest}: {format_bytes(budgets[where], 3)}{why}; make blocks "
+                    "smaller (rows=), run it on another device (device='cuda:N' with more "
+                    "free memory, or 'cpu'), or lower the margin (gpu_margin, "
+                    "TIERFLOW_GPU_MARGIN)"
+                )
+
+    def _seat(self, i: int) -> bool:
+        """Seat device task ``i`` on a GPU slot (module docstring, "GPUs"); False when
+        it must wait. Scheduler thread only."""
+        task, device = self.tasks[i], self.devices[i]
+        assert device is not None
+        budgets = self.gpu_budgets
+        caller = tier.current_device()  # a compute inside a device task: its GPU
+        if device == "cuda" and caller in budgets:
+            device = caller
+        candidates = list(budgets) if device == "cuda" else [device]
+        ledger = device_budget.ledger
+        if self.one_always and self.in_flight == 0:
+            # A nested run: its caller holds a slot and waits for this task.
+            where = max(candidates, key=lambda d: budgets.get(d, 0) - ledger.admitted(d))
+            self.seats[i] = ledger.force(where, task.device_bytes)
+            return True
+        levels = self._levels
+        if levels is None:  # read once per _admit call
+            levels = self._levels = device_budget.levels_now()
+        # Blocks persisted on a GPU (persist(device=...)) take room from its budget, and
+        # make way for device tasks: spilled to the host, largest first, when a task
+        # would not fit beside them.
+        kept = {d: device_store.held_on(d) for d in candidates}
+        for d, held in kept.items():
+            if held and levels.get(d, Level.OK).rank >= Level.HIGH.rank:
+                # The GPU is under pressure (another process, or memory outside
+                # tierflow's count): its persisted blocks go to the host.
+                device_store.make_room(d, held)
+                kept[d] = device_store.held_on(d)
+        room = {d: max(0, budgets[d] - kept[d]) for d in candidates if d in budgets}
+        seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
+        if seat is None and any(kept.values()):
+            where = max(candidates, key=lambda d: kept[d])
+            short = task.device_bytes - (room.get(where, 0) - ledger.admitted(where))
+            if short > 0 and device_store.make_room(where, short):
+                room[where] = max(0, budgets.get(where, 0) - device_store.held_on(where))
+                seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
+        if seat is None:
+            return False
+        self.seats[i] = seat
+        return True
+
+    # -- results ----------------------------------------------------------------------
+
+    def _finished(self, i: int, outcome: Any) -> None:
+        # Runs once per task: attributes read once into locals.
+        task = self.tasks[i]
+        stats = self.stats
+        consumers = self.consumers
+        self.in_flight -= 1
+        need = self.needs[i]
+        if need:
+            self.running -= need
+            budget_module.ledger.finish(need)
+        if self.seats:
+            seat = self.seats.pop(i, None)
+            if seat is not None:
+                device_budget.ledger.release(seat)
+        result, seconds = outcome
+        if consumers[i] > 0:
+            self.results[i] = result
+            size = _nbytes_in_ram(result)
+            if size:
+                self.sizes[i] = size
+                self.held += size
+                budget_module.ledger.hold(size)
+                if self.running + self.held > stats.peak_bytes:
+                    stats.peak_bytes = self.running + self.held
+        for d in task.deps:
+            consumers[d] -= 1
+            if consumers[d] == 0:
+                self._release(d)
+        dependents = self.dependents[i]
+        if dependents:
+            waiting = self.waiting
+            for k in dependents:
+                waiting[k] -= 1
+                if waiting[k] == 0:
+                    heapq.heappush(self.ready, k)
+        kind = self.kinds[i]
+        if kind is not None:
+            kind.observe(seconds)
+        done = stats.done = stats.done + 1
+        if self.task_done:
+            event = TaskFinished(i, task.name, task.rows, seconds, done, len(self.tasks))
+            for method in self.task_done:
+                method(event)
+
+    def _release(self, i: int) -> None:
+        value = self.results.pop(i, None)
+        size = self.sizes.pop(i, 0)
+        if size:
+            self.held -= size
+            budget_module.ledger.drop(size)
+        if size == 0 and self.spilled and value is not None:
+            self._unmap_spilled(value)
+
+    def _unmap_spilled(self, value: Any) -> None:
+        """Drop the pages of a released result's spill files from this process.
+
+        Its consumers read them back through the mapping (an append writes the block
+        to its file from there), which leaves them resident as file-backed RSS the
+        budget does not count, until the files are deleted when the run ends; at a few
+        MB per block that outgrew the budget. The file stays valid (a view of it, if a
+        consumer returned one, faults its pages back in); it is deleted at the end.
+        """
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                self._unmap_spilled(v)
+        elif isinstance(value, np.memmap) and any(value is m for m in self.spilled):
+            pages.release(value, drop_cache=True)
+
+    def _spill_held(self, why: str) -> None:
+        """Move held results to spill files, largest first (see the module docstring)."""
+        order = sorted((size, i) for i, size in self.sizes.items() if size and i not in self.keep)
+        limit = budget_module.budget_bytes() // HELD_SHARE
+        for size, i in reversed(order):
+            if why == "held" and budget_module.ledger.held <= limit // 2:
+                break
+            self.results[i] = self._to_disk(self.results[i])
+            self.held -= size
+            budget_module.ledger.drop(size)
+            self.sizes[i] = 0
+            self.stats.spilled_bytes += size
+            if self.tracer is not None:
+                self.tracer.spilled(i, size)
+            log.info("spilled a held result of %d bytes (%s)", size, why)
+
+    def _to_disk(self, value: Any) -> Any:
+        if isinstance(value, tuple):
+            return tuple(self._to_disk(v) for v in value)
+        if isinstance(value, list):
+            return [self._to_disk(v) for v in value]
+        if isinstance(value, np.ndarray) and value.nbytes and _nbytes_in_ram(value):
+            # Read-only under a read lease: a truncated spill file cannot fault readers.
+            mapped = spill.write_array(np.ascontiguousarray(value))
+            pages.release(mapped, drop_cache=True)
+            self.spilled.append(mapped)
+            return mapped
+        return value
+
+    def _pressure(self) -> None:
+        level = pressure.level_now()
+        if level is not self.level:
+            if level == Level.CRITICAL and self.held:
+                self._spill_held("critical pressure")
+            self.level = level
+        if self.held and budget_module.ledger.held > budget_module.budget_bytes() // HELD_SHARE:
+            self._spill_held("held")
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def loop(self) -> None:
+        n = len(self.tasks)
+        while self.stats.done < n:
+            self._pressure()
+            all_admitted = self._admit()
+            if self.in_flight == 0:
+                if not all_admitted:
+                    # Other computes' tasks hold the budget: wait for them to finish.
+                    self._starving()
+                    budget_module.ledger.wait_for_room(_WAIT)
+                    continue
+                raise RuntimeError(
+                    f"the scheduler is stuck: {n - self.stats.done} task(s) wait for tasks "
+                    "that cannot run (a dependency cycle in the plan)"
+                )
+            # With a deep queue of small tasks, wake up once half of it is done rather
+            # than for every task: the workers keep busy, and each wake-up costs a
+            # thread hand-off. Otherwise wake up for every finished task.
+            queued = self.in_flight - self.executor.workers
+            wake = queued // 2 if queued > 2 * self.executor.workers else 1
+            self.waiting_since = None
+            for i, outcome, error in self.inbox.take(wake, None if all_admitted else _WAIT):
+                if error is not None:
+                    self.in_flight -= 1
+                    raise error
+                self._finished(i, outcome)
+
+    def _starving(self) -> None:
+        """Note a wait for other computes' tasks; after :data:`STARVED_SECONDS` of it,
+        admit one task at a time whatever they run (they may be waiting for this one)."""
+        now = time.perf_counter()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        elif now - self.waiting_since > STARVED_SECONDS:
+            self.one_always = True
+            log.warning(
+                "%s waited %.0f s for other computes' tasks to leave room in the RAM budget "
+                "(%s admitted of %s); it now runs one task at a time beyond the budget when "
+                "it must. (A running task may be waiting for it: compute inside the task, "
+                "not on a thread the task waits for.)",
+                self.what or "a compute", now - self.waiting_since,
+                format_bytes(budget_module.ledger.admitted),
+                format_bytes(budget_module.budget_bytes()),
+            )  # fmt: skip
+
+    def cleanup(self) -> None:
+        """Give back what the run still has admitted (tasks that did not report, held
+        results) and delete its spill files."""
+        ledger = budget_module.ledger
+        ledger.finish(self.running)
+        ledger.drop(self.held)
+        self.running = self.held = 0
+        for seat in self.seats.values():
+            device_budget.ledger.release(seat)
+        self.seats.clear()
+        for mapped in self.spilled:
+            record = spill.spill_file_of(mapped)
+            if record is not None:
+                spill.discard(record)
+        self.spilled.clear()
+
+
+def run(
+    tasks: Sequence[Task],
+    executor: Executor,
+    *,
+    keep: set[int] | None = None,
+    callbacks: Sequence[Any] = (),
+    what: str = "",
+) -> tuple[dict[int, Any], Stats]:
+    """Run ``tasks`` on ``executor``; the results of the tasks in ``keep`` and the stats.
+
+    Calls ``executor.shutdown(cancel=True)`` on any error or interrupt before raising it
+    (see the module docstring); the executor is left running otherwise.
+    """
+    nested = in_task()
+    if nested:
+        # A compute started by a task: the workers run that task (maybe this one is
+        # one of them), so this compute's tasks run here, one after another.
+        executor = SerialExecutor()
+    state = _Run(tasks, executor, set(keep or ()), callbacks, what)
+    state.one_always = nested
+    retries_before = halving.retries()
+    started = time.perf_counter()
+    error: BaseException | None = None
+    for cb in callbacks:
+        method = getattr(cb, "start", None)
+        if method is not None:
+            method(
+                ComputeStarted(
+                    len(tasks), executor.workers, executor.name, budget_module.budget_bytes(), what
+                )
+            )
+    try:
+        state.check_devices()
+        state.loop()
+        return {i: state.results[i] for i in state.keep if i in state.results}, state.stats
+    except BaseException as exc:
+        error = exc
+        state.lane.stop()
+        executor.shutdown(cancel=True)
+        raise
+    finally:
+        state.cleanup()
+        state.stats.seconds = time.perf_counter() - started
+        state.stats.oom_retries = halving.retries() - retries_before
+        finished = ComputeFinished(
+            len(tasks), state.stats.done, state.stats.seconds, state.stats.peak_bytes,
+            state.stats.spilled_bytes, state.stats.oom_retries, error,
+        )  # fmt: skip
+        for cb in callbacks:
+            method = getattr(cb, "finish", None)
+            if method is not None:
+                try:
+                    method(finished)
+                except Exception:
+                    if error is None:
+                        raise
+                    log.exception("callback %r raised in finish()", cb)
