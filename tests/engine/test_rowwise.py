@@ -1,4 +1,4 @@
-"""Row-wise NumPy functions on lazy arrays (tierflow/engine/api/rowwise.py), against NumPy:
+"""Row-wise NumPy functions on lazy arrays (norm, einsum, stacking, the nan-reductions in tierflow/engine/api/), against NumPy:
 np.linalg.norm, np.einsum, np.vstack / np.hstack / np.column_stack, the nan-reductions."""
 
 from __future__ import annotations

@@ -13,14 +13,28 @@ before the first call. Who may import what: the registering modules import
 imports :mod:`.build`, :mod:`.dispatch` and :mod:`.creation`, never a registering module.
 """
 
-from . import frequencies, functions, methods, products, quantiles, rowwise, sort
+from . import (
+    einsum,
+    frequencies,
+    functions,
+    linalg,
+    methods,
+    nanfunctions,
+    products,
+    quantiles,
+    sort,
+    stacking,
+)
 
 __all__ = [
+    "einsum",
     "frequencies",
     "functions",
+    "linalg",
     "methods",
+    "nanfunctions",
     "products",
     "quantiles",
-    "rowwise",
     "sort",
+    "stacking",
 ]

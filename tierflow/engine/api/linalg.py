@@ -1,5 +1,6 @@
-"""Tall-skinny factorisations of ``(N, k)`` arrays, as ``tw.linalg``: :func:`qr`,
-:func:`svd` and :func:`pca`, by TSQR over the row blocks.
+"""Linear algebra of lazy arrays: ``np.linalg.norm`` (:func:`norm`, through the
+registry), and the tall-skinny factorisations of ``(N, k)`` arrays, as ``tw.linalg``:
+:func:`qr`, :func:`svd` and :func:`pca`, by TSQR over the row blocks.
 
 How they run::
 
@@ -30,6 +31,7 @@ everything else gives float64. Complex data is refused.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -37,14 +39,14 @@ import numpy as np
 
 from ...operators import tsqr
 from .. import graph
-from ..graph import Chunked, specs
-from . import build
+from ..graph import Chunked, Value, specs
+from . import blockwise, build, dispatch
 from .creation import from_array
 
 if TYPE_CHECKING:
     from .array import Array
 
-__all__ = ["PCA", "pca", "qr", "svd"]
+__all__ = ["PCA", "pca", "qr", "svd"]  # norm: np.linalg.norm, through the registry
 
 SAFE_CONDITION = 1e6  # cond(x) up to which Q = x R^-1 is orthogonal to ~1e-10
 SINGULAR_CONDITION = 1.0 / (1000 * np.finfo(np.float64).eps)  # above: rank-deficient
@@ -292,3 +294,100 @@ def pca(x: Any, n_components: int | None = None, **options: Any) -> PCA:
         n_samples=count,
         projection=projection,
     )
+
+
+# -- np.linalg.norm ---------------------------------------------------------------------
+
+
+@dispatch.implements(np.linalg.norm)
+def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> Any:
+    """``np.linalg.norm(x, ord, axis, keepdims)``: within rows on each block; over the
+    rows as sums (``ord`` None, 2, 1, a power, ``'fro'``), maxima or minima (``inf``,
+    ``-inf``, matrix ``1``/``-1``/``inf``/``-inf``) and counts (``0``) of the rows.
+    Matrix 2-norms and the nuclear norm over the rows need singular values: refused."""
+    array = from_array(x)
+    node = array._node
+    if isinstance(node, Value):
+        return blockwise.in_memory(
+            np.linalg.norm, "norm", array, ord=ord, axis=axis, keepdims=keepdims
+        )
+    assert isinstance(node, Chunked)
+    ndim = array.ndim
+    # NumPy's own errors (the axes, ord for vectors and matrices), on one row of zeros
+    dtype = blockwise.numpy_dtype(
+        np.linalg.norm, array.dtype, node.row_shape, ord=ord, axis=axis, keepdims=keepdims
+    )
+    if axis is not None and not isinstance(axis, tuple):
+        axis = (operator.index(axis),)
+    axes = blockwise.axes(axis, ndim)
+    if 0 not in axes:
+        return blockwise.on_blocks(
+            "norm", np.linalg.norm, [array], ord=ord, axis=axis, keepdims=keepdims
+        )
+    values = array if array.dtype.kind in "fc" else array.astype(np.float64)
+    # NumPy's norm of every value (its square root of re.re + im.im over the raveled x).
+    every = ord is None or (ord in ("f", "fro") and ndim == 2) or (ord == 2 and ndim == 1)
+    if axis is None and every:
+        squares = blockwise.squares(values, by_parts=True).sum(
+            axis=None, dtype=np.float64, keepdims=keepdims
+        )
+        return blockwise.in_memory(
+            blockwise.cast_result, "norm", dtype, blockwise.lazy(np.sqrt, squares)
+        )
+    if len(axes) == 1 or (axis is None and ndim == 1):
+        result = _vector_norm(values, ord, axes[0], keepdims)
+    elif len(axes) == 2:
+        result = _matrix_norm(values, ord, tuple(axis or (0, 1)), keepdims, ndim)
+    else:
+        raise ValueError("Improper number of dimensions to norm.")
+    return blockwise.in_memory(blockwise.cast_result, "norm", dtype, result)
+
+
+def _vector_norm(values: Array, ord: Any, axis: int, keepdims: bool) -> Array:
+    if ord is None or ord == 2:
+        return blockwise.lazy(np.sqrt, blockwise.squares(values).sum(axis=axis, keepdims=keepdims))
+    if isinstance(ord, str):
+        raise ValueError(f"Invalid norm order '{ord}' for vectors")
+    magnitude = blockwise.lazy(np.abs, values)
+    if ord == np.inf:
+        return magnitude.max(axis=axis, keepdims=keepdims, initial=0)
+    if ord == -np.inf:
+        return magnitude.min(axis=axis, keepdims=keepdims)
+    if ord == 0:
+        return (values != 0).sum(axis=axis, keepdims=keepdims).astype(np.float64)
+    if ord == 1:
+        return magnitude.sum(axis=axis, dtype=np.float64, keepdims=keepdims)
+    power = float(ord)
+    total = (magnitude.astype(np.float64) ** power).sum(axis=axis, keepdims=keepdims)
+    return total ** (1.0 / power)
+
+
+def _matrix_norm(
+    values: Array, ord: Any, axis: tuple[int, ...], keepdims: bool, ndim: int
+) -> Array:
+    row_axis, col_axis = (a % ndim for a in axis)
+    if row_axis == col_axis:
+        raise ValueError("Duplicate axes given.")
+    if ord in (2, -2, "nuc"):
+        raise ValueError(
+            f"np.linalg.norm(x, ord={ord!r}) over the row axis needs the singular values of "
+            "the whole matrix, which one pass over row blocks does not give; use "
+            "ord='fro', 1 or inf, or compute() first"
+        )
+    magnitude = blockwise.lazy(np.abs, values)
+    if ord in (None, "fro", "f"):
+        result = blockwise.lazy(np.sqrt, blockwise.squares(values).sum(axis=(row_axis, col_axis)))
+    elif ord in (1, -1):
+        sums = magnitude.sum(axis=row_axis, dtype=np.float64)
+        after = col_axis - 1 if col_axis > row_axis else col_axis
+        result = sums.max(axis=after, initial=0) if ord == 1 else sums.min(axis=after)
+    elif ord in (np.inf, -np.inf):
+        sums = magnitude.sum(axis=col_axis, dtype=np.float64)
+        after = row_axis - 1 if row_axis > col_axis else row_axis
+        result = sums.max(axis=after, initial=0) if ord > 0 else sums.min(axis=after)
+    else:
+        raise ValueError("Invalid norm order for matrices.")
+    if keepdims:
+        shape = [1 if i in (row_axis, col_axis) else n for i, n in enumerate(values.shape)]
+        result = result.reshape(shape)
+    return result

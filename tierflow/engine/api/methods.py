@@ -29,7 +29,7 @@ from ...config import format_bytes
 from .. import graph
 from ..graph import Chunked, Value, blocksize
 from . import build, dispatch
-from .rowwise import on_blocks
+from .blockwise import on_blocks
 
 if TYPE_CHECKING:
     from .array import Array
