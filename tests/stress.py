@@ -28,12 +28,12 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [
-    "tests/engine/test_clusters.py",
-    "tests/engine/test_cluster_executors.py",
-    "tests/engine/test_cluster_packs.py",
-    "tests/engine/test_cluster_stragglers.py",
-    "tests/engine/test_processes.py",
-    "tests/engine/test_concurrency.py",
+    "tests/engine/runtime/test_clusters.py",
+    "tests/engine/runtime/test_cluster_executors.py",
+    "tests/engine/runtime/test_cluster_packs.py",
+    "tests/engine/runtime/test_cluster_stragglers.py",
+    "tests/engine/runtime/test_processes.py",
+    "tests/engine/runtime/test_concurrency.py",
 ]
 GRACE = 15.0  # seconds between the SIGABRT (stacks printed) and the kill
 

@@ -19,7 +19,7 @@ copy bandwidth (target >= 0.8x); copies overlapped with compute (double bufferin
 against serial copies.
 
 Prints SKIP and exits 0 where torch is missing or sees no CUDA device. Not collected by
-pytest (no ``test_`` prefix): ``tests/engine/test_gpu_ops.py`` runs the same code paths
+pytest (no ``test_`` prefix): ``tests/engine/gpu/test_gpu_ops.py`` runs the same code paths
 everywhere on simulated GPUs. Spill files go to a temporary folder.
 """
 

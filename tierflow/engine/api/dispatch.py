@@ -6,7 +6,7 @@ functions over it meet here, so the class imports none of them:
 * :data:`FUNCTIONS`: NumPy functions (``np.median``, ``np.concatenate``...) that
   ``Array.__array_function__`` hands to a handler. A module registers its handlers with
   ``@implements(np.median, np.nanmedian)``; the table is also the conformance suite's
-  input (``tests/engine/test_conformance.py``), so an entry is tested against NumPy.
+  input (``tests/engine/api/test_conformance.py``), so an entry is tested against NumPy.
 * :data:`REDUCTIONS`: ufuncs whose ``.reduce`` is lazy (``np.add.reduce``).
 * :data:`METHODS`: Array methods implemented elsewhere (``x.T``, ``x @ y``,
   ``x.copy()``...), registered with ``@method("transpose")``.

@@ -154,7 +154,7 @@ def test_a_task_prefers_the_machine_that_read_its_rows_before(tmp_path: Path) ->
     other = subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
          "--nthreads", "1", "--no-nanny", "--no-dashboard", "--host", "127.0.0.2"],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},  # the tests
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},  # the tests
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip

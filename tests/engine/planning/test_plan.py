@@ -4,7 +4,7 @@ pipelines, compared with ``golden/plans.txt``.
 The text lists each pass's program (its roots and steps) and every task (name,
 dependencies, rows, projected bytes), so a change to planning, lowering or fusion that
 alters what runs shows here. After a deliberate change, regenerate the file with
-``TIERFLOW_REGOLD=1 python -m pytest tests/engine/test_plan.py`` and review its
+``TIERFLOW_REGOLD=1 python -m pytest tests/engine/planning/test_plan.py`` and review its
 diff.
 """
 

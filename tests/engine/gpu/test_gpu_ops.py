@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierflow as tw
-from engine.test_properties import arrays, outcome
+from engine.api.test_properties import arrays, outcome
 from tierflow import config
 from tierflow.engine.gpu import offload, tier, transfer
 from tierflow.system.devices import FakeGpus, use_provider

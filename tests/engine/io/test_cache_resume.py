@@ -28,7 +28,7 @@ from tierflow.system import processes
 
 from common import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 N = 24_000
 WIDTH = 8
 ROWS = 2_000  # 12 blocks of 64 KB

@@ -18,7 +18,7 @@ import tierflow as tw
 from tierflow.errors import SourceError
 from tierflow.storage import leases
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 120  # seconds the child may take
 
 # The child computes over a 16 MB file in 16 blocks. The map_blocks function starts a

@@ -1,5 +1,5 @@
-"""Row-wise NumPy functions on lazy arrays (norm, einsum, stacking, the nan-reductions in tierflow/engine/api/), against NumPy:
-np.linalg.norm, np.einsum, np.vstack / np.hstack / np.column_stack, the nan-reductions."""
+"""Row-wise NumPy functions on lazy arrays (tierflow/engine/api/: linalg, einsum, stacking,
+nanfunctions), against NumPy: np.linalg.norm, np.einsum, np.vstack / np.hstack / np.column_stack, the nan-reductions."""
 
 from __future__ import annotations
 

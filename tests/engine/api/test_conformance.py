@@ -105,11 +105,11 @@ NOT_COMPARED: dict[str, str] = {
     "Array.__array_function__": "the dispatch itself: every np.* entry goes through it",
     "Array.__array_ufunc__": "the dispatch itself: every ufunc entry goes through it",
     "Array.__array_priority__": "a number NumPy reads to dispatch",
-    "Array.key": "tierflow's cache key, no NumPy counterpart (tests/engine/test_cache_keys.py)",
-    "Array.blocks": "tierflow's row blocks, no NumPy counterpart (tests/engine/test_array.py)",
-    "Array.nblocks": "tierflow's row blocks, no NumPy counterpart (tests/engine/test_array.py)",
-    "Array.cache": "marks a node for the cache, no value (tests/engine/test_cache.py)",
-    "Array.visualize": "draws the graph, no value (tests/engine/test_plan.py)",
+    "Array.key": "tierflow's cache key, no NumPy counterpart (tests/engine/io/test_cache_keys.py)",
+    "Array.blocks": "tierflow's row blocks, no NumPy counterpart (tests/engine/api/test_array.py)",
+    "Array.nblocks": "tierflow's row blocks, no NumPy counterpart (tests/engine/api/test_array.py)",
+    "Array.cache": "marks a node for the cache, no value (tests/engine/io/test_cache.py)",
+    "Array.visualize": "draws the graph, no value (tests/engine/planning/test_plan.py)",
     **{
         f"tw.{name}": "makes the lazy array every case starts from"
         for name in (
@@ -126,8 +126,8 @@ NOT_COMPARED: dict[str, str] = {
     "tw.cache_clear": "a setting of the cache, no value",
     "tw.cache_info": "a report on the cache, no value",
     "tw.use_executor": "chooses the executor each test runs on",
-    "tw.profile": "a report on a run, no value (tests/engine/test_profile.py)",
-    "tw.last_profile": "a report on a run, no value (tests/engine/test_profile.py)",
+    "tw.profile": "a report on a run, no value (tests/engine/observe/test_profile.py)",
+    "tw.last_profile": "a report on a run, no value (tests/engine/observe/test_profile.py)",
 }
 
 
@@ -281,9 +281,9 @@ def test_every_entry_of_the_table_has_a_case() -> None:
     missing = sorted(set(TABLE) - set(CASES) - set(NOT_COMPARED))
     assert not missing, (
         f"no conformance case for {', '.join(missing)}: add one to CASES in "
-        "tests/engine/conformance_cases.py (how to call it on a lazy array and on NumPy's), "
+        "tests/engine/api/conformance_cases.py (how to call it on a lazy array and on NumPy's), "
         "or, for a name that is not an operation on values, to NOT_COMPARED in "
-        "tests/engine/test_conformance.py with the reason"
+        "tests/engine/api/test_conformance.py with the reason"
     )
     stale = sorted(set(NOT_COMPARED) - set(TABLE))
     assert not stale, f"NOT_COMPARED names what is not in the table: {stale}"
