@@ -102,9 +102,10 @@ def block_bytes(rows: int, row_shape: tuple[int, ...], dtype: np.dtype | type | 
     return int(rows) * math.prod(row_shape) * np.dtype(dtype).itemsize
 
 
-def combine_partials(a: P | None, b: P | None, merge: Callable[[P, P], P]) -> P | None:
+def combine_partials(a: P, b: P, merge: Callable[[Any, Any], P]) -> P:
     """``merge(a, b)``, with None (the partial of no rows) as the identity: the
-    ``combine`` of every :class:`ReductionOp`, which gives its own ``merge``.
+    ``combine`` of every :class:`ReductionOp`, which gives its own ``merge`` (called
+    with two partials, neither None).
 
     >>> combine_partials(None, [1], list.__add__), combine_partials([1], [2], list.__add__)
     ([1], [1, 2])
