@@ -17,7 +17,7 @@ from tierflow.operators.selection import TrailingIndex
 from tierflow.operators.tsqr import TallQR
 from tierflow.operators.types import BlockOp, ReductionOp, block_bytes, combine_partials
 
-MODULES = ["types", "elementwise", "fused", "reductions", "selection", "linalg"]
+MODULES = ["types", "dag", "elementwise", "fused", "reductions", "selection", "linalg"]
 
 
 def _block_ops() -> list[object]:
