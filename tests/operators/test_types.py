@@ -8,6 +8,7 @@ import importlib
 import numpy as np
 import pytest
 
+from tierflow.operators.crossprod import CoMoments, CrossProduct
 from tierflow.operators.elementwise import Input
 from tierflow.operators.fused import FusedKernel, FusedReduction
 from tierflow.operators.linalg import Matmul, RowContraction
@@ -39,6 +40,8 @@ def _reduction_ops() -> list[object]:
         RowContraction(np.float32, (), np.ones(5), n_rows=5),
         ColumnStats(np.float32, (3,), flat=False),
         TallQR(np.float32, (3,)),
+        CrossProduct([np.float32], [(3,)], symmetric=True),
+        CoMoments([np.float32], [(3,)], ddof=1),
     ]
 
 

@@ -499,10 +499,11 @@ class Narrowing:
         return keys[(keys - keys.dtype.type(t.lo)) <= t.hi - t.lo]
 
     def combine(self, a: Partial, b: Partial) -> Partial:
-        if a is None:
-            return b
-        if b is None:
-            return a
+        return combine_partials(a, b, self._merged)
+
+    @staticmethod
+    def _merged(a: Any, b: Any) -> Any:
+        """The histograms added, each range's collected keys one after the other."""
         return a[0] + b[0], [x + y for x, y in zip(a[1], b[1], strict=True)]
 
     def aggregate(self, partial: Partial) -> Search | None:

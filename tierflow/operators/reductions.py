@@ -134,6 +134,7 @@ __all__ = [
     "RowReduction",
     "RowwiseReduction",
     "accumulator_dtype",
+    "partial_sum",
     "reduce_rows",
     "reduction",
 ]
@@ -309,6 +310,12 @@ def accumulator_dtype(dtype: np.dtype) -> np.dtype:
     if dtype.kind == "c":
         return np.dtype(np.complex128) if dtype.itemsize <= 16 else dtype
     return dtype
+
+
+def partial_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a + b`` in a new array of ``a``'s dtype (a partial sum stays in its
+    :func:`accumulator_dtype`); neither is modified."""
+    return np.add(a, b, out=np.empty_like(a))
 
 
 def _numpy(kind: str, x: np.ndarray, kwargs: dict[str, Any], out: np.ndarray | None = None) -> Any:
