@@ -95,7 +95,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit, ensure_warm, make_npy, run_sampled, save_figures, status
+from _harness import emit, ensure_warm, make_npy, run_sampled, save_figures, status, verdict
 from bench_processes import _cpu_seconds, _difference, _Tasks, per_row, wait_quiet
 
 HERE = Path(__file__).resolve().parent
@@ -606,14 +606,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        if self.skipped:
-            return "SKIP"
-        if self.target is None:
-            return "INFO"
-        if self.value is None:
-            return "MISS"
-        ok = self.value >= self.target if self.at_least else self.value <= self.target
-        return "PASS" if ok else "MISS"
+        return "SKIP" if self.skipped else verdict(self.value, self.target, self.at_least)
 
 
 def _child_env(folder: Path) -> dict[str, str]:

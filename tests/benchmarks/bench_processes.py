@@ -75,7 +75,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit, make_npy, run_sampled, save_figures
+from _harness import emit, make_npy, run_sampled, save_figures, verdict
 
 from tierflow.engine.runtime.executors import ProcessExecutor, default_workers
 
@@ -358,7 +358,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        return "PASS" if self.value is not None and self.value >= self.target else "MISS"
+        return verdict(self.value, self.target)
 
 
 def run_all(

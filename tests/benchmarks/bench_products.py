@@ -164,7 +164,7 @@ print(seconds, peak, flush=True)
 
 
 def part_cgroup(path: Path, limit_mb: int) -> None:
-    from cgroups import memory_cgroup, skip_reason
+    from cgroups import skip_reason
 
     reason = skip_reason()
     if reason:
@@ -172,20 +172,8 @@ def part_cgroup(path: Path, limit_mb: int) -> None:
         return
     for which in ("x.T @ x", "np.cov", "svd + U pass"):
         harness.drop_cache(path)
-        with memory_cgroup(limit_mb << 20) as cg:
-            proc = cg.run([sys.executable, "-c", CHILD, which, str(path), str(ROOT)], timeout=1800)
-            peak = cg.peak_bytes()
-            kills = cg.oom_kills()
-        if proc.returncode == 0:
-            seconds, rss_kb = proc.stdout.split()[:2]
-            what = f"completed in {float(seconds):.1f} s, peak RSS {int(rss_kb) >> 10} MB"
-        else:
-            what = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-        peak_text = "?" if peak is None else f"{peak >> 20} MB"
-        print(
-            f"4. {which} in a {limit_mb} MB cgroup: {what}; cgroup peak {peak_text}, "
-            f"OOM kills {kills}"
-        )
+        cmd = [sys.executable, "-c", CHILD, which, str(path), str(ROOT)]
+        print(f"4. {which} in a {limit_mb} MB cgroup: {harness.in_cgroup(cmd, limit_mb, 1800)}")
 
 
 def test_products_on_a_small_file(benchmark: Any, tmp_path: Path) -> None:

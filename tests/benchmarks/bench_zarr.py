@@ -43,6 +43,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: cgroups.py
+sys.path.insert(0, str(HERE))  # _harness.py
+
+import _harness  # noqa: E402
 
 WIDTH = 8
 CHUNK = 1_000_000
@@ -140,27 +143,15 @@ print(time.perf_counter() - start, hwm, flush=True)
 
 
 def part_cgroup(path: Path, limit_mb: int) -> None:
-    from cgroups import memory_cgroup, skip_reason
+    from cgroups import skip_reason
 
     reason = skip_reason()
     if reason:
         print(f"2. in a {limit_mb} MB cgroup: not run ({reason})")
         return
     for which in ("tierflow", "dask"):
-        with memory_cgroup(limit_mb << 20) as cg:
-            proc = cg.run([sys.executable, "-c", CHILD, which, str(path)], timeout=1800)
-            peak = cg.peak_bytes()
-            kills = cg.oom_kills()
-        if proc.returncode == 0:
-            seconds, rss_kb = proc.stdout.split()[:2]
-            what = f"completed in {float(seconds):.1f} s, peak RSS {int(rss_kb) >> 10} MB"
-        else:
-            what = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-        peak_text = "?" if peak is None else f"{peak >> 20} MB"
-        print(
-            f"2. {which} in a {limit_mb} MB cgroup: {what}; cgroup peak {peak_text}, "
-            f"OOM kills {kills}"
-        )
+        cmd = [sys.executable, "-c", CHILD, which, str(path)]
+        print(f"2. {which} in a {limit_mb} MB cgroup: {_harness.in_cgroup(cmd, limit_mb, 1800)}")
 
 
 def part_standardise(path: Path, folder: Path) -> None:
