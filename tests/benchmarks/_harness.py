@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import threading
 import time
@@ -326,6 +327,22 @@ def save_figures(report: dict[str, Any], rows: list[Any], path: str | None) -> b
         Path(path).write_text(json.dumps(report, indent=1, default=str))
         print(f"figures: {path}")
     return any(t.verdict == "MISS" for t in rows)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and the seconds it took."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def span(values: Sequence[float], unit: str = "x", scale: float = 1.0) -> str:
+    """The median of ``values`` (times ``scale``) and their range, in ``unit``:
+    ``"1.52x (1.40-1.61)"``; ``"-"`` for none."""
+    if not values:
+        return "-"
+    v = [x * scale for x in values]
+    return f"{statistics.median(v):.2f}{unit} ({min(v):.2f}-{max(v):.2f})"
 
 
 def verdict(value: float | None, target: float | None, at_least: bool = True) -> str:

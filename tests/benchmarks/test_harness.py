@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import report_run, verdict
+from _harness import report_run, span, timed, verdict
 
 
 def test_a_target_row_passes_when_its_value_reaches_the_target_either_way() -> None:
@@ -34,3 +34,15 @@ def test_a_run_prints_its_report_and_writes_its_figures(
     assert json.loads(path.read_text()) == {"sum": 3}
     report_run(lambda: {"sum": 4}, describe, None)  # no path: nothing written
     assert json.loads(path.read_text()) == {"sum": 3}
+
+
+def test_a_span_is_the_median_and_the_range_in_its_unit() -> None:
+    assert span([1.61, 1.4, 1.52]) == "1.52x (1.40-1.61)"
+    assert span([0.002, 0.001, 0.003], " ms", 1000) == "2.00 ms (1.00-3.00)"
+    assert span([]) == "-"
+
+
+def test_timed_gives_the_result_and_a_duration() -> None:
+    out, seconds = timed(lambda: sum(range(1000)))
+    assert out == 499500
+    assert 0 <= seconds < 5
