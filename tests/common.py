@@ -6,18 +6,22 @@ is on ``sys.path``, as for ``cgroups``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import settings
 
 from tierflow.engine.runtime.executors.cluster import ClusterExecutor
+from tierflow.system import limits
 
 # Hypothesis's own default, which the `ci` and `default` profiles keep.
 _BASE_EXAMPLES = 100
+GB = 1 << 30
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
@@ -42,6 +46,42 @@ def examples(n: int, profile: settings | None = None) -> int:
     """
     chosen = profile or settings.default
     return max(1, n * chosen.max_examples // _BASE_EXAMPLES)
+
+
+def counting_into(folder: str) -> Callable[[np.ndarray], np.ndarray]:
+    """A block function, ``b * 2 + 1``, that records each block it computes in
+    ``folder`` from whatever process runs it; :func:`count_in` reads the count."""
+
+    def work(block: np.ndarray) -> np.ndarray:
+        with open(os.path.join(folder, "calls"), "a") as f:
+            f.write(".")
+        return block * 2 + 1
+
+    return work
+
+
+def count_in(folder: str | os.PathLike[str]) -> int:
+    """The blocks a :func:`counting_into` function computed in ``folder``."""
+    path = os.path.join(folder, "calls")
+    return os.stat(path).st_size if os.path.exists(path) else 0
+
+
+def fixed_memory(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """Fixed memory figures behind ``limits.read_memory`` (8 GB usable, 6 GB free, on
+    the host); a test changes them in the dict it returns."""
+    values: dict[str, object] = {
+        "usable": 8 * GB,
+        "free": 6 * GB,
+        "source": "host",
+        "cgroup_dir": None,
+        "host_total": 8 * GB,
+    }
+
+    def read_memory(root: str | None = None) -> limits.MemoryFigures:
+        return limits.MemoryFigures(**values)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(limits, "read_memory", read_memory)
+    return values
 
 
 class Concurrency:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import threading
 import time
@@ -326,3 +327,67 @@ def save_figures(report: dict[str, Any], rows: list[Any], path: str | None) -> b
         Path(path).write_text(json.dumps(report, indent=1, default=str))
         print(f"figures: {path}")
     return any(t.verdict == "MISS" for t in rows)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and the seconds it took."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def span(values: Sequence[float], unit: str = "x", scale: float = 1.0) -> str:
+    """The median of ``values`` (times ``scale``) and their range, in ``unit``:
+    ``"1.52x (1.40-1.61)"``; ``"-"`` for none."""
+    if not values:
+        return "-"
+    v = [x * scale for x in values]
+    return f"{statistics.median(v):.2f}{unit} ({min(v):.2f}-{max(v):.2f})"
+
+
+def verdict(value: float | None, target: float | None, at_least: bool = True) -> str:
+    """A target row's verdict: PASS when ``value`` reaches ``target`` (at least, or at
+    most when ``at_least`` is False), MISS when it does not or was not measured, INFO
+    for a figure without a target."""
+    if target is None:
+        return "INFO"
+    if value is None:
+        return "MISS"
+    ok = value >= target if at_least else value <= target
+    return "PASS" if ok else "MISS"
+
+
+def report_run(
+    bench: Callable[[], dict[str, Any]],
+    describe: Callable[[dict[str, Any]], list[str]],
+    path: str | None,
+) -> dict[str, Any]:
+    """A suite's run from the command line: ``bench()``, its report in the lines
+    ``describe`` gives, the time it all took, and the figures as JSON in ``path`` when
+    one is given."""
+    started = time.monotonic()
+    report = bench()
+    print("\n".join(describe(report)))
+    print(f"({time.monotonic() - started:.0f} s in all)")
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def in_cgroup(cmd: Sequence[str], limit_mb: int, timeout: float) -> str:
+    """Run ``cmd``, a child that prints ``seconds peak_rss_kb``, in a memory cgroup of
+    ``limit_mb``; how it went, in words: its time and peak RSS or its failure, the
+    cgroup's peak and its OOM kills. Needs ``tests/`` on ``sys.path`` (cgroups.py)."""
+    from cgroups import memory_cgroup
+
+    with memory_cgroup(limit_mb << 20) as cg:
+        proc = cg.run(list(cmd), timeout=timeout)
+        peak = cg.peak_bytes()
+        kills = cg.oom_kills()
+    if proc.returncode == 0:
+        seconds, rss_kb = proc.stdout.split()[:2]
+        what = f"completed in {float(seconds):.1f} s, peak RSS {int(rss_kb) >> 10} MB"
+    else:
+        what = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    peak_text = "?" if peak is None else f"{peak >> 20} MB"
+    return f"{what}; cgroup peak {peak_text}, OOM kills {kills}"

@@ -45,7 +45,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Measure, emit, ensure_warm, make_npy, run_sampled, save_figures
+from _harness import Measure, emit, ensure_warm, make_npy, run_sampled, save_figures, verdict
 
 MB = 1 << 20
 WIDTH = 8
@@ -110,10 +110,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        if self.value is None:
-            return "MISS"
-        ok = self.value >= self.target if self.at_least else self.value <= self.target
-        return "PASS" if ok else "MISS"
+        return verdict(self.value, self.target, self.at_least)
 
 
 def _environment(home: Path) -> dict[str, str]:

@@ -95,7 +95,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit, ensure_warm, make_npy, run_sampled, save_figures, status
+from _harness import emit, ensure_warm, make_npy, run_sampled, save_figures, span, status, verdict
 from bench_processes import _cpu_seconds, _difference, _Tasks, per_row, wait_quiet
 
 HERE = Path(__file__).resolve().parent
@@ -606,14 +606,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        if self.skipped:
-            return "SKIP"
-        if self.target is None:
-            return "INFO"
-        if self.value is None:
-            return "MISS"
-        ok = self.value >= self.target if self.at_least else self.value <= self.target
-        return "PASS" if ok else "MISS"
+        return "SKIP" if self.skipped else verdict(self.value, self.target, self.at_least)
 
 
 def _child_env(folder: Path) -> dict[str, str]:
@@ -744,13 +737,6 @@ def targets(report: dict[str, Any]) -> list[Target]:
     return rows
 
 
-def _span(values: Sequence[float], unit: str = "x", scale: float = 1.0) -> str:
-    if not values:
-        return "-"
-    v = [x * scale for x in values]
-    return f"{statistics.median(v):.2f}{unit} ({min(v):.2f}-{max(v):.2f})"
-
-
 def _loads(rounds: Sequence[dict[str, Any]]) -> str:
     loads = [r["load"] for r in rounds]
     return f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"
@@ -816,7 +802,7 @@ def _print_mapblocks(engine: str, rows: int, part: dict[str, Any]) -> None:
 
         print(
             f"    {case:<10}{med('threads', 'seconds'):>10.3f}{med(engine, 'seconds'):>9.3f}"
-            f"{_span(map_ratios(found, engine)):>22}{found['first']['seconds']:>9.3f}"
+            f"{span(map_ratios(found, engine)):>22}{found['first']['seconds']:>9.3f}"
             f"{med(engine, 'driver_cpu'):>12.2f}{med(engine, 'worker_cpu'):>12.2f}"
             f"{med(engine, 'busy'):>8.2f}{_loads(rounds):>11}"
         )
@@ -824,7 +810,7 @@ def _print_mapblocks(engine: str, rows: int, part: dict[str, Any]) -> None:
             ratios = [r["threads"]["seconds"] / r["plain"]["seconds"] for r in rounds]
             print(
                 f"      {engine} itself (client.map / .remote of the same blocks, no "
-                f"tierflow): {med('plain', 'seconds'):.3f} s, threads / it {_span(ratios)}"
+                f"tierflow): {med('plain', 'seconds'):.3f} s, threads / it {span(ratios)}"
             )
         print(
             "      differences from threads: "
@@ -847,7 +833,7 @@ def _print_columns(engine: str, size_gb: float, part: dict[str, Any]) -> None:
         tw_s = statistics.median(r["tierflow"]["seconds"] for r in rounds)
         ran = all(other in r for r in rounds)
         other_s = f"{statistics.median(r[other]['seconds'] for r in rounds):.3f}" if ran else "-"
-        ratio = _span(column_ratios(found, other)) if ran else "-"
+        ratio = span(column_ratios(found, other)) if ran else "-"
         print(
             f"    {case:<8}{tw_s:>11.3f}{other_s:>14}{ratio:>22}"
             f"{size_gb / tw_s:>7.2f}{_loads(rounds):>11}"
@@ -890,12 +876,12 @@ def _print_overhead(engine: str, part: dict[str, Any]) -> None:
     print(
         f"    serial {serial:.3f} s, {engine} {wall:.3f} s (first {part['first']['seconds']:.3f}"
         f" s), tasks ran {busy:.3f} s in the workers, driver CPU {cpu:.2f} s; per task "
-        f"{_span(per_task_costs(part), ' ms', 1e3)}; load {_loads(rounds)}; "
+        f"{span(per_task_costs(part), ' ms', 1e3)}; load {_loads(rounds)}; "
         f"difference from serial {part['difference']:.1e}"
     )
     print(
         f"    {engine}'s own floor, as many trivial tasks submitted and fetched at once: "
-        f"{_span(floors, ' ms', 1e3)} a task"
+        f"{span(floors, ' ms', 1e3)} a task"
     )
 
 

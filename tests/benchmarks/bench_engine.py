@@ -70,7 +70,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: cgroups.py
 
-from _harness import Measure, Sample, drop_cache, emit, ensure_warm, make_npy, plot_rss, run_sampled
+from _harness import (
+    Measure,
+    Sample,
+    drop_cache,
+    emit,
+    ensure_warm,
+    make_npy,
+    plot_rss,
+    run_sampled,
+    verdict,
+)
 
 GB = 10**9  # decimal, as the design's figures
 MB = 1 << 20
@@ -110,12 +120,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        if self.target is None:
-            return "INFO"
-        if self.value is None:
-            return "MISS"
-        ok = self.value >= self.target if self.at_least else self.value <= self.target
-        return "PASS" if ok else "MISS"
+        return verdict(self.value, self.target, self.at_least)
 
 
 # -- the child side: one contender per process --------------------------------------------

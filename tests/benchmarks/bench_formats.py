@@ -32,14 +32,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import span, timed
 from bench_processes import wait_quiet
 
 WIDTH = 8
@@ -90,20 +89,10 @@ def expected_sum(rows: int) -> np.ndarray:
     return total
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def _check(got: Any, want: np.ndarray, what: str) -> None:
     got = np.asarray(got, dtype=np.float64)
     if not np.allclose(got, want, rtol=1e-6):
         raise AssertionError(f"{what}: {got} against {want}")
-
-
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
 def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[str]) -> None:
@@ -140,7 +129,7 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
         for name, path in paths.items():
             for executor in EXECUTORS:
                 x = tw.from_hdf5(path, "x")
-                got, seconds = _timed(
+                got, seconds = timed(
                     lambda x=x, e=executor: x.sum(axis=0).compute(executor=e, progress=False)
                 )
                 _check(got, want, f"hdf5 {name} on {executor}")
@@ -148,7 +137,7 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
             pooled, program.BLOCK_POOL_MAX = program.BLOCK_POOL_MAX, 0
             try:
                 x = tw.from_hdf5(path, "x")
-                got, seconds = _timed(
+                got, seconds = timed(
                     lambda x=x: x.sum(axis=0).compute(executor="serial", progress=False)
                 )
             finally:
@@ -158,14 +147,14 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
         if "parquet" not in parts:
             continue
         t = tw.from_parquet(parquet)
-        got, ours = _timed(lambda t=t: t.sum(axis=0).compute(progress=False))
+        got, ours = timed(lambda t=t: t.sum(axis=0).compute(progress=False))
         _check(got, want, "parquet")
 
         def theirs() -> list[float]:
             table = pq.read_table(parquet)
             return [pc.sum(table.column(c)).as_py() for c in table.column_names]
 
-        got, seconds = _timed(theirs)
+        got, seconds = timed(theirs)
         _check(got, want, "pyarrow")
         versus.append((ours, seconds))
     if paths:
@@ -176,16 +165,16 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
             ratios = [
                 s / t for s, t in zip(times[name]["serial"], times[name][executor], strict=True)
             ]
-            line.append(f"{executor} {_span(ratios)}")
+            line.append(f"{executor} {span(ratios)}")
         fresh = [f / s for f, s in zip(times[name][FRESH], times[name]["serial"], strict=True)]
-        line.append(f"serial without the pool / with it {_span(fresh)}")
+        line.append(f"serial without the pool / with it {span(fresh)}")
         print(", ".join(line))
     if not versus:
         return
     ratios = [theirs / ours for ours, theirs in versus]
     print(
         f"2. parquet sum(axis=0): tierflow {statistics.median(o for o, _ in versus):.3f} s, "
-        f"pyarrow {statistics.median(t for _, t in versus):.3f} s; pyarrow / tierflow {_span(ratios)}"
+        f"pyarrow {statistics.median(t for _, t in versus):.3f} s; pyarrow / tierflow {span(ratios)}"
     )
 
 

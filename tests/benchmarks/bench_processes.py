@@ -75,7 +75,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit, make_npy, run_sampled, save_figures
+from _harness import emit, make_npy, run_sampled, save_figures, span, verdict
 
 from tierflow.engine.runtime.executors import ProcessExecutor, default_workers
 
@@ -358,7 +358,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        return "PASS" if self.value is not None and self.value >= self.target else "MISS"
+        return verdict(self.value, self.target)
 
 
 def run_all(
@@ -401,12 +401,6 @@ def targets(report: dict[str, Any]) -> list[Target]:
     return rows
 
 
-def _span(values: Sequence[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-
 def print_report(report: dict[str, Any], rows: Sequence[Target]) -> None:
     if "error" in report:
         print(f"FAILED: {report['error']}")
@@ -433,8 +427,8 @@ def print_report(report: dict[str, Any], rows: Sequence[Target]) -> None:
         others = statistics.median(r["processes"].get("other_cores", 0.0) for r in rounds)
         loads = [r["load"] for r in rounds]
         print(
-            f"  {name:<16}{serial:>9.3f}{_span(ratios(case, 'threads')):>20}"
-            f"{_span(ratios(case, 'processes')):>20}{case['first']['seconds']:>15.3f}"
+            f"  {name:<16}{serial:>9.3f}{span(ratios(case, 'threads')):>20}"
+            f"{span(ratios(case, 'processes')):>20}{case['first']['seconds']:>15.3f}"
             f"{later:>9.3f}{others:>12.2f}{min(loads):>7.2f}-{max(loads):<4.2f}"
         )
     print()

@@ -32,7 +32,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +50,6 @@ BLOCK = 1 << 20
 PARTS = ("gram", "cov", "tsqr", "cgroup")
 
 
-def _timed(fn: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-
 def _numpy_gram(path: Path) -> np.ndarray:
     mm = np.load(path, mmap_mode="r")
     acc = np.zeros((mm.shape[1], mm.shape[1]))
@@ -76,8 +65,8 @@ def part_gram(path: Path, rounds: int) -> None:
     ratios, ours, theirs = [], [], []
     x = tw.from_npy(path)
     for _ in range(rounds):
-        got, t = _timed(lambda: (x.T @ x).compute(progress=False))
-        want, n = _timed(lambda: _numpy_gram(path))
+        got, t = harness.timed(lambda: (x.T @ x).compute(progress=False))
+        want, n = harness.timed(lambda: _numpy_gram(path))
         np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-6)
         ours.append(t)
         theirs.append(n)
@@ -86,7 +75,7 @@ def part_gram(path: Path, rounds: int) -> None:
     print(
         f"1. x.T @ x: tierflow {statistics.median(ours):.2f} s "
         f"({gb / statistics.median(ours):.2f} GB/s), NumPy blocked by hand "
-        f"{statistics.median(theirs):.2f} s; NumPy / tierflow {_span(ratios)}"
+        f"{statistics.median(theirs):.2f} s; NumPy / tierflow {harness.span(ratios)}"
     )
 
 
@@ -100,8 +89,8 @@ def part_cov(path: Path, rounds: int) -> None:
     x = tw.from_npy(path)
     d = da.from_array(np.load(path, mmap_mode="r"), chunks=(BLOCK, WIDTH))
     for _ in range(rounds):
-        got, t = _timed(lambda: np.cov(x, rowvar=False).compute(progress=False))
-        want, n = _timed(lambda: da.cov(d, rowvar=False).compute())
+        got, t = harness.timed(lambda: np.cov(x, rowvar=False).compute(progress=False))
+        want, n = harness.timed(lambda: da.cov(d, rowvar=False).compute())
         diff = max(diff, float(np.abs(got - want).max()))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
         ours.append(t)
@@ -109,7 +98,7 @@ def part_cov(path: Path, rounds: int) -> None:
         ratios.append(n / t)
     print(
         f"2. np.cov(x, rowvar=False): tierflow {statistics.median(ours):.2f} s, da.cov "
-        f"{statistics.median(theirs):.2f} s; dask / tierflow {_span(ratios)} (target >= 3x); "
+        f"{statistics.median(theirs):.2f} s; dask / tierflow {harness.span(ratios)} (target >= 3x); "
         f"largest difference {diff:.3g}"
     )
 
@@ -123,9 +112,11 @@ def part_tsqr(path: Path, rounds: int) -> None:
     x = tw.from_npy(path)
     d = da.from_array(np.load(path, mmap_mode="r"), chunks=(BLOCK, WIDTH))
     for _ in range(rounds):
-        r, t = _timed(lambda: tw.linalg.qr(x, mode="r", progress=False))
-        (_, s, _), t_svd = _timed(lambda: tw.linalg.svd(x, full_matrices=False, progress=False))
-        dr, n = _timed(lambda: da.linalg.tsqr(d)[1].compute())
+        r, t = harness.timed(lambda: tw.linalg.qr(x, mode="r", progress=False))
+        (_, s, _), t_svd = harness.timed(
+            lambda: tw.linalg.svd(x, full_matrices=False, progress=False)
+        )
+        dr, n = harness.timed(lambda: da.linalg.tsqr(d)[1].compute())
         signs = np.where(np.diagonal(dr) < 0, -1.0, 1.0)
         np.testing.assert_allclose(r, dr * signs[:, None], rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(s, np.linalg.svd(dr, compute_uv=False), rtol=1e-4)
@@ -136,9 +127,9 @@ def part_tsqr(path: Path, rounds: int) -> None:
         s_ratios.append(n / t_svd)
     print(
         f"3. R of QR: tierflow {statistics.median(r_ours):.2f} s, da.linalg.tsqr R "
-        f"{statistics.median(theirs):.2f} s; dask / tierflow {_span(r_ratios)}\n"
+        f"{statistics.median(theirs):.2f} s; dask / tierflow {harness.span(r_ratios)}\n"
         f"   SVD (S, Vh; U lazy): tierflow {statistics.median(s_ours):.2f} s; "
-        f"da.linalg.tsqr R / tierflow {_span(s_ratios)}"
+        f"da.linalg.tsqr R / tierflow {harness.span(s_ratios)}"
     )
 
 
@@ -164,7 +155,7 @@ print(seconds, peak, flush=True)
 
 
 def part_cgroup(path: Path, limit_mb: int) -> None:
-    from cgroups import memory_cgroup, skip_reason
+    from cgroups import skip_reason
 
     reason = skip_reason()
     if reason:
@@ -172,20 +163,8 @@ def part_cgroup(path: Path, limit_mb: int) -> None:
         return
     for which in ("x.T @ x", "np.cov", "svd + U pass"):
         harness.drop_cache(path)
-        with memory_cgroup(limit_mb << 20) as cg:
-            proc = cg.run([sys.executable, "-c", CHILD, which, str(path), str(ROOT)], timeout=1800)
-            peak = cg.peak_bytes()
-            kills = cg.oom_kills()
-        if proc.returncode == 0:
-            seconds, rss_kb = proc.stdout.split()[:2]
-            what = f"completed in {float(seconds):.1f} s, peak RSS {int(rss_kb) >> 10} MB"
-        else:
-            what = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-        peak_text = "?" if peak is None else f"{peak >> 20} MB"
-        print(
-            f"4. {which} in a {limit_mb} MB cgroup: {what}; cgroup peak {peak_text}, "
-            f"OOM kills {kills}"
-        )
+        cmd = [sys.executable, "-c", CHILD, which, str(path), str(ROOT)]
+        print(f"4. {which} in a {limit_mb} MB cgroup: {harness.in_cgroup(cmd, limit_mb, 1800)}")
 
 
 def test_products_on_a_small_file(benchmark: Any, tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ prints the figures (run anything over 0.5 GB under ``flock /tmp/tierflow-bench.l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -38,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's tierflow
 
-from _harness import emit, ensure_warm, make_npy, run_sampled
+from _harness import emit, ensure_warm, make_npy, report_run, run_sampled
 
 MB = 1 << 20
 WIDTH = 8
@@ -166,12 +165,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the temporary file goes")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
-    started = time.monotonic()
-    report = bench(args.gb * 1e9 / MB, args.rounds, args.dir)
-    print("\n".join(describe(report)))
-    print(f"({time.monotonic() - started:.0f} s in all)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    report_run(lambda: bench(args.gb * 1e9 / MB, args.rounds, args.dir), describe, args.json)
 
 
 if __name__ == "__main__":

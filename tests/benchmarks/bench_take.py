@@ -21,12 +21,10 @@ the figures. ``make bench`` runs the pytest-benchmark test below on a small file
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import Measure, emit, ensure_warm, make_npy, run_sampled
+from _harness import Measure, emit, ensure_warm, make_npy, report_run, run_sampled
 
 MB = 1 << 20
 WIDTH = 8
@@ -165,12 +163,7 @@ def main() -> None:
     parser.add_argument("--cgroup-mb", type=int, default=1024, help="0: no cgroup runs")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
-    started = time.monotonic()
-    report = bench(args.size_mb, args.cgroup_mb or None)
-    print("\n".join(describe(report)))
-    print(f"({time.monotonic() - started:.0f} s in all)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    report_run(lambda: bench(args.size_mb, args.cgroup_mb or None), describe, args.json)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,10 @@ file over 0.5 GB under the benchmark lock (see docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import Measure, emit, ensure_warm, make_npy, run_sampled
+from _harness import Measure, emit, ensure_warm, make_npy, report_run, run_sampled
 
 GB = 1 << 30
 MB = 1 << 20
@@ -181,12 +179,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
-    started = time.monotonic()
-    report = bench(args.gb, args.rounds)
-    print("\n".join(describe(report)))
-    print(f"({time.monotonic() - started:.0f} s in all)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    report_run(lambda: bench(args.gb, args.rounds), describe, args.json)
 
 
 if __name__ == "__main__":

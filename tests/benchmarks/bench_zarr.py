@@ -35,7 +35,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: cgroups.py
+sys.path.insert(0, str(HERE))  # _harness.py
+
+import _harness  # noqa: E402
 
 WIDTH = 8
 CHUNK = 1_000_000
@@ -81,16 +83,6 @@ def _warm(path: Path) -> None:
                     pass
 
 
-def _timed(fn: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def _span(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-
 def part_sum(path: Path, rounds: int) -> None:
     import dask.array as da
 
@@ -99,10 +91,12 @@ def part_sum(path: Path, rounds: int) -> None:
     ratios, ours, theirs, alone = [], [], [], []
     diff = 0.0
     for _ in range(rounds):
-        _, one = _timed(lambda: tw.from_zarr(path).sum(axis=0).compute(workers=1, progress=False))
+        _, one = _harness.timed(
+            lambda: tw.from_zarr(path).sum(axis=0).compute(workers=1, progress=False)
+        )
         alone.append(one)
-        got, t = _timed(lambda: tw.from_zarr(path).sum(axis=0).compute(progress=False))
-        want, d = _timed(lambda: da.from_zarr(str(path)).sum(axis=0).compute())
+        got, t = _harness.timed(lambda: tw.from_zarr(path).sum(axis=0).compute(progress=False))
+        want, d = _harness.timed(lambda: da.from_zarr(str(path)).sum(axis=0).compute())
         # dask.array sums float32 in float32 (tierflow in float64): compared loosely.
         diff = max(diff, float(np.max(np.abs(np.asarray(got, np.float64) - want))))
         if diff > 1e-6 * len(want) * 1e8:
@@ -112,13 +106,13 @@ def part_sum(path: Path, rounds: int) -> None:
         ratios.append(d / t)
     print(
         f"1. column sum: tierflow {statistics.median(ours):.2f} s, dask.array "
-        f"{statistics.median(theirs):.2f} s; dask / tierflow {_span(ratios)} (target >= 1.5x); "
+        f"{statistics.median(theirs):.2f} s; dask / tierflow {_harness.span(ratios)} (target >= 1.5x); "
         f"largest difference of the sums {diff:.3g}"
     )
     scaling = [a / t for a, t in zip(alone, ours, strict=True)]
     print(
         f"   decoding on {os.cpu_count()} cores: 1 worker {statistics.median(alone):.2f} s, "
-        f"all {statistics.median(ours):.2f} s; 1 worker / all {_span(scaling)}"
+        f"all {statistics.median(ours):.2f} s; 1 worker / all {_harness.span(scaling)}"
     )
 
 
@@ -140,27 +134,15 @@ print(time.perf_counter() - start, hwm, flush=True)
 
 
 def part_cgroup(path: Path, limit_mb: int) -> None:
-    from cgroups import memory_cgroup, skip_reason
+    from cgroups import skip_reason
 
     reason = skip_reason()
     if reason:
         print(f"2. in a {limit_mb} MB cgroup: not run ({reason})")
         return
     for which in ("tierflow", "dask"):
-        with memory_cgroup(limit_mb << 20) as cg:
-            proc = cg.run([sys.executable, "-c", CHILD, which, str(path)], timeout=1800)
-            peak = cg.peak_bytes()
-            kills = cg.oom_kills()
-        if proc.returncode == 0:
-            seconds, rss_kb = proc.stdout.split()[:2]
-            what = f"completed in {float(seconds):.1f} s, peak RSS {int(rss_kb) >> 10} MB"
-        else:
-            what = f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-        peak_text = "?" if peak is None else f"{peak >> 20} MB"
-        print(
-            f"2. {which} in a {limit_mb} MB cgroup: {what}; cgroup peak {peak_text}, "
-            f"OOM kills {kills}"
-        )
+        cmd = [sys.executable, "-c", CHILD, which, str(path)]
+        print(f"2. {which} in a {limit_mb} MB cgroup: {_harness.in_cgroup(cmd, limit_mb, 1800)}")
 
 
 def part_standardise(path: Path, folder: Path) -> None:
@@ -170,14 +152,16 @@ def part_standardise(path: Path, folder: Path) -> None:
     import tierflow as tw
 
     x = tw.from_zarr(path)
-    (mean, std), stats = _timed(lambda: tw.compute(x.mean(axis=0), x.std(axis=0), progress=False))
+    (mean, std), stats = _harness.timed(
+        lambda: tw.compute(x.mean(axis=0), x.std(axis=0), progress=False)
+    )
     z = (x - mean) / std
-    _, ours = _timed(
+    _, ours = _harness.timed(
         lambda: z.to_zarr(folder / "tw.zarr", chunks=CHUNK, compressors=_codecs(), progress=False)
     )
     d = da.from_zarr(str(path))
     dz = (d - d.mean(axis=0)) / d.std(axis=0)
-    _, theirs = _timed(
+    _, theirs = _harness.timed(
         lambda: da.to_zarr(
             dz.rechunk((CHUNK, WIDTH)), str(folder / "da.zarr"), compressors=_codecs()
         )
@@ -219,10 +203,10 @@ def part_s3(rows: int, folder: Path) -> None:
         make(str(folder / "s3-local.zarr"), rows, None)
         _warm(folder / "s3-local.zarr")
         gb = rows * WIDTH * 4 / 1e9
-        local, lt = _timed(
+        local, lt = _harness.timed(
             lambda: tw.from_zarr(folder / "s3-local.zarr").sum(axis=0).compute(progress=False)
         )
-        remote, rt = _timed(
+        remote, rt = _harness.timed(
             lambda: (
                 tw.from_zarr("s3://bench/a.zarr", storage_options=options)
                 .sum(axis=0)
@@ -254,7 +238,7 @@ def main() -> None:
     try:
         path = folder / "x.zarr"
         if parts & {"sum", "cgroup", "standardise"}:
-            _, seconds = _timed(lambda: make(str(path), options.rows))
+            _, seconds = _harness.timed(lambda: make(str(path), options.rows))
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             print(f"   written in {seconds:.1f} s, {size / 1e9:.2f} GB on disk")
             _warm(path)

@@ -8,14 +8,17 @@ import importlib
 import numpy as np
 import pytest
 
+from tierflow.operators.crossprod import CoMoments, CrossProduct
 from tierflow.operators.elementwise import Input
 from tierflow.operators.fused import FusedKernel, FusedReduction
 from tierflow.operators.linalg import Matmul, RowContraction
+from tierflow.operators.order_stats import ColumnStats
 from tierflow.operators.reductions import Histogram, Reduction, reduction
 from tierflow.operators.selection import TrailingIndex
-from tierflow.operators.types import BlockOp, ReductionOp, block_bytes
+from tierflow.operators.tsqr import TallQR
+from tierflow.operators.types import BlockOp, ReductionOp, block_bytes, combine_partials
 
-MODULES = ["types", "elementwise", "fused", "reductions", "selection", "linalg"]
+MODULES = ["types", "dag", "elementwise", "fused", "reductions", "selection", "linalg"]
 
 
 def _block_ops() -> list[object]:
@@ -35,6 +38,10 @@ def _reduction_ops() -> list[object]:
         Histogram(np.float32, 4, (0, 1)),
         Reduction(len, lambda a, b: a + b),
         RowContraction(np.float32, (), np.ones(5), n_rows=5),
+        ColumnStats(np.float32, (3,), flat=False),
+        TallQR(np.float32, (3,)),
+        CrossProduct([np.float32], [(3,)], symmetric=True),
+        CoMoments([np.float32], [(3,)], ddof=1),
     ]
 
 
@@ -66,6 +73,22 @@ def test_reduction_ops_follow_the_contract(op: object) -> None:
     op.aggregate(partial)
     assert op.temp_bytes(5) >= 0
     assert op.partial_bytes() > 0
+
+
+def test_none_is_the_identity_of_combined_partials() -> None:
+    merged: list[tuple[object, object]] = []
+
+    def merge(a: object, b: object) -> object:
+        merged.append((a, b))
+        return (a, b)
+
+    p, q = object(), object()
+    assert combine_partials(None, p, merge) is p
+    assert combine_partials(p, None, merge) is p
+    assert combine_partials(None, None, merge) is None
+    assert merged == []  # None never reaches the operator's merge
+    assert combine_partials(p, q, merge) == (p, q)
+    assert merged == [(p, q)]  # left before right
 
 
 def test_block_bytes() -> None:

@@ -29,6 +29,8 @@ from tierflow.system.pressure import (
 )
 from tierflow.system.types import Level
 
+from common import fixed_memory
+
 GB = 1 << 30
 
 
@@ -75,19 +77,7 @@ def reading(level: Level | str = "ok") -> Pressure:
 def figures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, object]:
     """Fixed memory figures behind pressure(), and a root without PSI."""
     config.set(proc_root=str(tmp_path))
-    values: dict[str, object] = {
-        "usable": 8 * GB,
-        "free": 6 * GB,
-        "source": "host",
-        "cgroup_dir": None,
-        "host_total": 8 * GB,
-    }
-
-    def read_memory(root: str | None = None) -> limits.MemoryFigures:
-        return limits.MemoryFigures(**values)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(limits, "read_memory", read_memory)
-    return values
+    return fixed_memory(monkeypatch)
 
 
 def write_psi(root: Path, some: float, full: float | None) -> None:

@@ -11,9 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tierflow import config
-from tierflow.system import limits
 from tierflow.system import pressure as pressure_mod
 from tierflow.system.psi import Psi, PsiLine, parse_psi, read_psi
+
+from common import fixed_memory
 
 GB = 1 << 30
 
@@ -50,19 +51,7 @@ def proc_file(root: Path) -> Path:
 @pytest.fixture
 def figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     """Fixed memory figures for pressure(); tests set ``cgroup_dir`` and sizes in the dict."""
-    values: dict[str, object] = {
-        "usable": 8 * GB,
-        "free": 6 * GB,
-        "source": "host",
-        "cgroup_dir": None,
-        "host_total": 8 * GB,
-    }
-
-    def read_memory(root: str | None = None) -> limits.MemoryFigures:
-        return limits.MemoryFigures(**values)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(limits, "read_memory", read_memory)
-    return values
+    return fixed_memory(monkeypatch)
 
 
 # -- parse_psi ------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Contracts in :mod:`~tierflow.operators.types` (``BlockOp``, ``ReductionOp``); elementwise
 expressions in :mod:`~tierflow.operators.elementwise`, their cache-blocked evaluation in
 :mod:`~tierflow.operators.fused`; reductions, selection and matrix products in the
-modules of those names. ``docs/operators.md`` describes how the engine uses them.
+modules of those names; the depth-first walk that expressions and the engine's graph
+share in :mod:`~tierflow.operators.dag`. ``docs/operators.md`` describes how the engine
+uses them.
 """
 
 from .elementwise import (

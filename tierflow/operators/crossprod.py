@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from ._blocks import check_blocks
-from .reductions import accumulator_dtype
-from .types import Partial
+from .reductions import accumulator_dtype, partial_sum
+from .types import Partial, combine_partials
 
 __all__ = ["CoMoments", "CrossProduct"]
 
@@ -109,11 +109,7 @@ class CrossProduct:
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """Add two partial products."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return np.add(a, b, out=np.empty_like(a))
+        return combine_partials(a, b, partial_sum)
 
     def aggregate(self, partial: Partial) -> np.ndarray:
         """The product, in NumPy's dtype (zeros for no rows, as NumPy gives)."""
@@ -221,20 +217,7 @@ class CoMoments:
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """Chan's merge of two partials (neither is modified)."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        na, shift_a, offset_a, c_a = a
-        nb, shift_b, offset_b, c_b = b
-        n = na + nb
-        delta = (shift_b - shift_a) + (offset_b - offset_a)
-        return (
-            n,
-            shift_a,
-            offset_a + delta * (nb / n),
-            c_a + c_b + np.outer(delta, delta.conj()) * (na * nb / n),
-        )
+        return combine_partials(a, b, _chan)
 
     def means(self, partial: Partial) -> np.ndarray:
         """The column means of a partial."""
@@ -283,3 +266,18 @@ class CoMoments:
     def partial_bytes(self) -> int:
         """Bytes of one partial: the co-moments and two means."""
         return (self.columns + 2) * self.columns * self.acc.itemsize
+
+
+def _chan(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Chan's merge of the co-moments of two row ranges ``(rows, shift, offset,
+    comoments)``: the means moved by the difference, the products by its outer product."""
+    na, shift_a, offset_a, c_a = a
+    nb, shift_b, offset_b, c_b = b
+    n = na + nb
+    delta = (shift_b - shift_a) + (offset_b - offset_a)
+    return (
+        n,
+        shift_a,
+        offset_a + delta * (nb / n),
+        c_a + c_b + np.outer(delta, delta.conj()) * (na * nb / n),
+    )

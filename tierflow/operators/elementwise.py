@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .dag import postorder
+
 __all__ = [
     "Apply",
     "AsType",
@@ -337,22 +339,11 @@ def round_(a: Any, decimals: int = 0) -> Round:
 def walk(expr: Expr) -> list[Expr]:
     """Every distinct node of ``expr``, operands before their users (a node used twice is
     listed once)."""
-    seen: set[int] = set()
-    order: list[Expr] = []
-    stack: list[tuple[Expr, bool]] = [(expr, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.append((node, True))
-        for child in reversed(node.children()):
-            if id(child) not in seen:
-                stack.append((child, False))
-    return order
+    return postorder([expr], _operands)
+
+
+def _operands(node: Expr) -> tuple[Expr, ...]:
+    return node.children()
 
 
 def input_count(expr: Expr) -> int:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from ._blocks import check_blocks, prepare_out
-from .reductions import accumulator_dtype
-from .types import Partial
+from .reductions import accumulator_dtype, partial_sum
+from .types import Partial, combine_partials
 
 __all__ = ["Matmul", "RowContraction", "matmul"]
 
@@ -176,11 +176,7 @@ class RowContraction:
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """Add two partial products."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return np.add(a, b, out=np.empty_like(a))
+        return combine_partials(a, b, partial_sum)
 
     def aggregate(self, partial: Partial) -> Any:
         """The product, in NumPy's dtype (a NumPy scalar for a 0-d result)."""

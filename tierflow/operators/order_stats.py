@@ -34,7 +34,7 @@ import numpy as np
 
 from .byteorder import native, native_dtype
 from .reductions import reduce_rows
-from .types import Partial
+from .types import Partial, combine_partials
 
 __all__ = [
     "ColumnStats",
@@ -179,6 +179,15 @@ class Stats:
     lo: np.ndarray
     hi: np.ndarray
 
+    def merged(self, other: Stats) -> Stats:
+        """The stats of the columns of both."""
+        return Stats(
+            self.valid + other.valid,
+            self.nans + other.nans,
+            np.minimum(self.lo, other.lo),
+            np.maximum(self.hi, other.hi),
+        )
+
 
 class ColumnStats:
     """Pass 1, a ReductionOp: :class:`Stats` of every column of ``[rows, *row_shape]``
@@ -220,13 +229,7 @@ class ColumnStats:
         return Stats(valid, nans, lo, hi)
 
     def combine(self, a: Partial, b: Partial) -> Partial:
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return Stats(
-            a.valid + b.valid, a.nans + b.nans, np.minimum(a.lo, b.lo), np.maximum(a.hi, b.hi)
-        )
+        return combine_partials(a, b, Stats.merged)
 
     def aggregate(self, partial: Partial) -> Stats:
         if partial is None:
@@ -496,10 +499,11 @@ class Narrowing:
         return keys[(keys - keys.dtype.type(t.lo)) <= t.hi - t.lo]
 
     def combine(self, a: Partial, b: Partial) -> Partial:
-        if a is None:
-            return b
-        if b is None:
-            return a
+        return combine_partials(a, b, self._merged)
+
+    @staticmethod
+    def _merged(a: Any, b: Any) -> Any:
+        """The histograms added, each range's collected keys one after the other."""
         return a[0] + b[0], [x + y for x, y in zip(a[1], b[1], strict=True)]
 
     def aggregate(self, partial: Partial) -> Search | None:

@@ -118,7 +118,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._blocks import check_blocks, prepare_out, wide_fold
-from .types import Partial
+from .types import Partial, combine_partials
 
 try:
     from numpy.lib.array_utils import normalize_axis_tuple
@@ -134,6 +134,7 @@ __all__ = [
     "RowReduction",
     "RowwiseReduction",
     "accumulator_dtype",
+    "partial_sum",
     "reduce_rows",
     "reduction",
 ]
@@ -309,6 +310,12 @@ def accumulator_dtype(dtype: np.dtype) -> np.dtype:
     if dtype.kind == "c":
         return np.dtype(np.complex128) if dtype.itemsize <= 16 else dtype
     return dtype
+
+
+def partial_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a + b`` in a new array of ``a``'s dtype (a partial sum stays in its
+    :func:`accumulator_dtype`); neither is modified."""
+    return np.add(a, b, out=np.empty_like(a))
 
 
 def _numpy(kind: str, x: np.ndarray, kwargs: dict[str, Any], out: np.ndarray | None = None) -> Any:
@@ -546,11 +553,7 @@ class RowReduction(_NamedReduction, abc.ABC):
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """Merge two partials (None is the partial of no rows)."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return self._combine(a, b)
+        return combine_partials(a, b, self._combine)
 
     def aggregate(self, partial: Partial) -> Any:
         """The result: an array of ``out_shape``, or a NumPy scalar when that is ``()``."""
@@ -1170,11 +1173,7 @@ class Histogram:
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """Add two count arrays."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return np.add(a, b)
+        return combine_partials(a, b, np.add)
 
     def aggregate(self, partial: Partial) -> tuple[np.ndarray, np.ndarray]:
         """``(hist, bin_edges)`` as ``np.histogram`` returns them."""
@@ -1274,11 +1273,7 @@ class Reduction:
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """The user's combine; None (no rows) passes the other partial through."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return self._combine(a, b)
+        return combine_partials(a, b, self._combine)
 
     def aggregate(self, partial: Partial) -> Any:
         """The user's aggregate, or the partial itself; of no rows (None), of the user's

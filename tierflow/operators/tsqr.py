@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._blocks import check_blocks
-from .types import Partial
+from .types import Partial, combine_partials
 
 __all__ = ["TallQR", "positive_diagonal"]
 
@@ -104,10 +104,9 @@ class TallQR:
 
     def combine(self, a: Partial, b: Partial) -> Partial:
         """The ``R`` of two partials stacked."""
-        if a is None:
-            return b
-        if b is None:
-            return a
+        return combine_partials(a, b, self._stacked)
+
+    def _stacked(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self._r(np.concatenate([a, b]))
 
     def aggregate(self, partial: Partial) -> np.ndarray:

@@ -26,14 +26,17 @@ output block (which the scheduler counts from ``block_bytes``).
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-__all__ = ["BlockOp", "Partial", "ReductionOp", "block_bytes"]
+__all__ = ["BlockOp", "Partial", "ReductionOp", "block_bytes", "combine_partials"]
 
 Partial = Any
 """A reduction's partial result: small (independent of the number of rows), picklable."""
+
+P = TypeVar("P")
 
 
 @runtime_checkable
@@ -97,3 +100,18 @@ def block_bytes(rows: int, row_shape: tuple[int, ...], dtype: np.dtype | type | 
     32000
     """
     return int(rows) * math.prod(row_shape) * np.dtype(dtype).itemsize
+
+
+def combine_partials(a: P, b: P, merge: Callable[[Any, Any], P]) -> P:
+    """``merge(a, b)``, with None (the partial of no rows) as the identity: the
+    ``combine`` of every :class:`ReductionOp`, which gives its own ``merge`` (called
+    with two partials, neither None).
+
+    >>> combine_partials(None, [1], list.__add__), combine_partials([1], [2], list.__add__)
+    ([1], [1, 2])
+    """
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return merge(a, b)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierflow as tw
+from tierflow.engine.graph import block_operators
 from tierflow.engine.planning import counting
 
 from common import examples
@@ -310,6 +311,24 @@ def test_count_partials_add_up_over_pieces_of_blocks() -> None:
     merged = by_index.combine(by_index.combine([pieces[0]], [pieces[1]]), pieces[2:])
     assert by_index.aggregate(merged).tolist() == [5, 0, 1]
     assert by_index.aggregate(None).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        counting.CountRows("rows", None, 2),
+        block_operators.Head(3, np.dtype(float), ()),
+        block_operators.Collect(np.dtype(float), (), None),
+    ],
+    ids=repr,
+)
+def test_the_engines_reductions_pass_a_partial_through_a_block_without_rows(op: Any) -> None:
+    partial = op.chunk(np.arange(2.0), row_offset=0)
+    assert op.combine(None, partial) is partial
+    assert op.combine(partial, None) is partial
+    assert op.combine(None, None) is None
+    merged = op.combine(partial, op.chunk(np.arange(2.0, 4.0), row_offset=2))
+    assert len(merged) == (3 if isinstance(op, block_operators.Head) else 2)
 
 
 def test_to_dask_needs_the_counts_and_computes_nothing(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import tierflow as tw
 from tierflow.engine.runtime.executors import ClusterExecutor, DaskExecutor, RayExecutor, cluster
 from tierflow.system import processes
 
-from common import IdleCluster, wait_for
+from common import IdleCluster, count_in, counting_into, wait_for
 
 WAIT = 60.0  # seconds a test waits for an event before it fails
 
@@ -499,15 +499,6 @@ def _alive(pid: int) -> bool:
 # -- the cache, progress and callbacks -------------------------------------------------
 
 
-def _counted(folder: str) -> Callable[[np.ndarray], np.ndarray]:
-    def work(block: np.ndarray) -> np.ndarray:
-        with open(os.path.join(folder, "calls"), "a") as f:
-            f.write(".")
-        return block * 2 + 1
-
-    return work
-
-
 @pytest.mark.executors("dask", "ray")
 def test_the_cache_in_a_shared_folder_is_read_and_written_by_every_worker(
     executor_name: str, tmp_path: Path
@@ -519,16 +510,16 @@ def test_the_cache_in_a_shared_folder_is_read_and_written_by_every_worker(
 
     def y() -> tw.Array:
         x = tw.from_npy(tmp_path / "src.npy", rows=100)
-        return x.map_blocks(_counted(str(count)), dtype=np.float32, row_shape=(4,))
+        return x.map_blocks(counting_into(str(count)), dtype=np.float32, row_shape=(4,))
 
     store = tmp_path / "shared" / "store"
     np.testing.assert_array_equal(y().compute(cache=store), data * 2 + 1)
-    assert (count / "calls").stat().st_size == 10
+    assert count_in(count) == 10
     (first,) = tw.cache_info(store).values()
     assert (first.hits, first.misses, first.writes) == (0, 10, 10)
     total = y().sum(axis=0).compute(cache=store)  # blocks from the cache, in the workers
     np.testing.assert_allclose(total, (data * 2 + 1).sum(axis=0))
-    assert (count / "calls").stat().st_size == 10
+    assert count_in(count) == 10
     (second,) = tw.cache_info(store).values()
     assert (second.hits, second.bytes_read) == (10, data.nbytes)
 

@@ -29,7 +29,7 @@ from tierflow.engine.types import RowRange
 from tierflow.errors import BlockError, PortabilityError
 from tierflow.system import processes
 
-from common import wait_for
+from common import count_in, counting_into, wait_for
 
 pytestmark = pytest.mark.executors("processes")
 
@@ -270,22 +270,6 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
     assert done.stdout.splitlines() == ["result 380.0"]  # the workers did not run it again
 
 
-def _counted(folder: str) -> object:
-    """A function that records each block it computes in ``folder`` (from any process)."""
-
-    def work(block: np.ndarray) -> np.ndarray:
-        with open(os.path.join(folder, "calls"), "a") as f:
-            f.write(".")
-        return block * 2 + 1
-
-    return work
-
-
-def _calls(folder: Path) -> int:
-    path = folder / "calls"
-    return path.stat().st_size if path.exists() else 0
-
-
 def test_workers_read_and_write_the_cache_and_report_to_the_driver(tmp_path: Path) -> None:
     data = np.arange(4000.0, dtype=np.float32).reshape(1000, 4)
     np.save(tmp_path / "src.npy", data)
@@ -294,17 +278,17 @@ def test_workers_read_and_write_the_cache_and_report_to_the_driver(tmp_path: Pat
 
     def y() -> tw.Array:
         x = tw.from_npy(tmp_path / "src.npy", rows=100)
-        return x.map_blocks(_counted(str(count)), dtype=np.float32, row_shape=(4,))
+        return x.map_blocks(counting_into(str(count)), dtype=np.float32, row_shape=(4,))
 
     store = tmp_path / "store"
     np.testing.assert_array_equal(y().compute(cache=store), data * 2 + 1)
-    assert _calls(count) == 10
+    assert count_in(count) == 10
     (first,) = tw.cache_info(store).values()
     assert (first.hits, first.misses, first.writes, first.entries) == (0, 10, 10, 10)
     assert first.bytes_written == data.nbytes
     total = y().sum(axis=0).compute(cache=store)  # blocks from the cache, in the workers
     np.testing.assert_allclose(total, (data * 2 + 1).sum(axis=0))
-    assert _calls(count) == 10
+    assert count_in(count) == 10
     (second,) = tw.cache_info(store).values()
     assert (second.hits, second.bytes_read) == (10, data.nbytes)
 

@@ -40,7 +40,7 @@ import numpy as np
 from ...config import format_bytes
 from ...errors import OutOfMemoryError
 from ...operators import byteorder
-from ...operators.types import block_bytes
+from ...operators.types import block_bytes, combine_partials
 from ...storage import placement, spill
 from ...system import budget
 from .. import graph
@@ -355,15 +355,7 @@ class Bincount:
 
     def combine(self, a: Any, b: Any) -> Any:
         """Add two partials, the shorter padded with zeros."""
-        if a is None:
-            return b
-        if b is None:
-            return a
-        if len(a) < len(b):
-            a, b = b, a
-        out = a.copy()
-        out[: len(b)] += b
-        return out
+        return combine_partials(a, b, _padded_sum)
 
     def aggregate(self, partial: Any) -> np.ndarray:
         """The counts, at least ``minlength`` long."""
@@ -382,6 +374,15 @@ class Bincount:
     def partial_bytes(self) -> int:
         """The counts up to ``minlength`` (unknown beyond it until computed)."""
         return 8 * self.minlength + 1024
+
+
+def _padded_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a + b``, the shorter padded with zeros."""
+    if len(a) < len(b):
+        a, b = b, a
+    out = a.copy()
+    out[: len(b)] += b
+    return out
 
 
 class BincountSpec(ReduceSpec):

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...operators import byteorder
 from ...operators import sorting as kernels
+from ...operators.types import combine_partials
 from .. import graph
 from ..graph import Chunked, Value
 from ..rowwide.external_sort import Sorting, check_kth, sorted_node
@@ -165,10 +166,9 @@ class TopK:
         return _top(block.reshape(block.shape[0], -1), self.k)
 
     def combine(self, a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
-        if a is None:
-            return b
-        if b is None:
-            return a
+        return combine_partials(a, b, self._top_of_both)
+
+    def _top_of_both(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return _top(byteorder.join([a, b]), self.k)
 
     def aggregate(self, partial: np.ndarray | None) -> np.ndarray:

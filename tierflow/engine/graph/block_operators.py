@@ -9,6 +9,7 @@ They follow the operators layer's contracts (:mod:`tierflow.operators.types`): a
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...operators import byteorder
-from ...operators.types import Partial, block_bytes
+from ...operators.types import Partial, block_bytes, combine_partials
 from ..gpu import transfer
 from ..gpu.tier import current_device
 
@@ -433,9 +434,11 @@ class Head:
         return np.array(blocks[0][: self.n])
 
     def combine(self, a: Partial, b: Partial) -> Partial:
-        if a is None:
-            return b
-        if b is None or len(a) >= self.n:
+        return combine_partials(a, b, self._topped_up)
+
+    def _topped_up(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``a`` and the first rows of ``b``, up to ``n`` rows."""
+        if len(a) >= self.n:
             return a
         return byteorder.join([a, b[: self.n - len(a)]])
 
@@ -478,11 +481,7 @@ class Collect:
         return [np.array(blocks[0])]
 
     def combine(self, a: Partial, b: Partial) -> Partial:
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return a + b
+        return combine_partials(a, b, operator.add)
 
     def aggregate(self, partial: Partial) -> Any:
         if not partial:

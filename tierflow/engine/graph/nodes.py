@@ -33,6 +33,7 @@ import numpy as np
 
 from ...operators import elementwise as ew
 from ...operators import selection
+from ...operators.dag import postorder
 from ...storage import identity
 from . import blocksize, callsites, portable
 
@@ -233,24 +234,11 @@ def walk(roots: Iterable[Node], stop: Callable[[Node], bool] | None = None) -> l
 
     ``stop(node)`` True keeps ``node`` but not what lies below it (a value already
     known, such as one read from the cache)."""
-    order: list[Node] = []
-    seen: set[int] = set()
-    stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(list(roots))]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.append((node, True))
-        if stop is not None and stop(node):
-            continue
-        for child in reversed(node.inputs):
-            if id(child) not in seen:
-                stack.append((child, False))
-    return order
+    return postorder(roots, _inputs, stop)
+
+
+def _inputs(node: Node) -> Sequence[Node]:
+    return node.inputs
 
 
 @contextlib.contextmanager

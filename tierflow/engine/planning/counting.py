@@ -42,6 +42,7 @@ that meets one first *counts*, then builds, then plans as usual::
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ...operators.types import combine_partials
 from ...storage import identity
 from .. import graph
 from ..graph import Chunked, Node
@@ -91,11 +93,7 @@ class CountRows:
         return [(row_offset, n)]
 
     def combine(self, a: Partial, b: Partial) -> Partial:
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return a + b
+        return combine_partials(a, b, operator.add)
 
     def aggregate(self, partial: Partial) -> np.ndarray:
         counts = np.zeros(self.nblocks, np.int64)

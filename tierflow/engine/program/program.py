@@ -39,7 +39,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +144,31 @@ def _user_error(label: str, ctx: Context, req: Request, exc: Exception) -> Block
         start=max(start, 0),
         stop=max(stop, 0),
     )
+
+
+def _operator_call(
+    step: KernelStep | ReduceRoot, ctx: Context, req: Request, op: Any, call: Callable[[], Any]
+) -> Any:
+    """``call()``: a call of ``step``'s operator ``op`` on the rows of ``req`` (through
+    :mod:`~tierflow.engine.program.halving`), its errors told as the user needs them.
+    Halving's own (a :class:`BlockError`, an :class:`OutOfMemoryError`) pass
+    as they are; a user function's error becomes a :class:`BlockError` that names the
+    operator and the block; the floating-point warnings and errors of tierflow's own
+    operators name the user's line (:mod:`tierflow.engine.program.float_errors`)."""
+    built_at, label = step.node.built_at, step.site.label
+    entered = None if step.user else float_errors.enter(ctx, op, built_at, label)
+    try:
+        return call()
+    except (BlockError, OutOfMemoryError):
+        raise
+    except Exception as exc:
+        if step.user:
+            raise _user_error(label, ctx, req, exc) from exc
+        float_errors.annotate(exc, op, ctx.program.origins, built_at)
+        raise
+    finally:
+        if entered is not None:
+            float_errors.leave(entered)
 
 
 class Step(abc.ABC):
@@ -321,28 +346,11 @@ class KernelStep(Step):
         return self._halved(ctx, req, self.op.apply, blocks, out)
 
     def _halved(self, ctx: Context, req: Request, fn: Any, blocks: list[Any], out: Any) -> Any:
-        """``fn`` on ``blocks`` with out-of-memory halving (:func:`halving.call`); a user
-        function's error names the operator and the block. Floating-point warnings and
-        errors of tierflow's own operators name the user's line
-        (:mod:`tierflow.engine.program.float_errors`)."""
-        if self.user:
-            try:
-                return halving.call(self.site, ctx.describe, fn, blocks, out)
-            except (BlockError, OutOfMemoryError):
-                raise
-            except Exception as exc:
-                raise _user_error(self._label, ctx, req, exc) from exc
-        built_at = self.node.built_at
-        entered = float_errors.enter(ctx, self.op, built_at, self._label)
-        try:
-            return halving.call(self.site, ctx.describe, fn, blocks, out)
-        except (BlockError, OutOfMemoryError):
-            raise
-        except Exception as exc:
-            float_errors.annotate(exc, self.op, ctx.program.origins, built_at)
-            raise
-        finally:
-            float_errors.leave(entered)
+        """``fn`` on ``blocks`` with out-of-memory halving (:func:`halving.call`), its
+        errors told as :func:`_operator_call` says."""
+        return _operator_call(
+            self, ctx, req, self.op, lambda: halving.call(self.site, ctx.describe, fn, blocks, out)
+        )
 
     def _run_on_device(self, ctx: Context, req: Request) -> Any:
         """The rows on the device. With out-of-memory halving as on the host: the
@@ -894,15 +902,13 @@ class ReduceRoot:
         if self._no_rows(blocks):
             return None
         offset = req.start if isinstance(req, RowRange) else 0
-        if self.user:
-            try:
-                partial = halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
-            except (BlockError, OutOfMemoryError):
-                raise
-            except Exception as exc:
-                raise _user_error(self.label, ctx, req, exc) from exc
-        else:
-            partial = self._chunk(ctx, blocks, offset)
+        partial = _operator_call(
+            self,
+            ctx,
+            req,
+            self.chunker,
+            lambda: halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset),
+        )
         if cache is not None:
             cache.put_partial(req, partial)
         if self.shares and partial is not None:
@@ -915,21 +921,6 @@ class ReduceRoot:
         kept none of its rows) is reduced. An operator that sets ``sees_empty_blocks``
         (a count per block, a user's reduction) gets its ``chunk`` called all the same."""
         return blocks[0].shape[0] == 0 and not getattr(self.op, "sees_empty_blocks", False)
-
-    def _chunk(self, ctx: Context, blocks: list[np.ndarray], offset: int) -> Any:
-        """A built-in reduction's partial of ``blocks``, its floating-point warnings and
-        errors naming the user's line (:mod:`tierflow.engine.program.float_errors`)."""
-        built_at = self.node.built_at
-        entered = float_errors.enter(ctx, self.chunker, built_at, self.label)
-        try:
-            return halving.call_chunk(self.site, ctx.describe, self.chunker, blocks, offset)
-        except (BlockError, OutOfMemoryError):
-            raise
-        except Exception as exc:
-            float_errors.annotate(exc, self.chunker, ctx.program.origins, built_at)
-            raise
-        finally:
-            float_errors.leave(entered)
 
     def _run_on_device(self, ctx: Context, req: Request) -> Any:
         """This block's partial computed on the task's device, on the host (halved on

@@ -34,7 +34,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -45,6 +45,7 @@ from ..graph.callsites import CallSite
 from ..types import Request
 
 __all__ = [
+    "LRU",
     "BlockResult",
     "BlockTask",
     "Runtime",
@@ -148,12 +149,38 @@ def program_bytes(key: str) -> bytes:
     return bytes(shipped_program(key)._wire[1])
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LRU(OrderedDict[K, V]):
+    """A dict that keeps its ``size`` most recently used items: setting an item, or
+    reading it with :meth:`use`, makes it the most recent; past ``size`` the least
+    recent leaves. Programs are kept so on both sides: a worker's (:class:`Runtime`),
+    and the driver's record of what each worker or cluster holds. Not thread safe: its
+    users hold their own locks."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+    def use(self, key: K) -> V:
+        """The item of ``key``, now the most recent (KeyError when there is none)."""
+        self.move_to_end(key)
+        return self[key]
+
+
 class Runtime:
     """A worker process's programs by hash (the most recent ``keep``)."""
 
     def __init__(self, keep: int = 32) -> None:
-        self.keep = keep
-        self._programs: OrderedDict[str, Any] = OrderedDict()
+        self._programs: LRU[str, Any] = LRU(keep)
         self._failed: dict[str, BaseException] = {}
 
     def add(self, key: str, data: bytes) -> None:
@@ -165,23 +192,18 @@ class Runtime:
             self._failed[key] = exc
             raise
         self._programs[key] = program
-        self._programs.move_to_end(key)
-        while len(self._programs) > self.keep:
-            self._programs.popitem(last=False)
 
     def has(self, key: str) -> bool:
         return key in self._programs
 
     def program(self, key: str) -> Any:
         try:
-            found = self._programs[key]
+            return self._programs.use(key)
         except KeyError:
             failed = self._failed.get(key)
             if failed is not None:
                 raise failed from None
             raise KeyError(f"program {key} has not been shipped to this process") from None
-        self._programs.move_to_end(key)
-        return found
 
 
 def reissue(desc: BlockTask, caught: Any) -> None:

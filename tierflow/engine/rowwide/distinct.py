@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from ...operators.types import combine_partials
 from ...storage import spill
 
 __all__ = [
@@ -417,10 +418,10 @@ class Room:
 def combine(a: Partial, b: Partial, want: Want, room: Room) -> Partial:
     """Merge two partials (see the module docstring); a :class:`Spilled` argument is
     consumed (its files move into the result)."""
-    if a is None:
-        return b
-    if b is None:
-        return a
+    return combine_partials(a, b, lambda a, b: _merged(a, b, want, room))
+
+
+def _merged(a: Stack | Spilled, b: Stack | Spilled, want: Want, room: Room) -> Stack | Spilled:
     if isinstance(a, Spilled) and isinstance(b, Spilled):
         big, small = (a, b) if sum(a.sizes) >= sum(b.sizes) else (b, a)
         big.absorb(small)

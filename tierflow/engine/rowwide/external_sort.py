@@ -47,6 +47,7 @@ and their rows (``np.argsort``); ``"rows"`` sorts whole rows by a key
 from __future__ import annotations
 
 import math
+import operator
 import os
 import secrets
 import shutil
@@ -58,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from ...operators import byteorder, sorting
-from ...operators.types import block_bytes
+from ...operators.types import block_bytes, combine_partials
 from ...storage import identity, spill
 from .. import graph
 from ..graph import Blocks, Chunked, Node
@@ -335,11 +336,7 @@ class SortRuns:
         return [self.files.write(block.shape[0], arrays, samples)]
 
     def combine(self, a: list[Run] | None, b: list[Run] | None) -> list[Run] | None:
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return a + b
+        return combine_partials(a, b, operator.add)
 
     def aggregate(self, partial: list[Run] | None) -> Runs:
         runs = tuple(partial or ())

@@ -60,7 +60,6 @@ import statistics
 import threading
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -289,20 +288,6 @@ def probe_files(paths: Sequence[str]) -> list[str]:
 # -- in the driver ----------------------------------------------------------------------
 
 
-class LRU(OrderedDict[Any, Any]):
-    """A dict that keeps its ``size`` most recently set items."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.size:
-            self.popitem(last=False)
-
-
 @dataclass(eq=False)
 class _Pending:
     """A block task the driver waits for, and its attempts (a backup is a second)."""
@@ -361,9 +346,9 @@ class ClusterExecutor(abc.ABC):
         # Which machine (a Dask worker's host, a Ray node) last read the rows of a task,
         # by (source files, request): a later task on the same rows prefers it (its page
         # cache holds them).
-        self._read_by = LRU(READ_BY_KEPT)
+        self._read_by: tasks_module.LRU[Any, Any] = tasks_module.LRU(READ_BY_KEPT)
         # Each pass's program as sent to the cluster (by hash): the engine's reference.
-        self._programs = LRU(PROGRAMS_KEPT)
+        self._programs: tasks_module.LRU[str, Any] = tasks_module.LRU(PROGRAMS_KEPT)
         self._programs_lock = threading.Lock()
         self.backups = 0  # backup copies launched for stragglers
         self.resent = 0  # tasks sent again after their worker died

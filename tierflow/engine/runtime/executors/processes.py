@@ -47,7 +47,6 @@ import sys
 import threading
 import traceback
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from time import perf_counter
@@ -186,7 +185,7 @@ class _Worker:
         self.conn = here
         # Hashes of the programs it holds, least recently used first: the worker's
         # runtime keeps more (RUNTIME_KEEP) in the same order, so all of these are there.
-        self.programs: OrderedDict[str, None] = OrderedDict()
+        self.programs: tasks_module.LRU[str, None] = tasks_module.LRU(KNOWN_PROGRAMS)
         self.settings: tuple[tuple[str, Any], ...] | None = None
         # Tasks sent and not answered, in the order sent: the worker runs them in that
         # order, so the first is the one running.
@@ -367,10 +366,7 @@ class _Pool:
                 worker.conn.send_bytes(message)
             except (OSError, ValueError):
                 return  # it died (or was closed): its death sends the task again
-            known[desc.program] = None
-            known.move_to_end(desc.program)
-            while len(known) > KNOWN_PROGRAMS:
-                known.popitem(last=False)
+            known[desc.program] = None  # the most recent now
             worker.settings = settings
             if data is not None:
                 self.shipped += 1
