@@ -8,7 +8,7 @@
    ``serial / executor`` of one round, the median (min-max) over the rounds. The file's
    pages are warm (read once before the rounds), so decompression and h5py's lock are
    what is measured, not the disk. Also serial with the pool of source blocks off
-   (``program.BLOCK_POOL_MAX = 0``: a fresh block for every read), as ``fresh / pooled``.
+   (``steps.BLOCK_POOL_MAX = 0``: a fresh block for every read), as ``fresh / pooled``.
 2. **Parquet against pyarrow's own column sums**: 8 float32 columns in 1,000,000-row row
    groups, ``tw.from_parquet(path).sum(axis=0)`` (default executor) against
    ``pyarrow.parquet.read_table(path)`` followed by ``pyarrow.compute.sum`` of each
@@ -116,7 +116,7 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
         with open(path, "rb") as f:
             while f.read(1 << 24):
                 pass
-    from tierflow.engine.program import program
+    from tierflow.engine.program import steps
 
     times: dict[str, dict[str, list[float]]] = {
         n: {e: [] for e in (*EXECUTORS, FRESH)} for n in paths
@@ -134,14 +134,14 @@ def run(rows: int, rounds: int, quiet: float | None, folder: Path, parts: set[st
                 )
                 _check(got, want, f"hdf5 {name} on {executor}")
                 times[name][executor].append(seconds)
-            pooled, program.BLOCK_POOL_MAX = program.BLOCK_POOL_MAX, 0
+            pooled, steps.BLOCK_POOL_MAX = steps.BLOCK_POOL_MAX, 0
             try:
                 x = tw.from_hdf5(path, "x")
                 got, seconds = timed(
                     lambda x=x: x.sum(axis=0).compute(executor="serial", progress=False)
                 )
             finally:
-                program.BLOCK_POOL_MAX = pooled
+                steps.BLOCK_POOL_MAX = pooled
             _check(got, want, f"hdf5 {name} without the pool")
             times[name][FRESH].append(seconds)
         if "parquet" not in parts:

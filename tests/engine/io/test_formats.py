@@ -70,12 +70,12 @@ def test_hdf5_errors_name_the_file_and_the_dataset(tmp_path: Path) -> None:
 
 
 def test_hdf5_blocks_are_read_into_pooled_buffers_that_come_back(tmp_path: Path) -> None:
-    from tierflow.engine.program import program
+    from tierflow.engine.program import steps
 
     data = np.random.default_rng(1).random((8000, 4))
     x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
     (x.sum(axis=0) + 0).compute(executor="serial")
-    pool = program._block_pool
+    pool = steps._block_pool
     assert pool is not None
     reused = pool.reused
     np.testing.assert_allclose(x.sum(axis=0).compute(executor="serial"), data.sum(0))
@@ -117,12 +117,12 @@ def test_a_partial_that_is_a_view_of_a_pooled_block_keeps_its_rows(tmp_path: Pat
 def test_an_hdf5_array_is_read_straight_into_the_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierflow.engine.program import program
+    from tierflow.engine.program import steps
 
     lent: list[tuple[int, ...]] = []
-    lend = program._lend
+    lend = steps._lend
     monkeypatch.setattr(
-        program, "_lend", lambda shape, dtype: lent.append(shape) or lend(shape, dtype)
+        steps, "_lend", lambda shape, dtype: lent.append(shape) or lend(shape, dtype)
     )
     data = np.random.default_rng(3).random((5000, 3)).astype(np.float32)
     x = tw.from_hdf5(_h5(tmp_path / "a.h5", data), "group/x", rows=1000)
@@ -556,7 +556,7 @@ def test_zarr_rows_in_object_storage_are_fetched_ahead_of_their_tasks(
 def test_a_zarr_task_is_admitted_with_its_decoded_rows_and_the_codec_scratch(
     tmp_path: Path,
 ) -> None:
-    from tierflow.engine.program.program import SourceStep
+    from tierflow.engine.program.steps import SourceStep
 
     _zarr(tmp_path / "a.zarr", np.ones((1000, 4), np.float32), chunks=(100, 4))
     x = tw.from_zarr(tmp_path / "a.zarr", rows=200)

@@ -100,18 +100,18 @@ def test_big_held_blocks_come_back_by_the_shared_folder_and_are_removed(
     data = np.arange(200_000, dtype=np.float64).reshape(50_000, 4)
     x = tw.from_array(data, rows=10_000)  # 320 KB blocks, over SHARED_MIN
     seen: list[str] = []
-    original = tw.engine.program.program.SharedBlock.take
+    original = tw.engine.program.roots.SharedBlock.take
 
     def take(block: Any) -> np.ndarray:
         seen.append(block.path)
         return original(block)
 
-    tw.engine.program.program.SharedBlock.take = take  # type: ignore[method-assign]
+    tw.engine.program.roots.SharedBlock.take = take  # type: ignore[method-assign]
     try:
         kept = x[x[:, 0] % 3 == 0].compute(executor=executor)  # unknown rows: held blocks
         doubled = (x * 2).compute(executor=executor)
     finally:
-        tw.engine.program.program.SharedBlock.take = original  # type: ignore[method-assign]
+        tw.engine.program.roots.SharedBlock.take = original  # type: ignore[method-assign]
     assert np.array_equal(kept, data[data[:, 0] % 3 == 0])
     assert np.array_equal(doubled, data * 2)
     assert len(seen) == 10 and all(Path(p).parent == shared for p in seen)

@@ -66,7 +66,7 @@ from ...storage import device_store, placement, spill
 from ...system import budget as budget_module
 from ...system import device_budget, pressure, tally
 from ...system.resident import resident
-from ..program.program import SharedBlock
+from ..program.roots import SharedBlock
 from ..types import ComputeFinished, ComputeStarted, Task
 
 __all__ = [

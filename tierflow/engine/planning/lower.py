@@ -21,7 +21,7 @@
 * Every other node (sources, ``map_blocks``, slices, masks, concatenation, counted
   rows) is one step.
 * A node the compute caches (:mod:`tierflow.engine.io.cache`) is never fused into its
-  consumers: its step is wrapped in a :class:`~tierflow.engine.program.program.CachedStep`.
+  consumers: its step is wrapped in a :class:`~tierflow.engine.program.steps.CachedStep`.
 * A pass that asks for a device (:func:`tierflow.engine.gpu.offload.pass_device`) gets the
   device form of every operator that has one (:func:`attach_device`): fused kernels
   without an epilogue whose operations torch does the NumPy way, ``map_blocks`` on a
@@ -47,16 +47,14 @@ from .. import graph
 from ..gpu import offload
 from ..graph import Chunked, Node, callsites
 from ..graph.block_operators import MapBlocks
-from ..program.program import (
-    Accumulator,
+from ..program.program import Program
+from ..program.roots import Accumulator, ReduceRoot, SinkRoot
+from ..program.steps import (
     CachedStep,
     ConcatStep,
     CountedStep,
     FilterStep,
     KernelStep,
-    Program,
-    ReduceRoot,
-    SinkRoot,
     SliceStep,
     SourceStep,
     Step,

@@ -18,7 +18,7 @@ A compute asks for results: chunked arrays (into an array or a ``.npy`` file) an
    form one pass too: ``tw.compute(x[m1].std(0), x[m2].sum(0))`` reads each block of
    ``x`` once (:func:`pass_key`), and the results over ``x`` itself join that pass
    (their roots compute rows ``bounds[j]:bounds[j + 1]`` of ``x`` for block ``j``:
-   :func:`~tierflow.engine.program.program.own_request`). Blocks whose projected memory
+   :func:`~tierflow.engine.program.steps.own_request`). Blocks whose projected memory
    exceeds a worker's share of the budget (``budget / (2 x workers)``) are cut into
    pieces first; an array whose blocks are cut keeps a pass of its own.
 4. **Tasks**, in depth-first order (the scheduler runs the lowest ready index first)::
@@ -69,9 +69,11 @@ from ..graph import Chunked, Node
 from ..graph.block_operators import MapBlocks
 from ..io.sinks import ArraySink, NpySink, ZarrSink
 from ..program import float_errors
-from ..program.program import Accumulator, BlockIndex, KernelStep, Program, Request, RowRange
+from ..program.program import Program
+from ..program.roots import Accumulator
+from ..program.steps import KernelStep
 from ..rowwide import external_sort
-from ..types import Task, TaskMemory
+from ..types import BlockIndex, Request, RowRange, Task, TaskMemory
 from .lower import lower_pass
 
 __all__ = [

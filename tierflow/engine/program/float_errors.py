@@ -104,7 +104,7 @@ def _converted_errstate(current: Any) -> Any:
 
 def enter(ctx: Any, op: Any, site: CallSite | None, label: str) -> tuple[Any, ...]:
     """Before operator ``op`` runs on this thread for task ``ctx`` (a
-    :class:`~tierflow.engine.program.program.Context`): "warn" modes go to :func:`_on_error`,
+    :class:`~tierflow.engine.program.context.Context`): "warn" modes go to :func:`_on_error`,
     which names ``site`` and ``label`` when the error is not in a generated line of
     ``op``. Give the result to :func:`leave` when the call is over."""
     outer = getattr(_running, "call", None)

@@ -63,7 +63,8 @@ from ...operators.types import block_bytes, combine_partials
 from ...storage import identity, spill
 from .. import graph
 from ..graph import Blocks, Chunked, Node
-from ..program.program import Context, Step
+from ..program.context import Context
+from ..program.steps import Step
 from ..types import BlockIndex, Request, RowRange, TaskMemory
 
 __all__ = [

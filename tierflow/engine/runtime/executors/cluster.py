@@ -10,9 +10,9 @@ tasks described as data (:class:`~tierflow.engine.program.tasks.BlockTask`), thr
 
 * **Through the engine:** only task descriptions, the program once per worker (Dask's
   ``scatter(broadcast=True)``, Ray's object store), and small results: partials, and
-  blocks under :data:`~tierflow.engine.program.program.SHARED_MIN`. A bigger block the driver
+  blocks under :data:`~tierflow.engine.program.roots.SHARED_MIN`. A bigger block the driver
   holds is written by the worker to the shared folder and travels by path
-  (:class:`~tierflow.engine.program.program.SharedBlock`); a ``.npy`` output's rows are written
+  (:class:`~tierflow.engine.program.roots.SharedBlock`); a ``.npy`` output's rows are written
   by the workers in place.
 * **Memory per slot:** each task declares its projected bytes to the engine (the Dask
   resource :data:`RESOURCE`, Ray's ``memory``), counted against the budget of the
@@ -68,7 +68,7 @@ from typing import Any
 from .... import config
 from ....errors import SourceError, TierflowError
 from ...program import tasks as tasks_module
-from ...program.program import SharedBlock
+from ...program.roots import SharedBlock
 from ...types import Done
 from .local import ThreadExecutor, running_task
 
