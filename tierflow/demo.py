@@ -67,7 +67,7 @@ class DemoReport:
 def _generate(path: str, rows: int, columns: int, piece_rows: int = 1 << 20) -> None:
     """A float32 ``.npy`` of ``rows`` x ``columns``: columns with different means and
     scales, written piece by piece (never more than one piece in memory)."""
-    from .engine.io.sinks import npy_header
+    from .engine.io.npy import npy_header
 
     rng = np.random.default_rng(20240501)
     shift = np.linspace(-5, 5, columns, dtype=np.float32)

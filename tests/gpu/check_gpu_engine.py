@@ -148,7 +148,7 @@ def _example_check() -> Callable[[], None]:
 def _figures(torch: Any) -> list[Callable[[], None]]:
     import tierflow as tw
     from tierflow.engine.gpu import transfer
-    from tierflow.engine.io.readers import ArrayReader
+    from tierflow.engine.io.memory import ArrayReader
 
     @check("figures: copy bandwidth, fused expression plus sum, overlap")
     def _measure() -> None:

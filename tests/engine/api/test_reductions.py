@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tierflow as tw
-from tierflow.engine.io.readers import FileReader
+from tierflow.engine.io.npy import FileReader
 from tierflow.engine.planning.plan import Target, build_plan
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
-from tierflow.engine.io.sinks import ArraySink
+from tierflow.engine.io.memory import ArraySink
 from tierflow.engine.planning.plan import Target, build_plan, describe
 from tierflow.engine.rowwide import external_sort
 from tierflow.storage import spill

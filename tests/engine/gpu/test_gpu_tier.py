@@ -237,7 +237,7 @@ def test_a_compute_inside_a_device_task_runs_though_its_caller_holds_the_only_sl
 
 
 def test_the_plan_gives_block_tasks_their_device_and_gpu_bytes() -> None:
-    from tierflow.engine.io.sinks import ArraySink
+    from tierflow.engine.io.memory import ArraySink
     from tierflow.engine.planning.plan import Target, build_plan, describe
 
     a = np.ones((2 * ROWS, COLS), np.float32)

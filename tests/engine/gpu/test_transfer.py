@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tierflow.engine.gpu import transfer
-from tierflow.engine.io.readers import ArrayReader
+from tierflow.engine.io.memory import ArrayReader
 from tierflow.system.devices import FakeGpus, use_provider
 
 torch = pytest.importorskip("torch")

@@ -23,7 +23,7 @@ import tierflow as tw
 from tierflow import config
 from tierflow.engine.io import cache as cache_module
 from tierflow.engine.io.cache import CacheWarning
-from tierflow.engine.io.sinks import sweep_temps
+from tierflow.engine.io.destination import sweep_temps
 from tierflow.system import processes
 
 from common import wait_for

@@ -20,7 +20,7 @@ import pytest
 
 import tierflow as tw
 from tierflow.config import format_bytes
-from tierflow.engine.io.sinks import npy_header
+from tierflow.engine.io.npy import npy_header
 from tierflow.errors import BlockError
 from tierflow.storage import placement, spill
 
@@ -173,16 +173,16 @@ def test_masked_blocks_wait_for_slow_appends_rather_than_spill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierflow.engine import types
-    from tierflow.engine.io import sinks
+    from tierflow.engine.io import npy
 
     tw.memory.budget("8MB")
-    write = sinks.NpySink.append
+    write = npy.NpySink.append
 
-    def slow_append(self: sinks.NpySink, row: int, block: np.ndarray) -> int:
+    def slow_append(self: npy.NpySink, row: int, block: np.ndarray) -> int:
         time.sleep(0.01)  # a slow disk: blocks are computed faster than appended
         return write(self, row, block)
 
-    monkeypatch.setattr(sinks.NpySink, "append", slow_append)
+    monkeypatch.setattr(npy.NpySink, "append", slow_append)
     a = np.random.default_rng(0).normal(size=(400_000, 4))  # 12.8 MB, 1.6x the budget
     x = tw.from_array(a, rows=10_000)
     names: list[str] = []

@@ -24,7 +24,7 @@ from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
 from tierflow.engine.api import frequencies
-from tierflow.engine.io.sinks import ArraySink
+from tierflow.engine.io.memory import ArraySink
 from tierflow.engine.planning.plan import Target, build_plan, describe
 from tierflow.engine.rowwide import distinct
 from tierflow.errors import OutOfMemoryError

@@ -21,7 +21,8 @@ import pytest
 import tierflow as tw
 from tierflow.engine.graph.nodes import Chunked, Const
 from tierflow.engine.io import cache as cache_module
-from tierflow.engine.io.sinks import ArraySink, NpySink
+from tierflow.engine.io.memory import ArraySink
+from tierflow.engine.io.npy import NpySink
 from tierflow.engine.planning.plan import ConstOutput, Target, TaskOutput, build_plan, describe
 
 GOLDEN = Path(__file__).parent / "golden" / "plans.txt"

@@ -27,7 +27,7 @@ import numpy as np
 from ...config import format_bytes
 from .. import graph
 from ..graph import Chunked, ElemOp, Node, Value, blocksize, callsites, specs
-from ..io.readers import ArrayReader
+from ..io.memory import ArrayReader
 
 if TYPE_CHECKING:
     from .array import Array

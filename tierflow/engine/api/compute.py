@@ -21,8 +21,9 @@ from .. import graph
 from ..gpu.offload import check
 from ..graph import Chunked, blocksize
 from ..io.destination import check_npy, install_file, local_path, sweep_temps, temp_file
-from ..io.readers import ArrayReader
-from ..io.sinks import ArraySink, NpySink, ZarrSink
+from ..io.memory import ArrayReader, ArraySink
+from ..io.npy import NpySink
+from ..io.zarr import ZarrSink
 from ..planning.plan import Target
 from ..runtime.run import RunOptions, run
 from ..types import Executor

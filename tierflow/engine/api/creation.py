@@ -21,7 +21,8 @@ from ...storage import sources as storage_sources
 from ...storage import stream
 from .. import graph
 from ..graph import blocksize
-from ..io.readers import FileReader, FileRows, FilesReader
+from ..io.files import FileRows, FilesReader
+from ..io.npy import FileReader
 from .build import array_node, is_array, wrap
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def from_zarr(
     which counts the chunks not stored and says how to finish it, unless
     ``allow_incomplete=True`` (its missing chunks then read as the fill value).
     """
-    from ..io.formats import ZarrReader
+    from ..io.zarr import ZarrReader
 
     reader = ZarrReader(path_or_url, storage_options, allow_incomplete=allow_incomplete)
     n_rows = int(reader.n_rows or 0)
@@ -105,7 +106,7 @@ def from_hdf5(path: str | os.PathLike[str], dataset: str, rows: int | None = Non
     dataset (listing those there), a group or a dataset that does not hold numbers. A
     file changed after this call makes a later compute raise SourceError.
     """
-    from ..io.formats import Hdf5Reader
+    from ..io.hdf5 import Hdf5Reader
 
     reader = Hdf5Reader(path, dataset)
     n_rows = int(reader.n_rows or 0)
@@ -137,7 +138,7 @@ def from_parquet(
     when no file matches. A file changed after this call makes a later compute raise
     SourceError.
     """
-    from ..io.formats import ParquetReader, parquet_paths
+    from ..io.parquet import ParquetReader, parquet_paths
 
     reader = ParquetReader(parquet_paths(paths_or_glob), columns, dtype, nulls)
     step = stream.check_rows(rows) or blocksize.default_rows(reader.row_nbytes, reader.n_rows)

@@ -21,7 +21,8 @@ import numpy as np
 from ...operators import byteorder
 from ...storage.device_store import DeviceStore
 from ...system import devices
-from .readers import ArrayReader, Reader
+from .memory import ArrayReader
+from .readers import Reader
 
 __all__ = ["DeviceReader", "place"]
 

@@ -1,20 +1,26 @@
-"""Readers: how the engine gets rows out of files, arrays and directories of files.
+"""Readers: how the engine gets rows out of its sources. This module holds what every
+reader shares: the :class:`Reader` contract, the file identity check, and the check
+that values fit a dtype. Each source has its module, its reader beside its sink:
+:mod:`.npy` (``.npy`` and raw files), :mod:`.memory` (arrays in memory),
+:mod:`.files` (directories of files), :mod:`.zarr`, :mod:`.hdf5`, :mod:`.parquet`.
 
-A reader gives rows ``[a, b)`` of its data (:meth:`read`) or, when row counts are not
-known before loading (``from_files`` with a varying number of rows per file), its
-``j``-th block (:meth:`read_block`). ``.npy`` and raw files and arrays reuse the storage
-layer's sources (:mod:`tierflow.storage.sources`): a block is a view of the memory
-map (of a file, under a read lease; a copy where no lease can be had, see
+A reader gives rows ``[a, b)`` of its data (:meth:`Reader.read`) or, when row counts
+are not known before loading (``from_files`` with a varying number of rows per file),
+its ``j``-th block (:meth:`Reader.read_block`). ``.npy`` and raw files and arrays reuse
+the storage layer's sources (:mod:`tierflow.storage.sources`): a block is a view of the
+memory map (of a file, under a read lease; a copy where no lease can be had, see
 :mod:`tierflow.storage.leases`); ``readahead`` asks the kernel for the next block and
 ``release`` drops a finished block's pages (:mod:`tierflow.storage.pages`).
 
 A file's identity (size, modification time, inode) is read when the array is built;
-:meth:`FileReader.check` runs before every compute and refuses a file that changed
-since, naming it: the array's shape and key describe the file as it was.
+a reader's ``check`` runs before every compute and refuses a file that changed since,
+naming it (:func:`check_identity`): the array's shape and key describe the file as it
+was.
 
-Readers pickle (see :mod:`tierflow.engine.graph.portable`): a file reader as its path and the
-identity read at build, so another process refuses a file changed since the build too;
-an array reader as its array; a files reader as its paths and its loader, by value.
+Readers pickle (see :mod:`tierflow.engine.graph.portable`): a file reader as its path
+and the identity read at build, so another process refuses a file changed since the
+build too; an array reader as its array; a files reader as its paths and its loader, by
+value.
 """
 
 from __future__ import annotations
@@ -23,29 +29,22 @@ import abc
 import datetime
 import math
 import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...errors import BlockError, SourceError
-from ...operators import byteorder
-from ...storage import identity, sharing
-from ...storage.sources import ArraySource, FileSource
-from ..graph import portable
+from ...errors import SourceError
 
 __all__ = [
     "COSTLY_BYTES",
-    "ArrayReader",
-    "FileReader",
-    "FilesReader",
     "Reader",
     "Unfit",
     "check_identity",
     "file_stat",
     "unfit",
 ]
+
 
 # In-memory arrays above this size are told apart by identity within a compute, and
 # hashed only when their key is asked for (hashing runs at about 1 GB/s).
@@ -128,45 +127,6 @@ class Reader(abc.ABC):
 
 def _when(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9).isoformat(sep=" ", timespec="milliseconds")
-
-
-class FileReader(Reader):
-    """A ``.npy`` or raw file through :class:`~tierflow.storage.sources.FileSource`."""
-
-    file_backed = True
-    picks_rows = True
-
-    def __init__(self, source: FileSource, what: str) -> None:
-        self.source = source
-        self.dtype = source.dtype
-        self.row_shape = tuple(source.row_shape)
-        self.n_rows = source.n_rows
-        self.path = os.path.abspath(source.path)
-        self.stat = file_stat(self.path)
-        self.label = f"{what}({os.path.basename(self.path)!r})"
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        return self.source.block(a, b)
-
-    def readahead(self, a: int, b: int) -> None:
-        self.source.readahead(a, b)
-
-    def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
-        self.source.release(a, b, drop_cache=drop_cache, count=False)
-
-    def check(self) -> None:
-        check_identity(self.path, self.stat, "tw." + self.label.split("(")[0])
-
-    def token(self) -> str:
-        size, mtime, inode, device = self.stat
-        src = self.source
-        return (
-            f"file({self.path!r},{size},{mtime},{inode},{device},{src.kind},"
-            f"{src.dtype.str},{src.shape},{src.offset})"
-        )
-
-    def files(self) -> list[str]:
-        return [self.path]
 
 
 @dataclass(frozen=True)
@@ -272,203 +232,3 @@ def check_identity(path: str, stat: tuple[int, int, int, int], build: str) -> No
         "its shape and key describe the old contents, so tierflow will not read it. "
         f"Build the array again ({build}) to use the new file"
     )
-
-
-class ArrayReader(Reader):
-    """An in-memory or memory-mapped array; blocks are slices (views)."""
-
-    picks_rows = True
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.source = ArraySource(array)
-        self.array = array
-        self.dtype = array.dtype
-        self.row_shape = tuple(array.shape[1:])
-        self.n_rows = int(array.shape[0])
-        self.file_backed = self.source.file_backed
-        self.label = "from_array"
-        self._token: str | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The array by value (a spill file by path under multiprocessing), in its byte
-        # order; the source is made again around what arrives, which may be in RAM
-        # where this one was mapped.
-        return {"array": sharing.in_byte_order(self.array), "_token": self._token}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["array"])  # type: ignore[misc]
-        self._token = state["_token"]
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        return self.array[a:b]
-
-    def readahead(self, a: int, b: int) -> None:
-        if self.file_backed:
-            self.source.readahead(a, b)
-
-    def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
-        if self.file_backed:
-            self.source.release(a, b, drop_cache=drop_cache, count=False)
-
-    def costly_token(self) -> bool:
-        """Whether :meth:`token` would hash a big in-memory array (not done yet)."""
-        return self._token is None and not self.file_backed and self.array.nbytes > COSTLY_BYTES
-
-    def token(self) -> str:
-        # Hashing reads the whole array once; it happens the first time the key is
-        # needed and is remembered (the array must not change while it is in use).
-        if self._token is None:
-            self._token = f"array({identity.array_digest(self.array)})"
-        return self._token
-
-
-@dataclass(frozen=True)
-class FileRows:
-    """What ``load`` gives for each file: ``per_file`` rows of ``dtype`` and ``row_shape``.
-
-    ``per_file`` is 1 (``load`` returns one row of ``row_shape``), a fixed number ``k``
-    (``load`` returns ``k`` rows) or None (each file gives some number of rows, known
-    once loaded).
-    """
-
-    per_file: int | None
-    dtype: np.dtype
-    row_shape: tuple[int, ...]
-
-
-class FilesReader(Reader):
-    """Rows loaded from many files by ``load(path)``, in the worker threads.
-
-    Each file gives ``rows`` (:class:`FileRows`). ``files_per_block`` files make one
-    block when the row count is unknown.
-    """
-
-    makes_blocks = True
-
-    def __init__(
-        self,
-        paths: Sequence[str],
-        load: Callable[[str], Any],
-        rows: FileRows,
-        files_per_block: int,
-    ) -> None:
-        self.paths = [os.fspath(p) for p in paths]
-        self.load = load
-        self.rows_per_file = rows.per_file
-        self.dtype = rows.dtype
-        self.row_shape = rows.row_shape
-        self.files_per_block = files_per_block
-        per_file = rows.per_file
-        self.n_rows = None if per_file is None else per_file * len(self.paths)
-        self.nblocks = math.ceil(len(self.paths) / files_per_block) if self.paths else 0
-        name = getattr(load, "__qualname__", type(load).__name__)
-        self.label = f"from_files({len(self.paths)} files, {name})"
-        self._token: str | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "load": portable.by_value(self.load)}
-
-    def _load(self, i: int) -> np.ndarray:
-        path = self.paths[i]
-        where = f"file {i} of {len(self.paths)} ({path})"
-        try:
-            value = np.asarray(self.load(path))
-        except Exception as exc:
-            name = getattr(self.load, "__qualname__", type(self.load).__name__)
-            raise BlockError(
-                f"from_files: {name} failed on {where}: {type(exc).__name__}: {exc}",
-                index=i,
-                start=i,
-                stop=i + 1,
-            ) from exc
-        k = self.rows_per_file
-        if k == 1:
-            if value.shape != self.row_shape:
-                raise BlockError(
-                    f"from_files: load returned shape {value.shape} for {where}; every file "
-                    f"must give one row of shape {self.row_shape} (from the first file or "
-                    "row_shape=); pass rows_per_file=None if files hold several rows",
-                    index=i,
-                    start=i,
-                    stop=i + 1,
-                )
-            value = value[np.newaxis]
-        elif (
-            value.ndim == 0
-            or value.shape[1:] != self.row_shape
-            or (k is not None and value.shape[0] != k)
-        ):
-            want = (
-                f"({k}, {', '.join(map(str, self.row_shape))})"
-                if k
-                else (f"(rows, {', '.join(map(str, self.row_shape))})")
-            )
-            raise BlockError(
-                f"from_files: load returned shape {value.shape} for {where}; every file must "
-                f"give rows of shape {want}",
-                index=i,
-                start=i,
-                stop=i + 1,
-            )
-        if value.dtype != self.dtype:
-            if not np.can_cast(value.dtype, self.dtype, casting="same_kind"):
-                raise BlockError(
-                    f"from_files: load returned {value.dtype} for {where}, which does not "
-                    f"cast to the array's {self.dtype}; return that dtype or pass dtype=",
-                    index=i,
-                    start=i,
-                    stop=i + 1,
-                )
-            found = unfit(value, self.dtype)
-            if found is not None:
-                raise BlockError(
-                    f"from_files: load returned {found.text()} for {where}, {found.why}; "
-                    f"return values that fit, or pass dtype={value.dtype.name!r}",
-                    index=i,
-                    start=i,
-                    stop=i + 1,
-                )
-            value = value.astype(self.dtype, casting="same_kind")
-        return value
-
-    def _stack(self, first: int, last: int) -> np.ndarray:
-        parts = [self._load(i) for i in range(first, last)]
-        if len(parts) == 1:
-            return parts[0]
-        if not parts:
-            return np.empty((0, *self.row_shape), self.dtype)
-        return byteorder.join(parts)
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        k = self.rows_per_file
-        assert k is not None
-        if b <= a:
-            return np.empty((0, *self.row_shape), self.dtype)
-        first, last = a // k, -(-b // k)
-        block = self._stack(first, last)
-        return block[a - first * k : b - first * k]
-
-    def block_rows(self) -> int:
-        return self.files_per_block
-
-    def read_block(self, j: int) -> np.ndarray:
-        first = j * self.files_per_block
-        return self._stack(first, min(first + self.files_per_block, len(self.paths)))
-
-    def token(self) -> str:
-        if self._token is None:
-            stats = []
-            for p in self.paths:
-                try:
-                    st = os.stat(p)
-                    stats.append(f"{p!r}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
-                except OSError:
-                    stats.append(f"{p!r}:missing")
-            self._token = (
-                f"files({identity.digest(','.join(stats))},{identity.function_token(self.load)},"
-                f"{self.rows_per_file},{self.dtype.str},{self.row_shape})"
-            )
-        return self._token
-
-    def files(self) -> list[str]:
-        return self.paths

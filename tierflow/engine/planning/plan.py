@@ -67,7 +67,9 @@ from .. import graph
 from ..gpu import offload
 from ..graph import Chunked, Node
 from ..graph.block_operators import MapBlocks
-from ..io.sinks import ArraySink, NpySink, ZarrSink
+from ..io.memory import ArraySink
+from ..io.npy import NpySink
+from ..io.zarr import ZarrSink
 from ..program import float_errors
 from ..program.program import Program
 from ..program.roots import Accumulator

@@ -17,8 +17,7 @@ from ...system import budget as budget_module
 from .. import graph
 from ..graph import Chunked
 from ..io import cache as cache_module
-from ..io.readers import ArrayReader
-from ..io.sinks import ArraySink
+from ..io.memory import ArrayReader, ArraySink
 from ..observe.profile import recorder_for
 from ..observe.progress import progress_callbacks
 from ..planning import counting

@@ -1,35 +1,25 @@
-"""Readers of array formats: Zarr arrays, HDF5 datasets (h5py), Parquet tables (pyarrow).
+"""Zarr arrays: :class:`ZarrReader` (``tw.from_zarr``) and :class:`ZarrSink`
+(``to_zarr``).
 
-Both read by path in whichever process runs the task (a worker process or a cluster
-worker reopens the file), and both are told apart by the files' identity: size,
-modification time and inode, read when the array is built. A file changed after that is
-refused at the next compute (:meth:`check`), as ``.npy`` files are.
+A Zarr array (format 3 or 2) on a local disk or in object storage (an fsspec URL:
+``s3://...``). Blocks are whole numbers of chunks (of shards, for a sharded array) along
+axis 0, the chunks along the other axes read together; zarr reads and decompresses them
+in the process that runs the task (or tierflow decodes the chunks straight into the
+block, for the common local layout). A chunk that was never written reads as the fill
+value; a chunk that cannot be decoded raises ``SourceError`` naming its key. An array a
+``to_zarr`` left unfinished (marked ``tierflow: {"complete": false}``) is refused with
+``IncompleteError``, counting the chunks not stored, unless the caller allows it. Its
+identity is the store URL, the array's metadata, and every stored object's size and
+modification time (or ETag, in object storage): an array changed after it was opened is
+refused at the next compute.
 
-* :class:`ZarrReader`: a Zarr array (format 3 or 2) on a local disk or in object storage
-  (an fsspec URL: ``s3://...``). Blocks are whole numbers of chunks (of shards, for a
-  sharded array) along axis 0, the chunks along the other axes read together; zarr
-  reads and decompresses them in the process that runs the task. A chunk that was never
-  written reads as the fill value; a chunk that cannot be decoded raises ``SourceError``
-  naming its key. An array a ``to_zarr`` left unfinished (marked ``tierflow: {"complete":
-  false}``) is refused with ``IncompleteError``, counting the chunks not stored, unless
-  the caller allows it. Its identity is the store URL, the array's metadata, and every stored
-  object's size and modification time (or ETag, in object storage).
-* :class:`Hdf5Reader`: rows ``a:b`` of one dataset, read with ``read_direct`` into the
-  block the engine lends (a pooled one, or the sink's own; h5py decompresses chunked,
-  compressed datasets itself). Default blocks are whole
-  chunks along axis 0. The file stays open per process (h5py's handles are not shared
-  between processes), reopened after a fork.
-* :class:`ParquetReader`: numeric columns of one or more files as a 2-D array of one
-  ``dtype``, in row groups: block boundaries fall on row-group edges (small groups are
-  read together), so a block is read with ``read_row_groups``. Nulls become NaN
-  (``nulls="nan"``, a float ``dtype``) or are refused (``nulls="raise"``), naming the
-  column, the file and the row group.
+``to_zarr`` follows :mod:`tierflow.engine.io.destination`'s rules: it writes beside the
+destination and swaps at the end, refuses to replace what it did not write, and resumes
+an unfinished array of its own.
 """
 
 from __future__ import annotations
 
-import bisect
-import glob as glob_module
 import hashlib
 import itertools
 import json
@@ -37,24 +27,42 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ...errors import IncompleteError, SourceError, missing_dependency
-from .destination import chunk_key
-from .readers import Reader, check_identity, file_stat, unfit
+from ...operators import byteorder
+from ...storage.pool import Scratch
+from ..graph import Chunked
+from .destination import (
+    chunk_key,
+    claim_zarr,
+    inspect_zarr,
+    local_path,
+    remove_zarr,
+    swap_zarr,
+    sweep_temps,
+    temp_zarr_url,
+)
+from .readers import Reader
 
-__all__ = ["Hdf5Reader", "ParquetReader", "ZarrReader", "parquet_paths"]
+__all__ = [
+    "AHEAD_MAX",
+    "S3_TIMEOUTS",
+    "WRITE_EVERY_CHUNK",
+    "ZarrReader",
+    "ZarrRows",
+    "ZarrSink",
+]
 
 
-def _h5py() -> Any:
-    try:
-        import h5py
-    except ImportError:
-        raise missing_dependency("h5py", "hdf5", "tw.from_hdf5") from None
-    return h5py
+# botocore's defaults wait 60 s for a connection and try 5 times: minutes before a
+# compute learns that an endpoint is down. Used unless storage_options has config_kwargs.
+S3_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
+
+
+_ahead_threads: Any = None
 
 
 def _zarr() -> Any:
@@ -65,21 +73,8 @@ def _zarr() -> Any:
     return zarr
 
 
-def _pyarrow() -> Any:
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise missing_dependency("pyarrow", "parquet", "tw.from_parquet") from None
-    return pyarrow
-
-
-# -- Zarr ------------------------------------------------------------------------------
-
-
 AHEAD_MAX = 8  # blocks of object storage fetched ahead, per reader and process
 _ahead_lock = threading.Lock()
-_ahead_threads: Any = None
 
 
 def _ahead_pool() -> Any:
@@ -95,11 +90,6 @@ def _ahead_pool() -> Any:
 
 
 _lock_pool = threading.Lock()
-
-
-# botocore's defaults wait 60 s for a connection and try 5 times: minutes before a
-# compute learns that an endpoint is down. Used unless storage_options has config_kwargs.
-S3_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -443,274 +433,249 @@ def _decode_into(codec: Any, raw: bytes, dest: np.ndarray) -> np.ndarray:
     return dest
 
 
-# -- HDF5 ------------------------------------------------------------------------------
+class ZarrRows:
+    """Where a worker process writes a Zarr sink's known rows: the array at ``url``,
+    opened once per process (small and picklable)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        self.url = url
+        self.storage_options = storage_options
+        self._open: tuple[int, Any] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ZarrRows, (self.url, self.storage_options))
+
+    def array(self) -> Any:
+        if self._open is None or self._open[0] != os.getpid():
+            self._open = (os.getpid(), _open_zarr(self.url, self.storage_options, "r+"))
+        return self._open[1]
+
+    def write(self, row: int, block: np.ndarray) -> None:
+        """Write ``block`` at row ``row``: whole chunks (the planner cut the tasks so)."""
+        if len(block):
+            self.array()[row : row + len(block)] = block
 
 
-class Hdf5Reader(Reader):
-    """Dataset ``dataset`` of the HDF5 file ``path`` (see the module docstring)."""
+def _open_zarr(url: str, storage_options: dict[str, Any], mode: str) -> Any:
+    import zarr
 
-    file_backed = False  # read through h5py, not mapped: nothing to drop from the cache
-    makes_blocks = True
-
-    def __init__(self, path: str | os.PathLike[str], dataset: str) -> None:
-        h5py = _h5py()
-        self.path = os.path.abspath(os.fspath(path))
-        self.dataset = str(dataset)
-        try:
-            with h5py.File(self.path, "r") as f:
-                if self.dataset not in f:
-                    names: list[str] = []
-                    f.visititems(
-                        lambda name, obj: (
-                            names.append(name) if isinstance(obj, h5py.Dataset) else None
-                        )
-                    )
-                    raise SourceError(
-                        f"{self.path} has no dataset {self.dataset!r}; its datasets: "
-                        f"{', '.join(names[:10]) or 'none'}"
-                    )
-                ds = f[self.dataset]
-                if not isinstance(ds, h5py.Dataset):
-                    raise SourceError(f"{self.path}: {self.dataset!r} is a group, not a dataset")
-                if ds.ndim == 0:
-                    raise SourceError(f"{self.path}: dataset {self.dataset!r} is 0-d: no rows")
-                self.dtype = np.dtype(ds.dtype)
-                if self.dtype.hasobject or self.dtype.kind in "OSUV":
-                    raise SourceError(
-                        f"{self.path}: dataset {self.dataset!r} holds {self.dtype}, not "
-                        "numbers; tierflow reads numeric datasets"
-                    )
-                self.row_shape = tuple(int(n) for n in ds.shape[1:])
-                self.n_rows = int(ds.shape[0])
-                self.chunk_rows = int(ds.chunks[0]) if ds.chunks else None
-                self.compression = ds.compression
-        except OSError as exc:
-            raise SourceError(f"{self.path} is not a readable HDF5 file: {exc}") from None
-        self.stat = file_stat(self.path)
-        self.label = f"from_hdf5({os.path.basename(self.path)!r}, {self.dataset!r})"
-        self._local = threading.local()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_local", None)  # open handles stay in their process
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
-
-    def _dataset(self) -> Any:
-        # One handle per thread and process: h5py serialises its calls on one lock, and
-        # a handle opened before a fork must not be used after it.
-        found = getattr(self._local, "open", None)
-        if found is None or found[0] != os.getpid():
-            handle = _h5py().File(self.path, "r")
-            found = self._local.open = (os.getpid(), handle, handle[self.dataset])
-        return found[2]
-
-    reads_into = True
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        return self.read_into(a, b, np.empty((b - a, *self.row_shape), self.dtype))
-
-    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
-        if b > a:
-            try:
-                self._dataset().read_direct(out, np.s_[a:b])
-            except (OSError, ValueError) as exc:
-                raise SourceError(
-                    f"{self.path}: reading rows {a}:{b} of dataset {self.dataset!r} failed "
-                    f"({exc}); the file may be damaged or was changed while being read"
-                ) from None
-        return out
-
-    def processes_pay(self) -> int:
-        """The bytes this dataset decompresses under h5py's one lock (0 when it is not
-        compressed): what worker processes, each with its own h5py, read in parallel."""
-        if not self.compression:
-            return 0
-        return int(self.n_rows or 0) * self.row_nbytes
-
-    def check(self) -> None:
-        check_identity(self.path, self.stat, "tw.from_hdf5")
-
-    def token(self) -> str:
-        return f"hdf5({self.path!r},{self.dataset!r},{self.stat})"
-
-    def files(self) -> list[str]:
-        return [self.path]
-
-
-# -- Parquet ---------------------------------------------------------------------------
-
-
-def parquet_paths(paths_or_glob: str | os.PathLike[str] | Sequence[Any]) -> list[str]:
-    """The files of ``paths_or_glob``: a path, a glob pattern (sorted), or a list of
-    paths (kept in order). Raises ``FileNotFoundError`` for a pattern that matches
-    nothing, or a path that is not there."""
-    if isinstance(paths_or_glob, (str, os.PathLike)):
-        text = os.fspath(paths_or_glob)
-        if glob_module.has_magic(text):
-            found = sorted(glob_module.glob(text))
-            if not found:
-                raise FileNotFoundError(f"no file matches {text!r}")
-            return [os.path.abspath(p) for p in found]
-        paths = [text]
+    if "://" in url:
+        array = zarr.open_array(url, mode=mode, storage_options=storage_options)
     else:
-        paths = [os.fspath(p) for p in paths_or_glob]
-        if not paths:
-            raise ValueError("from_parquet needs at least one file")
-    for p in paths:
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"no Parquet file {p!r}")
-    return [os.path.abspath(p) for p in paths]
+        array = zarr.open_array(url, mode=mode)
+    return array.with_config(WRITE_EVERY_CHUNK)  # open_array leaves config= out
 
 
-class ParquetReader(Reader):
-    """Numeric ``columns`` of the Parquet files ``paths`` as one ``[rows, columns]``
-    array of ``dtype`` (see the module docstring)."""
+def _zarr_url(path_or_url: str | os.PathLike[str]) -> str:
+    text = os.fspath(path_or_url)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return text if "://" in text else local_path(text)
 
-    file_backed = False
-    makes_blocks = True
 
-    def __init__(
+class ZarrSink:
+    """The result of ``to_zarr``: a Zarr array, written in whole chunks (or shards).
+
+    The array is created at :meth:`open` with the attribute ``tierflow: {"complete":
+    false, "key": ...}`` (the compute's key, when it has one that names its inputs'
+    contents), set to ``complete: true`` by :meth:`commit` once the last block is in; a
+    run that fails or is killed leaves it marked incomplete, with no torn chunk (each
+    chunk is one object, written whole: zarr's local store writes a temporary file and
+    renames it, an object store puts it at once). Where it is written follows
+    :func:`~tierflow.engine.io.destination.claim_zarr`: in place where nothing was (or
+    where this compute's own incomplete array was, its keys removed first), beside the
+    destination and swapped in at :meth:`commit` where an array is replaced
+    (``overwrite=True``). Known rows: each block task writes its rows, whole
+    chunks, where it runs (:meth:`place`); :attr:`align` makes the planner cut tasks on
+    chunk edges. Unknown rows (after a mask): blocks are appended in row order, whole
+    chunks written as they fill, the array resized as it grows.
+    """
+
+    appends = True  # unknown row counts: appended in order, as a .npy file is
+
+    def __init__(  # noqa: PLR0913 -- to_zarr's options, passed through
         self,
-        paths: Sequence[str],
-        columns: Sequence[str] | None,
-        dtype: Any,
-        nulls: str,
+        node: Chunked,
+        path_or_url: str | os.PathLike[str],
+        *,
+        chunks: Any = None,
+        shards: Any = None,
+        compressors: Any = "auto",
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> None:
-        pa = _pyarrow()
-        if nulls not in ("nan", "raise"):
-            raise ValueError(f"nulls={nulls!r}: use 'nan' or 'raise'")
-        self.dtype = np.dtype(dtype)
-        if self.dtype.kind not in "biuf":
-            raise ValueError(f"dtype={dtype!r}: from_parquet gives numbers; use a numeric dtype")
-        self.nulls = nulls
-        self.paths = list(paths)
-        groups: list[tuple[int, int, int]] = []  # (file, group, rows)
-        chosen: list[str] | None = list(columns) if columns is not None else None
-        for i, path in enumerate(self.paths):
-            try:
-                meta = pa.parquet.ParquetFile(path).metadata
-            except (OSError, pa.ArrowException) as exc:
-                raise SourceError(f"{path} is not a readable Parquet file: {exc}") from None
-            schema = meta.schema.to_arrow_schema()
-            names = list(schema.names)
-            if chosen is None:
-                chosen = names
-            for name in chosen:
-                if name not in names:
-                    raise SourceError(
-                        f"{path} has no column {name!r}; its columns: {', '.join(names)}"
-                    )
-                kind = schema.field(name).type
-                if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
-                        or pa.types.is_boolean(kind)):  # fmt: skip
-                    raise SourceError(
-                        f"{path}: column {name!r} is {kind}, not numeric; pick numeric "
-                        "columns with columns=[...]"
-                    )
-            for g in range(meta.num_row_groups):
-                groups.append((i, g, int(meta.row_group(g).num_rows)))
-        assert chosen is not None
-        if not chosen:
-            raise SourceError(f"{self.paths[0]} has no columns to read")
-        self.columns = chosen
-        self.groups = groups
-        self.group_starts = [0]
-        for _, _, n in groups:
-            self.group_starts.append(self.group_starts[-1] + n)
-        self.n_rows = self.group_starts[-1]
-        self.row_shape = (len(chosen),)
-        self.stats = [file_stat(p) for p in self.paths]
-        first = os.path.basename(self.paths[0])
-        more = f" and {len(self.paths) - 1} more" if len(self.paths) > 1 else ""
-        self.label = f"from_parquet({first!r}{more})"
-        self._local = threading.local()
+        try:
+            import zarr  # noqa: F401
+        except ImportError:
+            from ...errors import missing_dependency
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_local", None)
-        return state
+            raise missing_dependency("zarr", "zarr", "to_zarr") from None
+        self.node = node
+        self.url = _zarr_url(path_or_url)
+        self.storage_options = dict(storage_options or {})
+        self.known = node.n_rows is not None
+        self.dtype: np.dtype = node.dtype  # type: ignore[assignment]
+        self.row_shape = tuple(node.row_shape)
+        self.row_nbytes = self.dtype.itemsize * math.prod(self.row_shape)
+        self.chunks = self._chunks(chunks)
+        self.shards = None if shards is None else self._full(shards, "shards")
+        if self.shards is not None and any(
+            s % c for s, c in zip(self.shards, self.chunks, strict=True)
+        ):
+            raise ValueError(
+                f"to_zarr: shards {self.shards} must be whole numbers of chunks {self.chunks}"
+            )
+        self.align = (self.shards or self.chunks)[0]  # rows of one stored object
+        if self.known and node.bounds is not None:
+            off = [a for a in node.bounds[1:-1] if a % self.align]
+            if off:
+                raise ValueError(
+                    f"to_zarr: the array's blocks start at rows such as {off[0]}, which are not "
+                    f"whole {'shards' if self.shards else 'chunks'} of {self.align} rows; pass "
+                    f"chunks= (and shards=) dividing the block size, or build the array with "
+                    f"rows= a multiple of {self.align}"
+                )
+        self.compressors = compressors
+        self.overwrite = overwrite
+        # The compute's key, recorded in the array's mark: a run of the same compute
+        # finishes an array it left incomplete. A key that names an object of this
+        # process only (a big in-memory array) is not recorded.
+        self.key: str | None = None if node.ident.startswith("id:") else node.ident
+        self.mode = ""  # how claim() found the destination: "new", "resume", "replace"
+        self.write_url = self.url  # where the array is written: the url, or a temporary
+        self.array: Any = None
+        self._scratch = Scratch(self.dtype, self.row_shape)
+        self._tail: list[np.ndarray] = []  # appended rows not yet a whole object
+        self._tail_rows = 0
+        self._written = 0  # rows written by appends
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
+    def _full(self, value: Any, what: str) -> tuple[int, ...]:
+        if isinstance(value, (int, np.integer)):
+            return (int(value), *self.row_shape)
+        shape = tuple(int(n) for n in value)
+        if len(shape) != 1 + len(self.row_shape) or min(shape, default=1) < 1:
+            raise ValueError(
+                f"to_zarr: {what}={value!r}: give rows per {what[:-1]} (an int), or a shape of "
+                f"{1 + len(self.row_shape)} positive sizes"
+            )
+        return shape
 
-    def group_bounds(self, rows: int) -> tuple[int, ...]:
-        """Block boundaries on row-group edges: each block the groups that together
-        make at most about ``rows`` rows (at least one group)."""
-        bounds = [0]
-        for start in self.group_starts[1:]:
-            if start - bounds[-1] >= rows:
-                bounds.append(start)
-        if bounds[-1] != self.group_starts[-1]:
-            bounds.append(self.group_starts[-1])
-        return tuple(bounds)
+    def _chunks(self, chunks: Any) -> tuple[int, ...]:
+        if chunks is not None:
+            return self._full(chunks, "chunks")
+        bounds = self.node.bounds
+        if self.known and bounds is not None and len(bounds) > 2:
+            return (max(1, bounds[1] - bounds[0]), *self.row_shape)
+        from ..graph import blocksize
 
-    def _file(self, i: int) -> Any:
-        cache: tuple[int, dict[int, Any]] | None = getattr(self._local, "files", None)
-        if cache is None or cache[0] != os.getpid():
-            cache = self._local.files = (os.getpid(), {})
-        opened = cache[1]
-        if i not in opened:
-            opened[i] = _pyarrow().parquet.ParquetFile(self.paths[i])
-        return opened[i]
+        rows = blocksize.default_rows(self.row_nbytes, self.node.n_rows)
+        if self.known:
+            rows = min(rows, max(1, self.node.n_rows or 1))
+        return (rows, *self.row_shape)
 
-    reads_into = True
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        return self.read_into(a, b, np.empty((max(0, b - a), len(self.columns)), self.dtype))
-
-    def read_into(self, a: int, b: int, out: np.ndarray) -> np.ndarray:
-        if b <= a:
-            return out
-        first = bisect.bisect_right(self.group_starts, a) - 1
-        last = bisect.bisect_right(self.group_starts, b - 1) - 1
-        for k in range(first, last + 1):
-            i, g, _ = self.groups[k]
-            start = self.group_starts[k]
-            lo, hi = max(a, start), min(b, self.group_starts[k + 1])
-            table = self._file(i).read_row_groups([g], columns=self.columns)
-            for j, name in enumerate(self.columns):
-                column = table.column(name)
-                if column.null_count:
-                    self._nulls(name, i, g, column.null_count)
-                values = column.to_numpy(zero_copy_only=False)[lo - start : hi - start]
-                self._check_fits(values, name, k, lo - start)
-                out[lo - a : hi - a, j] = values
-        return out
-
-    def _check_fits(self, values: np.ndarray, name: str, k: int, first: int) -> None:
-        """Refuse values of column ``name`` (rows from ``first`` of row group ``k``) that
-        the array's dtype cannot hold, rather than wrap or truncate them."""
-        found = unfit(values, self.dtype)
-        if found is None:
-            return
-        i, g, _ = self.groups[k]
-        raise SourceError(
-            f"{self.paths[i]}: column {name!r} holds {found.text()} (row {first + found.index} "
-            f"of row group {g}), {found.why}; pass a dtype that holds it, such as the "
-            f"column's own: from_parquet(..., dtype={values.dtype.name!r})"
+    def claim(self) -> None:
+        """Refuse a destination this sink may not write (see
+        :mod:`tierflow.engine.io.destination`), before anything is computed; remember how
+        it will be written."""
+        self.mode = claim_zarr(
+            self.url, self.storage_options, overwrite=self.overwrite, key=self.key
         )
 
-    def _nulls(self, name: str, i: int, g: int, count: int) -> None:
-        if self.nulls == "raise" or self.dtype.kind != "f":
-            fix = "; pass nulls='nan' with a float dtype to read them as NaN"
-            if self.nulls == "nan":
-                fix = f"; {self.dtype} has no NaN: pass a float dtype"
-            raise SourceError(
-                f"{self.paths[i]}: column {name!r} has {count} null(s) in row group {g}{fix}"
+    def open(self) -> None:
+        """Create the array, marked incomplete: at the destination, or beside it when an
+        array there is replaced (see :meth:`claim`)."""
+        import zarr
+
+        self.claim()
+        local = "://" not in self.url
+        if local:
+            sweep_temps(os.path.dirname(self.url))
+        if self.mode == "resume":
+            found = inspect_zarr(self.url, self.storage_options)
+            remove_zarr(self.url, self.storage_options, list(found.keys))
+        self.write_url = temp_zarr_url(self.url) if self.mode == "replace" else self.url
+        mark: dict[str, Any] = {"complete": False}
+        if self.key is not None:
+            mark["key"] = self.key
+        options: dict[str, Any] = {"config": WRITE_EVERY_CHUNK}
+        if not local:
+            options["storage_options"] = self.storage_options
+        try:
+            self.array = zarr.create_array(
+                store=self.write_url,
+                shape=(self.node.n_rows or 0, *self.row_shape),
+                dtype=self.dtype,
+                chunks=self.chunks,
+                shards=self.shards,
+                compressors=self.compressors,
+                attributes={"tierflow": mark},
+                **options,
             )
+        except BaseException:
+            self.abort()
+            raise
 
-    def check(self) -> None:
-        for path, stat in zip(self.paths, self.stats, strict=True):
-            check_identity(path, stat, "tw.from_parquet")
+    def place(self) -> ZarrRows | None:
+        """Where another process writes known rows: the array, by URL."""
+        return ZarrRows(self.write_url, self.storage_options) if self.known else None
 
-    def token(self) -> str:
-        files = ",".join(f"({p!r},{s})" for p, s in zip(self.paths, self.stats, strict=True))
-        return f"parquet([{files}],{self.columns!r},{self.dtype.str},{self.nulls})"
+    def task_bytes(self, rows: int) -> int:
+        """The block a task writes from, and the encoder's copy of it."""
+        return 2 * rows * self.row_nbytes
 
-    def files(self) -> list[str]:
-        return list(self.paths)
+    def dest(self, a: int, b: int) -> np.ndarray:
+        return self._scratch.get(b - a)
+
+    def written(self, a: int, b: int, block: np.ndarray) -> None:
+        if b > a:
+            self.array[a:b] = block
+
+    def append(self, row: int, block: np.ndarray) -> int:
+        """Rows ``row:row + len(block)`` (unknown row counts, in order); the next row.
+        Whole objects are written as they fill."""
+        if len(block):
+            self._tail.append(np.array(block, dtype=self.dtype))
+            self._tail_rows += len(block)
+            if self._tail_rows >= self.align:
+                self._flush(whole=True)
+        return row + len(block)
+
+    def _flush(self, whole: bool) -> None:
+        rows = byteorder.join(self._tail) if len(self._tail) > 1 else self._tail[0]
+        take = (len(rows) // self.align) * self.align if whole else len(rows)
+        start = self._written
+        self.array.resize((start + take, *self.row_shape))
+        self.array[start : start + take] = rows[:take]
+        self._written += take
+        rest = rows[take:]
+        self._tail = [rest] if len(rest) else []
+        self._tail_rows = len(rest)
+
+    def commit(self, n_rows: int | None = None) -> None:
+        """Write what is left, mark the array complete, and swap it into the place of
+        the array it replaces (if any)."""
+        self._scratch.clear()
+        if not self.known and self._tail_rows:
+            self._flush(whole=False)
+        attributes = dict(self.array.attrs.asdict())
+        attributes["tierflow"] = {**attributes.get("tierflow", {}), "complete": True}
+        self.array.update_attributes(attributes)
+        if self.write_url != self.url:
+            swap_zarr(self.write_url, self.url, self.storage_options)
+            self.write_url = self.url
+
+    def abort(self) -> None:
+        """Leave an array written in place as it is, marked incomplete (no chunk is
+        torn); remove one written beside the destination (the destination is as it
+        was)."""
+        self._scratch.clear()
+        self._tail = []
+        if self.write_url != self.url:
+            remove_zarr(self.write_url, self.storage_options)
+            self.write_url = self.url
+
+
+# Zarr leaves a chunk equal to the fill value unwritten, and takes a complex chunk of
+# negative zeros for one (0j): it would read back as +0.0. A sink writes every chunk it
+# computed, so what it wrote reads back as it was, and a chunk not there was not written.
+WRITE_EVERY_CHUNK: Any = {"write_empty_chunks": True}  # zarr's ArrayConfigParams
