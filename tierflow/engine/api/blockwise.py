@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -119,19 +120,14 @@ class BlockFunction:
         return block_bytes(rows, self.out_row_shape, self.out_dtype) + rows * self.in_bytes
 
 
+@dataclass(frozen=True, eq=False)
 class BlockFunctionSpec(specs.Spec):
     """A NumPy function on each block (see :class:`BlockFunction`), named ``name``."""
 
-    def __init__(
-        self, name: str, fn: Callable[..., Any], kwargs: dict[str, Any], template: tuple[Any, ...]
-    ) -> None:
-        self.name = name
-        self.fn = fn
-        self.kwargs = kwargs
-        self.template = template
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.name, self.fn, self.kwargs, self.template)
+    name: str
+    fn: Callable[..., Any]
+    kwargs: dict[str, Any]
+    template: tuple[Any, ...]
 
     def build(
         self,

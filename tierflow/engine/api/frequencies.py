@@ -33,6 +33,7 @@ import operator
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -212,15 +213,17 @@ class UniqueTable:
         return 1024
 
 
+@dataclass(frozen=True)
 class UniqueSpec(ReduceSpec):
     """``np.unique``'s table (see :class:`UniqueTable`)."""
 
-    def __init__(self, rows: bool, counts: bool, index: bool) -> None:
-        self.rows, self.counts, self.index = rows, counts, index
-        self.needs_offset = index
+    rows: bool
+    counts: bool
+    index: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.rows, self.counts, self.index)
+    @property
+    def needs_offset(self) -> bool:
+        return self.index
 
     def build(
         self,
@@ -290,15 +293,12 @@ class Inverse:
         )
 
 
+@dataclass(frozen=True)
 class InverseSpec(Spec):
     """``np.unique(..., return_inverse=True)``'s inverse; the unique values are
     ``values[0]``."""
 
-    def __init__(self, rows: bool) -> None:
-        self.rows = rows
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.rows,)
+    rows: bool
 
     def build(
         self,
@@ -384,14 +384,12 @@ class Bincount:
         return 8 * self.minlength + 1024
 
 
+@dataclass(frozen=True)
 class BincountSpec(ReduceSpec):
     """``np.bincount(x, weights, minlength)``."""
 
-    def __init__(self, weighted: bool, minlength: int) -> None:
-        self.weighted, self.minlength = weighted, minlength
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.weighted, self.minlength)
+    weighted: bool
+    minlength: int
 
     def build(
         self,

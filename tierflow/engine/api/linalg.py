@@ -52,14 +52,11 @@ SAFE_CONDITION = 1e6  # cond(x) up to which Q = x R^-1 is orthogonal to ~1e-10
 SINGULAR_CONDITION = 1.0 / (1000 * np.finfo(np.float64).eps)  # above: rank-deficient
 
 
+@dataclass(frozen=True)
 class TallQRSpec(specs.ReduceSpec):
     """The R factor of a tall-skinny QR (of ``[1 | x]`` when ``with_ones``)."""
 
-    def __init__(self, with_ones: bool) -> None:
-        self.with_ones = with_ones
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.with_ones,)
+    with_ones: bool
 
     def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> Any:
         return tsqr.TallQR(dtypes[0], row_shapes[0], with_ones=self.with_ones)
