@@ -24,6 +24,7 @@ from ...operators import reductions as red
 from ...operators.types import block_bytes
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from . import build
 
 if TYPE_CHECKING:
@@ -129,12 +130,7 @@ class BlockFunctionSpec(specs.Spec):
     kwargs: dict[str, Any]
     template: tuple[Any, ...]
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return BlockFunction(self.fn, self.kwargs, self.template, dtypes, row_shapes, values)
 
     def label(self) -> str:

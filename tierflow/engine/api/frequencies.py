@@ -46,7 +46,7 @@ from ...storage import placement, spill
 from ...system import budget
 from .. import graph
 from ..graph import Chunked, Value
-from ..graph.specs import ReduceSpec, Spec
+from ..graph.specs import Dtypes, ReduceSpec, Shapes, Spec, Values
 from ..rowwide import distinct
 from . import build, dispatch
 from .creation import from_array
@@ -225,13 +225,7 @@ class UniqueSpec(ReduceSpec):
     def needs_offset(self) -> bool:
         return self.index
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return UniqueTable(
             dtypes[0], row_shapes[0], rows=self.rows, counts=self.counts, index=self.index,
             n_rows=n_rows,
@@ -300,12 +294,7 @@ class InverseSpec(Spec):
 
     rows: bool
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return Inverse(dtypes[0], row_shapes[0], self.rows, values[0])
 
     def label(self) -> str:
@@ -391,13 +380,7 @@ class BincountSpec(ReduceSpec):
     weighted: bool
     minlength: int
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return Bincount(self.weighted, self.minlength)
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:

@@ -40,6 +40,7 @@ import numpy as np
 from ...operators import tsqr
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from . import blockwise, build, dispatch
 from .creation import from_array
 
@@ -58,7 +59,7 @@ class TallQRSpec(specs.ReduceSpec):
 
     with_ones: bool
 
-    def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return tsqr.TallQR(dtypes[0], row_shapes[0], with_ones=self.with_ones)
 
     def label(self) -> str:

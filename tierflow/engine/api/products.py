@@ -30,6 +30,7 @@ import numpy as np
 from ...operators import crossprod
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from . import build, dispatch
 from .creation import from_array
 
@@ -47,13 +48,7 @@ class CrossSpec(specs.ReduceSpec):
 
     symmetric: bool
 
-    def build(
-        self,
-        dtypes: Any,
-        row_shapes: Any,
-        n_rows: int | None,
-        values: Any,
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return crossprod.CrossProduct(list(dtypes), list(row_shapes), symmetric=self.symmetric)
 
     def label(self) -> str:
@@ -67,13 +62,7 @@ class CoMomentSpec(specs.ReduceSpec):
     ddof: int
     dtype: np.dtype | None
 
-    def build(
-        self,
-        dtypes: Any,
-        row_shapes: Any,
-        n_rows: int | None,
-        values: Any,
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return crossprod.CoMoments(list(dtypes), list(row_shapes), ddof=self.ddof, dtype=self.dtype)
 
     def label(self) -> str:

@@ -32,7 +32,7 @@ import importlib
 import math
 import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from ...system import budget as budget_module
 from .. import graph
 from ..graph import Chunked, Value, specs
 from ..graph.keyed import NOT_KEY
+from ..graph.specs import Dtypes, Shapes, Values
 from . import build, dispatch
 from .creation import from_array
 
@@ -190,13 +191,7 @@ class StatsSpec(specs.ReduceSpec):
 
     flat: bool
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return order_stats.ColumnStats(dtypes[0], row_shapes[0], self.flat)
 
     def label(self) -> str:
@@ -212,13 +207,7 @@ class NarrowSpec(specs.ReduceSpec):
     level: int
     limits: Limits
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         before = values[0]
         search: Search | None
         if isinstance(before, Stats):

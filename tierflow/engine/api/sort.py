@@ -22,6 +22,7 @@ from ...operators import byteorder
 from ...operators import sorting as kernels
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from ..rowwide.external_sort import Sorting, check_kth, sorted_node
 from . import build, dispatch
 from .creation import from_array
@@ -196,7 +197,7 @@ class TopKSpec(specs.ReduceSpec):
 
     k: int
 
-    def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> TopK:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> TopK:
         return TopK(self.k, dtypes[0], row_shapes[0])
 
     def label(self) -> str:

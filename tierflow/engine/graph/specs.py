@@ -12,7 +12,9 @@ derived from their fields, so a new field cannot be left out of it.
 Block specs build a :class:`~tierflow.operators.types.BlockOp`:
 ``build(dtypes, row_shapes, values)``. Reduction specs build a
 :class:`~tierflow.operators.types.ReductionOp`: ``build(dtypes, row_shapes, n_rows,
-values)``, and say the result's ``meta`` (dtype and shape).
+values)``, and say the result's ``meta`` (dtype and shape). ``dtypes`` and
+``row_shapes`` are the chunked inputs' (:data:`Dtypes`, :data:`Shapes`), ``values`` the
+value nodes' results, or placeholders while the graph is built (:data:`Values`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "AlongAxisSpec",
     "CollectSpec",
     "ContractSpec",
+    "Dtypes",
     "HeadSpec",
     "HistogramSpec",
     "IndexSpec",
@@ -42,11 +45,17 @@ __all__ = [
     "ReduceSpec",
     "ReshapeSpec",
     "RowwiseSpec",
+    "Shapes",
     "Spec",
     "StackSpec",
     "UfuncOutSpec",
     "UserSpec",
+    "Values",
 ]
+
+Dtypes = Sequence[np.dtype]  # of the chunked inputs, in order
+Shapes = Sequence[tuple[int, ...]]  # their row shapes (trailing axes)
+Values = Sequence[Any]  # the value inputs' results
 
 
 def _fn_name(fn: Any) -> str:
@@ -109,12 +118,7 @@ class RowwiseSpec(Spec):
     options: ReduceOptions
     epilogue: ClassVar[bool] = True
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return self.options.build(dtypes[0], row_shapes[0])
 
     def label(self) -> str:
@@ -130,12 +134,7 @@ class MatmulSpec(Spec):
     w: np.ndarray | None
     epilogue: ClassVar[bool] = True
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         w = self.w if self.w is not None else values[0]
         return linalg.Matmul(dtypes[0], row_shapes[0], w)
 
@@ -151,12 +150,7 @@ class IndexSpec(Spec):
     key: tuple[Any, ...]
     epilogue: ClassVar[bool] = True
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return selection.TrailingIndex(dtypes[0], row_shapes[0], self.key)
 
     def label(self) -> str:
@@ -181,12 +175,7 @@ class MapSpec(Spec):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "fn": portable.by_value(self.fn)}
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.MapBlocks(
             self.fn, len(dtypes), self.dtype, self.row_shape, device=self.device,
             kwargs=self.kwargs, name=f"map_blocks({_fn_name(self.fn)})",
@@ -206,12 +195,7 @@ class AlongAxisSpec(Spec):
     axis: int
     kwargs: dict[str, Any]
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.AlongAxis(
             self.name, dtypes[0], row_shapes[0], self.axis, self.kwargs
         )
@@ -227,12 +211,7 @@ class ReshapeSpec(Spec):
 
     row_shape: tuple[int, ...]
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.Reshape(dtypes[0], row_shapes[0], self.row_shape)
 
     def label(self) -> str:
@@ -246,12 +225,7 @@ class StackSpec(Spec):
     function: Callable[..., Any]
     axis: int
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.Stack(self.function, self.axis, dtypes, row_shapes)
 
     def label(self) -> str:
@@ -271,12 +245,7 @@ class UfuncOutSpec(Spec):
     kwargs: dict[str, Any]
     template: tuple[Any, ...]
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         call = block_operators.UfuncCall(self.ufunc, self.index, self.kwargs, self.template)
         return block_operators.UfuncOutput(call, dtypes, row_shapes, values)
 
@@ -325,13 +294,7 @@ class KindSpec(ReduceSpec):
     def needs_offset(self) -> bool:
         return self.options.kind in ("argmin", "argmax")
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return self.options.build(dtypes[0], row_shapes[0])
 
     def label(self) -> str:
@@ -346,13 +309,7 @@ class HistogramSpec(ReduceSpec):
     range: Any
     density: bool
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return HistogramCounts(
             reductions.Histogram(dtypes[0], self.bins, self.range, density=self.density)
         )
@@ -412,13 +369,7 @@ class UserSpec(ReduceSpec):
         """The user's reduction, for inputs not yet known."""
         return reductions.Reduction(self.chunk, self.combine, self.aggregate, self.options)
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return self.reduction.over(dtypes, row_shapes)
 
     def label(self) -> str:
@@ -436,13 +387,7 @@ class ContractSpec(ReduceSpec):
     def needs_offset(self) -> bool:
         return True
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         w = self.w if self.w is not None else values[0]
         if n_rows is None:
             raise ValueError(
@@ -461,13 +406,7 @@ class HeadSpec(ReduceSpec):
 
     n: int
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return block_operators.Head(self.n, dtypes[0], row_shapes[0])
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:
@@ -481,13 +420,7 @@ class HeadSpec(ReduceSpec):
 class CollectSpec(ReduceSpec):
     """All rows in memory (a small lazy array used as a broadcast constant)."""
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return block_operators.Collect(dtypes[0], row_shapes[0], n_rows)
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:

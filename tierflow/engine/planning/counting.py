@@ -53,6 +53,7 @@ import numpy as np
 from .. import graph
 from ..graph import Chunked, Node, specs
 from ..graph.keyed import NOT_KEY
+from ..graph.specs import Dtypes, Shapes, Values
 
 __all__ = ["CountRows", "CountSpec", "known_shape", "resolve"]
 
@@ -136,11 +137,7 @@ class CountSpec(specs.ReduceSpec):
         return cls(mode, node.bounds, node.nblocks, what)
 
     def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
+        self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values
     ) -> CountRows:
         return CountRows(self.mode, self.bounds, self.nblocks)
 

@@ -63,6 +63,7 @@ from ...storage import spill
 from .. import graph
 from ..graph import Blocks, Chunked, Node, specs
 from ..graph.keyed import NOT_KEY, Keyed
+from ..graph.specs import Dtypes, Shapes, Values
 from ..program.program import Context, Step
 from ..types import BlockIndex, Request, RowRange, TaskMemory
 
@@ -375,7 +376,9 @@ class RunsSpec(specs.ReduceSpec):
         """The run files, opened and closed by the plan (graph.Reduce)."""
         return self.files
 
-    def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> SortRuns:
+    def build(
+        self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values
+    ) -> SortRuns:
         return SortRuns(self.how, dtypes[0], row_shapes[0], self.files)
 
     def meta(self, op: Any, first: Any) -> tuple[None, None]:
