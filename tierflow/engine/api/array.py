@@ -728,8 +728,7 @@ class Array:
             out_shape=None if shape is None else tuple(shape), partial_bytes=partial_bytes,
             name=name,
         )  # fmt: skip
-        op = red.Reduction(chunk, combine, aggregate, options)
-        reduce = graph.Reduce(specs.UserSpec(op, (chunk, combine, aggregate)), (node,))
+        reduce = graph.Reduce(specs.UserSpec(chunk, combine, aggregate, options), (node,))
         if with_offset and node.n_rows is None:
             # Each block's first row is known once the rows are counted.
             kwargs = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from ...operators import reductions as red
 from ...operators.types import block_bytes
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from . import build
 
 if TYPE_CHECKING:
@@ -119,26 +121,16 @@ class BlockFunction:
         return block_bytes(rows, self.out_row_shape, self.out_dtype) + rows * self.in_bytes
 
 
+@dataclass(frozen=True, eq=False)
 class BlockFunctionSpec(specs.Spec):
     """A NumPy function on each block (see :class:`BlockFunction`), named ``name``."""
 
-    def __init__(
-        self, name: str, fn: Callable[..., Any], kwargs: dict[str, Any], template: tuple[Any, ...]
-    ) -> None:
-        self.name = name
-        self.fn = fn
-        self.kwargs = kwargs
-        self.template = template
+    name: str
+    fn: Callable[..., Any]
+    kwargs: dict[str, Any]
+    template: tuple[Any, ...]
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.name, self.fn, self.kwargs, self.template)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return BlockFunction(self.fn, self.kwargs, self.template, dtypes, row_shapes, values)
 
     def label(self) -> str:

@@ -184,5 +184,4 @@ def _einsum_over_rows(
         partial_bytes=max(1, probe.size) * acc.itemsize + 64, name="einsum",
     )  # fmt: skip
     finish = functools.partial(blockwise.cast_result, out_dtype)
-    op = red.Reduction(chunk, np.add, finish, options)
-    return build.wrap(graph.Reduce(specs.UserSpec(op, (chunk, np.add, finish)), chunked))
+    return build.wrap(graph.Reduce(specs.UserSpec(chunk, np.add, finish, options), chunked))

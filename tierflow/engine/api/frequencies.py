@@ -33,6 +33,7 @@ import operator
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,7 +46,7 @@ from ...storage import placement, spill
 from ...system import budget
 from .. import graph
 from ..graph import Chunked, Value
-from ..graph.specs import ReduceSpec, Spec
+from ..graph.specs import Dtypes, ReduceSpec, Shapes, Spec, Values
 from ..rowwide import distinct
 from . import build, dispatch
 from .creation import from_array
@@ -212,23 +213,19 @@ class UniqueTable:
         return 1024
 
 
+@dataclass(frozen=True)
 class UniqueSpec(ReduceSpec):
     """``np.unique``'s table (see :class:`UniqueTable`)."""
 
-    def __init__(self, rows: bool, counts: bool, index: bool) -> None:
-        self.rows, self.counts, self.index = rows, counts, index
-        self.needs_offset = index
+    rows: bool
+    counts: bool
+    index: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.rows, self.counts, self.index)
+    @property
+    def needs_offset(self) -> bool:
+        return self.index
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return UniqueTable(
             dtypes[0], row_shapes[0], rows=self.rows, counts=self.counts, index=self.index,
             n_rows=n_rows,
@@ -290,22 +287,14 @@ class Inverse:
         )
 
 
+@dataclass(frozen=True)
 class InverseSpec(Spec):
     """``np.unique(..., return_inverse=True)``'s inverse; the unique values are
     ``values[0]``."""
 
-    def __init__(self, rows: bool) -> None:
-        self.rows = rows
+    rows: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.rows,)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return Inverse(dtypes[0], row_shapes[0], self.rows, values[0])
 
     def label(self) -> str:
@@ -385,22 +374,14 @@ def _padded_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
 class BincountSpec(ReduceSpec):
     """``np.bincount(x, weights, minlength)``."""
 
-    def __init__(self, weighted: bool, minlength: int) -> None:
-        self.weighted, self.minlength = weighted, minlength
+    weighted: bool
+    minlength: int
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.weighted, self.minlength)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return Bincount(self.weighted, self.minlength)
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:

@@ -40,6 +40,7 @@ import numpy as np
 from ...operators import tsqr
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from . import blockwise, build, dispatch
 from .creation import from_array
 
@@ -52,16 +53,13 @@ SAFE_CONDITION = 1e6  # cond(x) up to which Q = x R^-1 is orthogonal to ~1e-10
 SINGULAR_CONDITION = 1.0 / (1000 * np.finfo(np.float64).eps)  # above: rank-deficient
 
 
+@dataclass(frozen=True)
 class TallQRSpec(specs.ReduceSpec):
     """The R factor of a tall-skinny QR (of ``[1 | x]`` when ``with_ones``)."""
 
-    def __init__(self, with_ones: bool) -> None:
-        self.with_ones = with_ones
+    with_ones: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.with_ones,)
-
-    def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return tsqr.TallQR(dtypes[0], row_shapes[0], with_ones=self.with_ones)
 
     def label(self) -> str:

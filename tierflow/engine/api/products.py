@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from ...operators import crossprod
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from . import build, dispatch
 from .creation import from_array
 
@@ -40,45 +42,27 @@ __all__ = ["Transposed", "corrcoef", "cov", "transpose"]
 SMALL_ROWVAR = 2048  # rows up to which np.cov(x) of a chunked (N, k) array is an N x N matrix
 
 
+@dataclass(frozen=True)
 class CrossSpec(specs.ReduceSpec):
     """``x.T @ y`` (two inputs) or ``x.T @ x`` (one)."""
 
-    def __init__(self, symmetric: bool) -> None:
-        self.symmetric = symmetric
+    symmetric: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.symmetric,)
-
-    def build(
-        self,
-        dtypes: Any,
-        row_shapes: Any,
-        n_rows: int | None,
-        values: Any,
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return crossprod.CrossProduct(list(dtypes), list(row_shapes), symmetric=self.symmetric)
 
     def label(self) -> str:
         return "x.T @ x" if self.symmetric else "x.T @ y"
 
 
+@dataclass(frozen=True)
 class CoMomentSpec(specs.ReduceSpec):
-    """The covariance of the columns of one or two arrays."""
+    """The covariance of the columns of one or two arrays (``dtype`` None: NumPy's)."""
 
-    def __init__(self, ddof: int, dtype: Any) -> None:
-        self.ddof = ddof
-        self.dtype = None if dtype is None else np.dtype(dtype)
+    ddof: int
+    dtype: np.dtype | None
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.ddof, self.dtype)
-
-    def build(
-        self,
-        dtypes: Any,
-        row_shapes: Any,
-        n_rows: int | None,
-        values: Any,
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return crossprod.CoMoments(list(dtypes), list(row_shapes), ddof=self.ddof, dtype=self.dtype)
 
     def label(self) -> str:
@@ -389,7 +373,9 @@ def _comoments(nodes: list[Chunked], ddof: int, dtype: Any) -> Array:
             f"exactly, but along dimension 1, the array at index 0 has size {nodes[0].n_rows} "
             f"and the array at index 1 has size {nodes[1].n_rows}"
         )
-    return build.wrap(graph.Reduce(CoMomentSpec(ddof, dtype), tuple(nodes)))
+    return build.wrap(
+        graph.Reduce(CoMomentSpec(ddof, None if dtype is None else np.dtype(dtype)), tuple(nodes))
+    )
 
 
 def _chunked(array: Array) -> Chunked:

@@ -32,8 +32,8 @@ import importlib
 import math
 import operator
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +43,8 @@ from ...operators.order_stats import Limits, Search, Stats
 from ...system import budget as budget_module
 from .. import graph
 from ..graph import Chunked, Value, specs
+from ..graph.keyed import NOT_KEY
+from ..graph.specs import Dtypes, Shapes, Values
 from . import build, dispatch
 from .creation import from_array
 
@@ -87,8 +89,9 @@ class Rule:
     keepdims: bool
     dtype: np.dtype
     row_shape: tuple[int, ...]
-    out_dtype: np.dtype
-    out_shape: tuple[int, ...]
+    # Made from the fields above: not part of a pass's key.
+    out_dtype: np.dtype = field(metadata=NOT_KEY)
+    out_shape: tuple[int, ...] = field(metadata=NOT_KEY)
 
     @property
     def nan(self) -> bool:
@@ -101,12 +104,6 @@ class Rule:
     @property
     def columns(self) -> int:
         return 1 if self.flat else math.prod(self.row_shape)
-
-    def fields(self) -> tuple[Any, ...]:
-        return (
-            self.function, self.q, self.weak_q, self.method, self.flat, self.keepdims,
-            self.dtype, self.row_shape,
-        )  # fmt: skip
 
     # -- ranks and values -------------------------------------------------------------
 
@@ -188,45 +185,29 @@ def _scalar(values: np.ndarray) -> Any:
 # -- the passes -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
 class StatsSpec(specs.ReduceSpec):
     """Pass 1 of a quantile: count, NaN, min and max per column."""
 
-    def __init__(self, flat: bool) -> None:
-        self.flat = flat
+    flat: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return ("order-stats", self.flat)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return order_stats.ColumnStats(dtypes[0], row_shapes[0], self.flat)
 
     def label(self) -> str:
         return "order stats" + (" (all values)" if self.flat else " (per column)")
 
 
+@dataclass(frozen=True, eq=False)
 class NarrowSpec(specs.ReduceSpec):
     """Narrowing pass ``level`` (1, 2, ...) of a quantile: its value parameter is the
     previous pass's result (:class:`Stats` for the first, a :class:`Search` after)."""
 
-    def __init__(self, rule: Rule, level: int, limits: Limits) -> None:
-        self.rule, self.level, self.limits = rule, level, limits
+    rule: Rule
+    level: int
+    limits: Limits
 
-    def _fields(self) -> tuple[Any, ...]:
-        return ("narrow", *self.rule.fields(), self.level, self.limits.bins, self.limits.collect)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         before = values[0]
         search: Search | None
         if isinstance(before, Stats):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,7 +22,8 @@ from ...operators import byteorder
 from ...operators import sorting as kernels
 from ...operators.types import combine_partials
 from .. import graph
-from ..graph import Chunked, Value
+from ..graph import Chunked, Value, specs
+from ..graph.specs import Dtypes, Shapes, Values
 from ..rowwide.external_sort import Sorting, check_kth, sorted_node
 from . import build, dispatch
 from .creation import from_array
@@ -189,25 +191,14 @@ class TopK:
         return self.k * int(np.prod(self.row_shape, dtype=np.int64)) * self.in_dtype.itemsize
 
 
-class TopKSpec:
+@dataclass(frozen=True)
+class TopKSpec(specs.ReduceSpec):
     """Builds :class:`TopK` for a :class:`~tierflow.engine.graph.nodes.Reduce` node."""
 
-    user = False
-    epilogue = False
-    device: str | None = None
-    needs_offset = False
+    k: int
 
-    def __init__(self, k: int) -> None:
-        self.k = k
-
-    def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> TopK:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> TopK:
         return TopK(self.k, dtypes[0], row_shapes[0])
-
-    def meta(self, op: TopK, source: Any) -> tuple[np.dtype, tuple[int, ...]]:
-        return op.out_dtype, op.out_shape
-
-    def params(self) -> str:
-        return str(self.k)
 
     def label(self) -> str:
         return f"topk({self.k})"

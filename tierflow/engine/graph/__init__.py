@@ -2,7 +2,8 @@
 
 * :mod:`.nodes`: the node classes, their metadata, row maps and content keys (this
   package's names are those of :mod:`.nodes`: ``graph.Source``, ``graph.walk``);
-* :mod:`.specs`: what a node stores to build its operator later;
+* :mod:`.specs`: what a node stores to build its operator later, as frozen dataclasses
+  whose key is their fields (:mod:`.keyed`, the one rule for every part of a key);
 * :mod:`.block_operators`: the block operators the engine adds to
   :mod:`tierflow.operators` (user functions, reshapes, stacking...), built from specs;
 * :mod:`.blocksize`: how many rows a block gets; :mod:`.portable`: how a graph crosses a

@@ -36,6 +36,7 @@ from ...operators import selection
 from ...operators.dag import postorder
 from ...storage import identity
 from . import blocksize, callsites, portable
+from .keyed import Keyed
 
 __all__ = [
     "Apply",
@@ -282,12 +283,13 @@ class Source(Chunked):
         return str(self.reader.label)
 
 
-@dataclass(eq=False)
-class ElemOp:
+@dataclass(frozen=True, eq=False)
+class ElemOp(Keyed):
     """One elementwise operation: a ufunc call, ``where``, ``clip``, ``astype`` or ``round``.
 
     ``ufunc`` and its ``kwargs`` for a call, ``dtype`` for ``astype``, ``decimals`` for
-    ``round``; ``has_lo`` and ``has_hi`` say which bounds a ``clip`` was given.
+    ``round``; ``has_lo`` and ``has_hi`` say which bounds a ``clip`` was given. Its key
+    is its fields' (:class:`~tierflow.engine.graph.keyed.Keyed`).
     """
 
     kind: str
@@ -300,22 +302,9 @@ class ElemOp:
     has_hi: bool = True
 
     def __post_init__(self) -> None:
-        self.kwargs = dict(self.kwargs)
-        self.dtype = None if self.dtype is None else np.dtype(self.dtype)
-        self.decimals = int(self.decimals)
-
-    def params(self) -> str:
-        return identity.token(
-            (
-                self.kind,
-                self.ufunc,
-                self.kwargs,
-                self.dtype,
-                self.decimals,
-                self.has_lo,
-                self.has_hi,
-            )
-        )
+        object.__setattr__(self, "kwargs", dict(self.kwargs))
+        object.__setattr__(self, "dtype", None if self.dtype is None else np.dtype(self.dtype))
+        object.__setattr__(self, "decimals", int(self.decimals))
 
     def label(self) -> str:
         if self.kind == "ufunc":

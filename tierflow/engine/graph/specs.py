@@ -6,29 +6,35 @@ compute with the values bound. A spec builds it — with zero placeholders while
 graph is built (for dtypes and shapes), with the real values when a compute runs — and
 gives the node its key parameters and its label.
 
+Specs are frozen dataclasses (:class:`~tierflow.engine.graph.keyed.Keyed`): their key is
+derived from their fields, so a new field cannot be left out of it.
+
 Block specs build a :class:`~tierflow.operators.types.BlockOp`:
 ``build(dtypes, row_shapes, values)``. Reduction specs build a
 :class:`~tierflow.operators.types.ReductionOp`: ``build(dtypes, row_shapes, n_rows,
-values)``, and say the result's ``meta`` (dtype and shape).
+values)``, and say the result's ``meta`` (dtype and shape). ``dtypes`` and
+``row_shapes`` are the chunked inputs' (:data:`Dtypes`, :data:`Shapes`), ``values`` the
+value nodes' results, or placeholders while the graph is built (:data:`Values`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ...operators import linalg, reductions, selection
-from ...storage import identity
 from . import block_operators, portable
+from .keyed import NOT_KEY, Keyed
 
 __all__ = [
     "VALUE",
     "AlongAxisSpec",
     "CollectSpec",
     "ContractSpec",
+    "Dtypes",
     "HeadSpec",
     "HistogramSpec",
     "IndexSpec",
@@ -39,11 +45,17 @@ __all__ = [
     "ReduceSpec",
     "ReshapeSpec",
     "RowwiseSpec",
+    "Shapes",
     "Spec",
     "StackSpec",
     "UfuncOutSpec",
     "UserSpec",
+    "Values",
 ]
+
+Dtypes = Sequence[np.dtype]  # of the chunked inputs, in order
+Shapes = Sequence[tuple[int, ...]]  # their row shapes (trailing axes)
+Values = Sequence[Any]  # the value inputs' results
 
 
 def _fn_name(fn: Any) -> str:
@@ -56,22 +68,20 @@ def _axis_text(axis: Any) -> str:
     return "" if axis is None else f"axis={axis}"
 
 
-class Spec:
-    user = False  # True: the operator runs user code; its errors name the block
-    epilogue = False  # True: its operator can end a fused elementwise kernel
-    device: str | None = None
+@dataclass(frozen=True, eq=False)
+class Spec(Keyed):
+    """Base of the specs; the key (:meth:`params`) is the fields', by the rule of
+    :class:`~tierflow.engine.graph.keyed.Keyed`."""
 
-    def params(self) -> str:
-        return identity.token(self._fields())
-
-    def _fields(self) -> tuple[Any, ...]:
-        return ()
+    user: ClassVar[bool] = False  # True: the operator runs user code; its errors name the block
+    epilogue: ClassVar[bool] = False  # True: its operator can end a fused elementwise kernel
 
 
 @dataclass(frozen=True)
 class ReduceOptions:
     """A NumPy reduction and its keywords as the caller gave them (``initial`` is
-    ``np._NoValue`` when not given)."""
+    ``np._NoValue`` when not given, and then not part of the key: keys made before it
+    stay)."""
 
     kind: str
     axis: Any
@@ -79,11 +89,6 @@ class ReduceOptions:
     dtype: Any
     ddof: float
     initial: Any = np._NoValue
-
-    def fields(self) -> tuple[Any, ...]:
-        """What the key holds (``initial`` only when given: keys made before it stay)."""
-        base = (self.kind, self.axis, self.keepdims, self.dtype, self.ddof)
-        return base if self.initial is np._NoValue else (*base, ("initial", self.initial))
 
     def build(self, dtype: Any, row_shape: tuple[int, ...]) -> Any:
         """The operator (:func:`tierflow.operators.reductions.reduction`)."""
@@ -106,49 +111,30 @@ class ReduceOptions:
         return [e for e in extra if e]
 
 
+@dataclass(frozen=True)
 class RowwiseSpec(Spec):
     """A reduction over trailing axes only (``x.sum(axis=1)``): a block op."""
 
-    epilogue = True
+    options: ReduceOptions
+    epilogue: ClassVar[bool] = True
 
-    def __init__(self, options: ReduceOptions) -> None:
-        self.options = options
-        self.kind = options.kind
-
-    def _fields(self) -> tuple[Any, ...]:
-        return self.options.fields()
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return self.options.build(dtypes[0], row_shapes[0])
 
     def label(self) -> str:
         o = self.options
         args = ", ".join(a for a in (_axis_text(o.axis), "keepdims" if o.keepdims else "") if a)
-        return f"{self.kind}({args})"
+        return f"{o.kind}({args})"
 
 
+@dataclass(frozen=True, eq=False)
 class MatmulSpec(Spec):
     """``x @ w`` for 2-D and wider ``x``; ``w`` in memory, or a lazy value (``values[0]``)."""
 
-    epilogue = True
+    w: np.ndarray | None
+    epilogue: ClassVar[bool] = True
 
-    def __init__(self, w: np.ndarray | None) -> None:
-        self.w = w
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.w,)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         w = self.w if self.w is not None else values[0]
         return linalg.Matmul(dtypes[0], row_shapes[0], w)
 
@@ -157,23 +143,14 @@ class MatmulSpec(Spec):
         return f"@ w{shape}"
 
 
+@dataclass(frozen=True, eq=False)
 class IndexSpec(Spec):
     """``x[:, key]``: indexing of trailing axes."""
 
-    epilogue = True
+    key: tuple[Any, ...]
+    epilogue: ClassVar[bool] = True
 
-    def __init__(self, key: tuple[Any, ...]) -> None:
-        self.key = key
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.key,)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return selection.TrailingIndex(dtypes[0], row_shapes[0], self.key)
 
     def label(self) -> str:
@@ -183,38 +160,22 @@ class IndexSpec(Spec):
         return f"[:, {inner}]"
 
 
+@dataclass(frozen=True, eq=False)
 class MapSpec(Spec):
-    """``map_blocks(fn)``: a user function on blocks, on the CPU or a torch device."""
+    """``map_blocks(fn)``: a user function on blocks, on the CPU or a torch device (not
+    part of the key: the result is the same wherever it runs)."""
 
-    user = True
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        dtype: np.dtype,
-        row_shape: tuple[int, ...],
-        device: str | None,
-        kwargs: dict[str, Any],
-    ) -> None:
-        self.fn = fn
-        self.dtype = np.dtype(dtype)
-        self.row_shape = tuple(row_shape)
-        self.device = device
-        self.kwargs = kwargs
+    fn: Callable[..., Any]
+    dtype: np.dtype
+    row_shape: tuple[int, ...]
+    device: str | None = field(metadata=NOT_KEY)
+    kwargs: dict[str, Any]
+    user: ClassVar[bool] = True
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "fn": portable.by_value(self.fn)}
 
-    def _fields(self) -> tuple[Any, ...]:
-        # The device is not part of the key: the result is the same wherever it runs.
-        return (self.fn, self.dtype, self.row_shape, self.kwargs)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.MapBlocks(
             self.fn, len(dtypes), self.dtype, self.row_shape, device=self.device,
             kwargs=self.kwargs, name=f"map_blocks({_fn_name(self.fn)})",
@@ -225,24 +186,16 @@ class MapSpec(Spec):
         return f"map_blocks({_fn_name(self.fn)}{where})"
 
 
+@dataclass(frozen=True, eq=False)
 class AlongAxisSpec(Spec):
     """``np.sort(x, axis=1)``, ``np.cumsum(x, axis=-1)``...: a NumPy function along a
     trailing axis (``axis`` counts the row axis, as NumPy does)."""
 
-    def __init__(self, name: str, axis: int, kwargs: dict[str, Any]) -> None:
-        self.name = name
-        self.axis = axis
-        self.kwargs = kwargs
+    name: str
+    axis: int
+    kwargs: dict[str, Any]
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.name, self.axis, self.kwargs)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.AlongAxis(
             self.name, dtypes[0], row_shapes[0], self.axis, self.kwargs
         )
@@ -252,75 +205,47 @@ class AlongAxisSpec(Spec):
         return f"{self.name}(axis={self.axis}{extra})"
 
 
+@dataclass(frozen=True)
 class ReshapeSpec(Spec):
     """``x.reshape(n, *row_shape)``: new trailing axes, same rows."""
 
-    def __init__(self, row_shape: tuple[int, ...]) -> None:
-        self.row_shape = row_shape
+    row_shape: tuple[int, ...]
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.row_shape,)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.Reshape(dtypes[0], row_shapes[0], self.row_shape)
 
     def label(self) -> str:
         return f"reshape(rows, {', '.join(map(str, self.row_shape))})"
 
 
+@dataclass(frozen=True, eq=False)
 class StackSpec(Spec):
     """``np.concatenate`` / ``np.stack`` of row-aligned arrays along a trailing axis."""
 
-    def __init__(self, function: Callable[..., Any], axis: int) -> None:
-        self.function = function
-        self.axis = axis
+    function: Callable[..., Any]
+    axis: int
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.function.__name__, self.axis)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         return block_operators.Stack(self.function, self.axis, dtypes, row_shapes)
 
     def label(self) -> str:
         return f"{self.function.__name__}(axis={self.axis})"
 
 
+@dataclass(frozen=True, eq=False)
 class UfuncOutSpec(Spec):
     """One output of a ufunc with several (``np.divmod(x, 3)[1]``).
 
     ``template`` holds the ufunc's operands in order: None where a block goes, the
     constant otherwise; value nodes come as ``values``, in template order (marked by
-    ``_VALUE``)."""
+    :data:`VALUE`)."""
 
-    def __init__(
-        self, ufunc: np.ufunc, index: int, kwargs: dict[str, Any], template: tuple[Any, ...]
-    ) -> None:
-        self.ufunc, self.index, self.kwargs, self.template = ufunc, index, kwargs, template
+    ufunc: np.ufunc
+    index: int
+    kwargs: dict[str, Any]
+    template: tuple[Any, ...]
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (
-            self.ufunc,
-            self.index,
-            self.kwargs,
-            tuple(repr(t) if t is VALUE else t for t in self.template),
-        )
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, values: Values) -> Any:
         call = block_operators.UfuncCall(self.ufunc, self.index, self.kwargs, self.template)
         return block_operators.UfuncOutput(call, dtypes, row_shapes, values)
 
@@ -328,59 +253,63 @@ class UfuncOutSpec(Spec):
         return f"{self.ufunc.__name__}[{self.index}]"
 
 
-VALUE = type("_ValueSlot", (), {"__repr__": lambda self: "<value>"})()
+class _ValueSlot:
+    """The marker of a value operand in a template (one object, :data:`VALUE`)."""
+
+    def __repr__(self) -> str:
+        return "<value>"
+
+    def __reduce__(self) -> str:
+        # By name: the marker unpickles as this module's VALUE in every process, and
+        # keys it by name, not by its class's code.
+        return "VALUE"
+
+
+VALUE = _ValueSlot()
 
 
 # -- reductions -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, eq=False)
 class ReduceSpec(Spec):
-    needs_offset = False  # True: chunk needs the global row offset of its block
+    """Base of the reduction specs."""
+
+    @property
+    def needs_offset(self) -> bool:
+        """True: chunk needs the global row offset of its block."""
+        return False
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...] | None]:
         return op.out_dtype, op.out_shape
 
 
+@dataclass(frozen=True)
 class KindSpec(ReduceSpec):
     """A NumPy reduction whose axes include the row axis (``sum``, ``std``, ``argmax``...)."""
 
-    def __init__(self, options: ReduceOptions) -> None:
-        self.options = options
-        self.kind, self.axis = options.kind, options.axis
-        self.needs_offset = options.kind in ("argmin", "argmax")
+    options: ReduceOptions
 
-    def _fields(self) -> tuple[Any, ...]:
-        return self.options.fields()
+    @property
+    def needs_offset(self) -> bool:
+        return self.options.kind in ("argmin", "argmax")
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return self.options.build(dtypes[0], row_shapes[0])
 
     def label(self) -> str:
-        return f"{self.kind}({', '.join(self.options.texts())})"
+        return f"{self.options.kind}({', '.join(self.options.texts())})"
 
 
+@dataclass(frozen=True, eq=False)
 class HistogramSpec(ReduceSpec):
     """``np.histogram(x, bins, range)``: counts per bin (the edges are known at once)."""
 
-    def __init__(self, bins: Any, range: Any, density: bool) -> None:
-        self.bins, self.range, self.density = bins, range, density
+    bins: Any
+    range: Any
+    density: bool
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.bins, self.range, self.density)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return HistogramCounts(
             reductions.Histogram(dtypes[0], self.bins, self.range, density=self.density)
         )
@@ -414,58 +343,51 @@ class HistogramCounts:
         return int(self.histogram.partial_bytes())
 
 
+@dataclass(frozen=True, eq=False)
 class UserSpec(ReduceSpec):
-    """``x.reduction(chunk, combine, aggregate)``."""
+    """``x.reduction(chunk, combine, aggregate)`` (``aggregate`` None: the partial)."""
 
-    user = True
-
-    def __init__(self, reduction: reductions.Reduction, fns: tuple[Any, ...]) -> None:
-        self.reduction = reduction
-        self.fns = fns
-        self.needs_offset = reduction.with_offset
+    chunk: Callable[..., Any]
+    combine: Callable[[Any, Any], Any]
+    aggregate: Callable[[Any], Any] | None
+    options: reductions.ReductionOptions
+    user: ClassVar[bool] = True
 
     def __getstate__(self) -> Any:
-        # One cloudpickle for the reduction and fns: the functions they share stay shared.
+        # One cloudpickle for all the functions: those they share stay shared.
         return portable.by_value(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    def _fields(self) -> tuple[Any, ...]:
-        r = self.reduction
-        return (*self.fns, r.with_offset, r.commutative, r.out_dtype, r.out_shape)
+    @property
+    def needs_offset(self) -> bool:
+        return self.options.with_offset
 
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    @property
+    def reduction(self) -> reductions.Reduction:
+        """The user's reduction, for inputs not yet known."""
+        return reductions.Reduction(self.chunk, self.combine, self.aggregate, self.options)
+
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return self.reduction.over(dtypes, row_shapes)
 
     def label(self) -> str:
         return f"reduction({self.reduction.name})"
 
 
+@dataclass(frozen=True, eq=False)
 class ContractSpec(ReduceSpec):
     """``x @ w`` for 1-D ``x`` and ``w @ x``: a product over the row axis."""
 
-    needs_offset = True
+    w: np.ndarray | None
+    side: str
 
-    def __init__(self, w: np.ndarray | None, side: str) -> None:
-        self.w, self.side = w, side
+    @property
+    def needs_offset(self) -> bool:
+        return True
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.w, self.side)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         w = self.w if self.w is not None else values[0]
         if n_rows is None:
             raise ValueError(
@@ -478,22 +400,13 @@ class ContractSpec(ReduceSpec):
         return "x @ w" if self.side == "right" else "w @ x"
 
 
+@dataclass(frozen=True)
 class HeadSpec(ReduceSpec):
     """``head(n)`` of an array whose row count is unknown."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    n: int
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (self.n,)
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return block_operators.Head(self.n, dtypes[0], row_shapes[0])
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:
@@ -503,19 +416,11 @@ class HeadSpec(ReduceSpec):
         return f"head({self.n})"
 
 
+@dataclass(frozen=True)
 class CollectSpec(ReduceSpec):
     """All rows in memory (a small lazy array used as a broadcast constant)."""
 
-    def _fields(self) -> tuple[Any, ...]:
-        return ()
-
-    def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
-    ) -> Any:
+    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> Any:
         return block_operators.Collect(dtypes[0], row_shapes[0], n_rows)
 
     def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int | None, ...]]:

@@ -52,9 +52,10 @@ from typing import Any
 import numpy as np
 
 from ...operators.types import combine_partials
-from ...storage import identity
 from .. import graph
-from ..graph import Chunked, Node
+from ..graph import Chunked, Node, specs
+from ..graph.keyed import NOT_KEY
+from ..graph.specs import Dtypes, Shapes, Values
 
 __all__ = ["CountRows", "CountSpec", "known_shape", "resolve"]
 
@@ -117,35 +118,26 @@ class CountRows:
         return 64
 
 
-class CountSpec:
-    """The spec of a :class:`CountRows` reduction over ``node`` (a mask or the counted
-    node itself): its blocks are part of the key, since counts are per block."""
+@dataclass(frozen=True)
+class CountSpec(specs.ReduceSpec):
+    """The spec of a :class:`CountRows` reduction over a node (a mask or the counted
+    node itself) cut at ``bounds`` in ``nblocks`` blocks: its blocks are part of the
+    key, since counts are per block. ``what`` names the node, for the label."""
 
-    user = False
-    epilogue = False
-    device = None
-    needs_offset = False
+    mode: str
+    bounds: tuple[int, ...] | None
+    nblocks: int
+    what: str = field(metadata=NOT_KEY)
 
-    def __init__(self, mode: str, node: Chunked, what: str) -> None:
-        self.mode = mode
-        self.bounds = node.bounds
-        self.nblocks = node.nblocks
-        self.what = what
-
-    def params(self) -> str:
-        return identity.token((self.mode, self.bounds, self.nblocks))
+    @classmethod
+    def over(cls, mode: str, node: Chunked, what: str) -> CountSpec:
+        """The spec counting ``node``'s rows per block (``mode`` as :class:`CountRows`)."""
+        return cls(mode, node.bounds, node.nblocks, what)
 
     def build(
-        self,
-        dtypes: Sequence[np.dtype],
-        row_shapes: Sequence[tuple[int, ...]],
-        n_rows: int | None,
-        values: Sequence[Any],
+        self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values
     ) -> CountRows:
         return CountRows(self.mode, self.bounds, self.nblocks)
-
-    def meta(self, op: Any, source: Any) -> tuple[Any, tuple[int, ...]]:
-        return op.out_dtype, op.out_shape
 
     def label(self) -> str:
         return f"count rows per block ({self.what})"
@@ -181,8 +173,8 @@ def _count_node(root: Chunked) -> graph.Reduce:
         source, mask = root.inputs
         assert isinstance(source, Chunked) and isinstance(mask, Chunked)
         if mask.partition() == source.partition():
-            return graph.Reduce(CountSpec("nonzero", mask, f"mask {mask.label()}"), (mask,))
-    return graph.Reduce(CountSpec("rows", root, root.label()), (root,))
+            return graph.Reduce(CountSpec.over("nonzero", mask, f"mask {mask.label()}"), (mask,))
+    return graph.Reduce(CountSpec.over("rows", root, root.label()), (root,))
 
 
 def _has_deferred(node: Node, memo: dict[int, bool]) -> bool:

@@ -60,9 +60,11 @@ import numpy as np
 
 from ...operators import byteorder, sorting
 from ...operators.types import block_bytes, combine_partials
-from ...storage import identity, spill
+from ...storage import spill
 from .. import graph
-from ..graph import Blocks, Chunked, Node
+from ..graph import Blocks, Chunked, Node, specs
+from ..graph.keyed import NOT_KEY, Keyed
+from ..graph.specs import Dtypes, Shapes, Values
 from ..program.context import Context
 from ..program.steps import Step
 from ..types import BlockIndex, Request, RowRange, TaskMemory
@@ -88,7 +90,7 @@ _INDEX = np.dtype(np.int64)
 
 
 @dataclass(frozen=True)
-class Sorting:
+class Sorting(Keyed):
     """What is sorted: ``mode`` ``"values"`` (each column by itself, ``np.sort``),
     ``"indices"`` (``np.argsort`` of each column) or ``"rows"`` (whole rows by the key
     columns ``by``, or by the values of a 1-D array when ``by`` is empty), ascending or
@@ -100,10 +102,6 @@ class Sorting:
     # np.partition's kth, checked against the rows once the runs are counted (an
     # array whose rows are unknown when it is built, after a mask)
     kth: tuple[int, ...] = ()
-
-    def token(self) -> str:
-        fields: tuple[Any, ...] = (self.mode, self.by, self.descending)
-        return identity.token((*fields, self.kth) if self.kth else fields)
 
     def check(self, rows: int, row_shape: tuple[int, ...]) -> None:
         """NumPy's ValueError for a ``kth`` out of bounds for ``rows`` rows (none for an
@@ -362,27 +360,27 @@ class SortRuns:
         return 4096
 
 
-class RunsSpec:
+@dataclass(frozen=True, eq=False)
+class RunsSpec(specs.ReduceSpec):
     """Builds :class:`SortRuns` for a :class:`~tierflow.engine.graph.nodes.Reduce` node; its
-    value (:class:`Runs`) has no dtype or shape and is used by :class:`SortedRows` only."""
+    value (:class:`Runs`) has no dtype or shape and is used by :class:`SortedRows` only.
+    ``files`` live for one compute: not part of the key."""
 
-    user = False
-    epilogue = False
-    device: str | None = None
+    how: Sorting
+    files: RunFiles = field(metadata=NOT_KEY)
 
-    def __init__(self, how: Sorting, files: RunFiles) -> None:
-        self.how = how
-        self.files = files
-        self.scratch = files  # opened and closed by the plan (graph.Reduce)
+    @property
+    def scratch(self) -> RunFiles:
+        """The run files, opened and closed by the plan (graph.Reduce)."""
+        return self.files
 
-    def build(self, dtypes: Any, row_shapes: Any, n_rows: int | None, values: Any) -> SortRuns:
+    def build(
+        self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values
+    ) -> SortRuns:
         return SortRuns(self.how, dtypes[0], row_shapes[0], self.files)
 
     def meta(self, op: Any, first: Any) -> tuple[None, None]:
         return None, None
-
-    def params(self) -> str:
-        return self.how.token()
 
     def label(self) -> str:
         return f"sort runs for {self.how.label()}"
@@ -419,7 +417,7 @@ class SortedRows(Chunked):
         return self._share
 
     def params(self) -> str:
-        return self.how.token()
+        return self.how.params()
 
     def label(self) -> str:
         return f"merge runs of {self.how.label()}"
