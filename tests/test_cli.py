@@ -169,12 +169,20 @@ def test_python_dash_m_tierflow_status() -> None:
     assert run_cli("nonsense").returncode == 2
 
 
+def _sigint_as_in_a_terminal() -> None:
+    # A child keeps an ignored SIGINT across exec (a shell without job control starts
+    # background commands so), and Python then installs no handler: Ctrl-C, as a
+    # terminal sends it, must reach the command under test.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _watch(*extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tierflow", "status", "--watch", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
 
 

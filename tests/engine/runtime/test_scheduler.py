@@ -165,6 +165,7 @@ def test_the_first_error_stops_the_compute_and_the_workers() -> None:
     assert len(calls) < 20 and worker_threads() == []
 
 
+@pytest.mark.usefixtures("ctrl_c")  # _thread.interrupt_main does nothing if SIGINT is ignored
 @pytest.mark.parametrize("where", ["worker", "main"])
 @pytest.mark.executors("threads", "serial")  # observes calls in this process
 def test_keyboard_interrupt_stops_workers_and_leaves_nothing(
