@@ -47,6 +47,37 @@ def pipeline(path: str, out: str, executor: Any) -> tuple[np.ndarray, np.ndarray
     return totals, kept, time.perf_counter() - start
 
 
+def quiet_close(client: Any) -> None:
+    """Drop the one error distributed logs, with a traceback, as its workers close.
+
+    A worker that closes while its heartbeat to the scheduler is in flight closes that
+    connection under it and logs "Failed to communicate with scheduler during heartbeat"
+    with a traceback (dask/distributed#7192): harmless, but printed on this script's
+    stderr. A filter in each worker drops that record, and only while the worker closes.
+    """
+    import logging
+
+    from distributed.core import Status
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    closing = (Status.closing, Status.closing_gracefully, Status.closed)
+
+    class QuietClose(WorkerPlugin):
+        name = "quiet-close"
+
+        def setup(self, worker: Any) -> None:
+            class HeartbeatWhileClosing(logging.Filter):
+                def filter(self, record: logging.LogRecord) -> bool:
+                    message = record.getMessage()
+                    heartbeat = message.startswith("Failed to communicate with scheduler")
+                    return not (heartbeat and worker.status in closing)
+
+            # never removed: a closing worker tears its plugins down before the record
+            logging.getLogger("distributed.worker").addFilter(HeartbeatWhileClosing())
+
+    client.register_plugin(QuietClose())
+
+
 def cluster(args: argparse.Namespace, scratch: str) -> tuple[Any, Any]:
     """The executor to use and what to close at the end."""
     if args.ray:
@@ -77,6 +108,7 @@ def cluster(args: argparse.Namespace, scratch: str) -> tuple[Any, Any]:
         n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None
     )
     client = Client(local)
+    quiet_close(client)  # a cluster of the user's own (--address) keeps its logging
 
     def close() -> None:
         client.close()

@@ -64,6 +64,37 @@ def run(rows: int, compute: Any) -> None:
     )
 
 
+def quiet_close(client: Any) -> None:
+    """Drop the one error distributed logs, with a traceback, as its workers close.
+
+    A worker that closes while its heartbeat to the scheduler is in flight closes that
+    connection under it and logs "Failed to communicate with scheduler during heartbeat"
+    with a traceback (dask/distributed#7192): harmless, but printed on this script's
+    stderr. A filter in each worker drops that record, and only while the worker closes.
+    """
+    import logging
+
+    from distributed.core import Status
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    closing = (Status.closing, Status.closing_gracefully, Status.closed)
+
+    class QuietClose(WorkerPlugin):
+        name = "quiet-close"
+
+        def setup(self, worker: Any) -> None:
+            class HeartbeatWhileClosing(logging.Filter):
+                def filter(self, record: logging.LogRecord) -> bool:
+                    message = record.getMessage()
+                    heartbeat = message.startswith("Failed to communicate with scheduler")
+                    return not (heartbeat and worker.status in closing)
+
+            # never removed: a closing worker tears its plugins down before the record
+            logging.getLogger("distributed.worker").addFilter(HeartbeatWhileClosing())
+
+    client.register_plugin(QuietClose())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=lambda s: int(s.replace("_", "")), default=200_000)
@@ -95,6 +126,7 @@ def main() -> None:
             ) as cluster,
             Client(cluster) as client,
         ):
+            quiet_close(client)
             print(f"on a distributed cluster of {len(cluster.workers)} worker processes")
             run(args.rows, lambda a: client.compute(a).result())
     finally:
