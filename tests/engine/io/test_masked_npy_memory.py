@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     import tierflow as tw
     from tierflow import config
-    from tierflow.engine.runtime import scheduler
+    from tierflow.engine.runtime import held
 
     FIELDS = ("RssAnon", "RssFile")
 
@@ -50,7 +50,7 @@ CHILD = textwrap.dedent(
     src, dst, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config.set(ram_budget=budget)
     # Spill every held block, so every masked block is appended from a spill file.
-    scheduler.HELD_SHARE = 1 << 40
+    held.HELD_SHARE = 1 << 40
     x = tw.from_npy(src)
     y = x[x[:, 0] > -5]
     spilled = []

@@ -306,9 +306,9 @@ def test_progress_bar_after_a_delay_or_at_once(capsys: pytest.CaptureFixture[str
 
 
 def test_inbox_loses_no_wake_up_between_workers_and_the_scheduler() -> None:
-    from tierflow.engine.runtime.scheduler import _Inbox
+    from tierflow.engine.runtime.lane import Inbox
 
-    inbox = _Inbox()
+    inbox = Inbox()
     per_worker, workers = 3000, 3
 
     def work(w: int) -> None:
@@ -337,15 +337,15 @@ def test_a_ctrl_c_delivered_to_another_thread_stops_the_scheduler_waiting_for_ta
     # The kernel hands a process's SIGINT to any thread; Python runs its handler in the
     # main thread, which must wake up for it: a scheduler waiting for tasks with no
     # timeout (a compute's tasks running on a cluster) never would.
-    from tierflow.engine.runtime.scheduler import _NOBODY, _Inbox
+    from tierflow.engine.runtime.lane import NOBODY, Inbox
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run in the main thread only")
-    inbox = _Inbox()
+    inbox = Inbox()
 
     def ctrl_c_to_this_thread() -> None:
         deadline = time.monotonic() + 10
-        while inbox.wanted == _NOBODY and time.monotonic() < deadline:
+        while inbox.wanted == NOBODY and time.monotonic() < deadline:
             time.sleep(0.01)  # until the scheduler waits
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
@@ -366,9 +366,9 @@ def test_a_ctrl_c_delivered_to_another_thread_stops_the_scheduler_waiting_for_ta
 
 
 def test_inbox_wakes_the_scheduler_at_once_for_an_error() -> None:
-    from tierflow.engine.runtime.scheduler import _Inbox
+    from tierflow.engine.runtime.lane import Inbox
 
-    inbox = _Inbox()
+    inbox = Inbox()
     inbox.put((0, None, None))
     timer = threading.Timer(0.05, inbox.put, args=((1, None, ValueError("bad block")),))
     timer.start()
@@ -409,10 +409,10 @@ def run_tasks(fn: Any, n: int, executor: Any) -> list[Any]:
 
 
 def test_tiny_tasks_share_one_job_and_never_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierflow.engine.runtime import scheduler
+    from tierflow.engine.runtime import lane
 
     # A threshold no hiccup of a busy machine crosses: the test is about the lane itself.
-    monkeypatch.setattr(scheduler, "TINY_TASK_SECONDS", 0.01)
+    monkeypatch.setattr(lane, "TINY_TASK_SECONDS", 0.01)
     ex = CountingThreads(2)
     fn = Concurrency(pause=0)
     results = run_tasks(lambda k: fn(np.array([k])), 2000, ex)
@@ -453,10 +453,10 @@ def test_a_kind_that_turns_slow_leaves_the_lane() -> None:
 
 
 def test_kind_judgement_probe_and_band() -> None:
-    from tierflow.engine.runtime.scheduler import LANE_PROBE, TINY_TASK_SECONDS, _Kind
+    from tierflow.engine.runtime.lane import LANE_PROBE, TINY_TASK_SECONDS, Kind
 
     tiny, slow = TINY_TASK_SECONDS / 3, TINY_TASK_SECONDS * 3
-    kind = _Kind()
+    kind = Kind()
     for seconds in [1.0] + [tiny] * (LANE_PROBE - 1):  # the first (warm-up) is left out
         assert kind.lane and kind.probing
         kind.observe(seconds)
@@ -472,13 +472,13 @@ def test_kind_judgement_probe_and_band() -> None:
         kind.observe(tiny / 10)
     assert kind.mean < TINY_TASK_SECONDS / 2
 
-    slow_kind = _Kind()
+    slow_kind = Kind()
     for _ in range(3):  # warm-up, then two slow tasks: no need to probe further
         assert slow_kind.probing
         slow_kind.observe(slow)
     assert not slow_kind.lane and not slow_kind.probing
 
-    one_slow = _Kind()  # a single slow task among tiny ones is noise
+    one_slow = Kind()  # a single slow task among tiny ones is noise
     for seconds in [slow, tiny, slow, *[tiny] * (LANE_PROBE - 3)]:
         assert one_slow.probing
         one_slow.observe(seconds)
@@ -505,7 +505,7 @@ def test_an_error_on_the_lane_stops_it(raised: BaseException) -> None:
 
 
 def test_lane_loses_no_task_when_its_job_ends_as_tasks_come() -> None:
-    from tierflow.engine.runtime.scheduler import _Inbox, _Lane
+    from tierflow.engine.runtime.lane import Inbox, Lane
 
     # A job that finds the queue empty ends under the lock; an append meanwhile makes
     # ``extend`` ask for a new job. Each round appends as soon as the last task is in,
@@ -519,8 +519,8 @@ def test_lane_loses_no_task_when_its_job_ends_as_tasks_come() -> None:
                 raise IndexError("pop from an empty deque")
             return super().popleft()
 
-    inbox = _Inbox()
-    lane = _Lane(inbox)
+    inbox = Inbox()
+    lane = Lane(inbox)
     lane.queue = SlowToFindEmpty()
     jobs: list[threading.Thread] = []
     got: list[int] = []

@@ -7,6 +7,10 @@ The scheduler wakes for every finished task, except while a deep queue of small 
 is in flight: then it wakes once half of the queue is done (the workers stay busy, and
 a wake-up costs a thread hand-off); an error wakes it at once.
 
+This module admits tasks against the RAM budget and runs the loop; the GPU seats are
+:mod:`.devices`, the results held between tasks :mod:`.held`, and what the workers touch
+(the inbox, the lane of tiny tasks) :mod:`.lane`.
+
 Order
 -----
 Ready tasks run lowest index first. The plan numbers tasks depth-first
@@ -166,24 +170,17 @@ while it waits, or raised by a task — does the same. The caller then aborts it
 
 from __future__ import annotations
 
-import collections
 import heapq
 import logging
-import statistics
-import threading
 import time
 from collections.abc import Sequence
 from time import perf_counter
 from typing import Any
 
-import numpy as np
-
 from ...config import format_bytes
-from ...errors import OutOfMemoryError, TierflowError
-from ...storage import device_store, pages, placement, spill
+from ...storage import placement
 from ...system import budget as budget_module
-from ...system import device_budget, pressure
-from ...system.device_budget import Seat
+from ...system import pressure
 from ...system.types import Level
 from ..gpu import tier
 from ..program import float_errors, halving
@@ -198,7 +195,10 @@ from ..types import (
     TaskFinished,
     Tracer,
 )
+from .devices import Seats
 from .executors import SerialExecutor, in_task
+from .held import Held
+from .lane import LANE_PROBE, TINY_TASK_SECONDS, Inbox, Kind, Lane
 
 __all__ = ["LANE_PROBE", "TASKS_PER_WORKER", "TINY_TASK_SECONDS", "Stats", "run"]
 
@@ -212,23 +212,12 @@ TASKS_PER_WORKER = 2  # one running, one queued with its reads ahead
 # whose round trip to a worker takes milliseconds, and which packs short tasks).
 SMALL_TASK = 1 << 20
 SMALL_TASKS_PER_WORKER = 16
-# Tasks faster than this run one at a time on the lane (module docstring, "Tiny tasks").
-# As the probe times ((x + 1) * 2 - 3).sum(0) on a worker: blocks of 1,000 rows take
-# 60-100 us and 16,000 rows 85-110 us (both faster on one worker), 64,000 rows 140-180 us
-# (faster on two).
-TINY_TASK_SECONDS = 150e-6
-LANE_PROBE = 7  # tasks of a kind timed, one at a time, before the kind is judged
-HELD_SHARE = 2  # held results above budget / HELD_SHARE are spilled
 _WAIT = 0.05  # seconds between pressure re-readings while admission is refused
 # A run with nothing in flight that waited this long for other computes' tasks admits one
 # task anyway, from then on (module docstring, "Admission"): those tasks may wait for it.
 STARVED_SECONDS = 10.0
 # Level comparisons parse names; set membership is what a per-task check can afford.
 _HIGH = frozenset({Level.HIGH, Level.CRITICAL})
-_NOBODY = 1 << 62  # the inbox's ``wanted`` while the scheduler is not waiting
-# The longest the scheduler's thread waits at once: a signal (Ctrl-C) is handled in the
-# main thread, which must wake up to run it when the kernel delivered it to another.
-_SIGNAL_SLICE = 0.25
 
 
 class Stats:
@@ -241,160 +230,6 @@ class Stats:
         self.oom_retries = 0
         self.seconds = 0.0
         self.max_in_flight = 0
-
-
-def _nbytes_in_ram(value: Any) -> int:
-    if isinstance(value, np.ndarray):
-        if isinstance(value, np.memmap) or spill.spill_file_of(value) is not None:
-            return 0
-        return int(value.nbytes)
-    if isinstance(value, (tuple, list)):
-        return sum(_nbytes_in_ram(v) for v in value)
-    return 0
-
-
-class _Inbox:
-    """Finished tasks, put by workers and taken by the scheduler in batches.
-
-    A put is a deque append (atomic under the GIL) and takes no lock unless the
-    scheduler waits for enough items to have come in, or the item is an error: a worker
-    finishing a small task while the scheduler is busy pays no lock and no wake-up.
-    ``take(n, timeout)`` waits until ``n`` items (or one error) are in, or ``timeout``
-    seconds have passed. No wake-up is lost: the scheduler publishes ``wanted`` before
-    it counts the items, a worker appends before it reads ``wanted``, so one of them sees
-    the other; and the notify needs the condition's lock, which the scheduler holds from
-    publishing until ``wait`` releases it.
-    """
-
-    def __init__(self) -> None:
-        self.items: collections.deque[tuple[int, Any, BaseException | None]] = collections.deque()
-        self.wanted = _NOBODY
-        self.failed = False
-        self.cond = threading.Condition(threading.Lock())
-
-    def put(self, item: tuple[int, Any, BaseException | None]) -> None:
-        self.items.append(item)
-        if item[2] is not None:
-            self.failed = True
-            with self.cond:
-                self.cond.notify()
-        elif len(self.items) >= self.wanted:
-            with self.cond:
-                self.cond.notify()
-
-    def take(self, n: int, timeout: float | None) -> list[tuple[int, Any, BaseException | None]]:
-        items = self.items
-        if len(items) < n and not self.failed:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            with self.cond:
-                self.wanted = n
-                while len(items) < n and not self.failed:
-                    left = _SIGNAL_SLICE if deadline is None else deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    # In slices: a Ctrl-C that the kernel hands to another thread runs
-                    # its handler here only once this thread runs Python code again.
-                    self.cond.wait(min(left, _SIGNAL_SLICE))
-                self.wanted = _NOBODY
-        pop = items.popleft
-        return [pop() for _ in range(len(items))]
-
-
-class _Kind:
-    """Tasks of one ``fn`` that may run on the lane: where they run and how long they take.
-
-    Scheduler thread only."""
-
-    __slots__ = ("admitted", "lane", "mean", "probing", "samples")
-
-    def __init__(self) -> None:
-        self.lane = True  # probed on the lane first
-        self.probing = True
-        self.samples: list[float] = []
-        self.admitted = 0
-        self.mean = 0.0
-
-    def probe_busy(self) -> bool:
-        """Whether a probed task of this kind is still running (probes run one at a time)."""
-        return self.probing and self.admitted > len(self.samples)
-
-    def observe(self, seconds: float) -> None:
-        """Time one finished task: judge the kind after :data:`LANE_PROBE` tasks, then
-        move it when its running mean leaves a wide band around the threshold (times on
-        the workers are longer: they share the GIL)."""
-        if self.probing:
-            samples = self.samples
-            samples.append(seconds)
-            # The first task of a kind pays for warming up (buffers, caches): left out.
-            slow = sum(1 for t in samples[1:] if t > 2 * TINY_TASK_SECONDS)
-            if len(samples) >= LANE_PROBE or slow >= 2:  # slow kinds need no full probe
-                self.probing = False
-                self.mean = statistics.median(samples[1:])
-                self.lane = self.mean < TINY_TASK_SECONDS
-            return
-        self.mean += (seconds - self.mean) / 8
-        if self.lane:
-            if self.mean > 2 * TINY_TASK_SECONDS:
-                self.lane = False
-        elif self.mean < TINY_TASK_SECONDS / 2:
-            self.lane = True
-
-
-class _Lane:
-    """Tiny tasks, run in turn by one executor job at a time (module docstring).
-
-    The scheduler appends with :meth:`extend`; the job pops until the queue is empty.
-    ``lock`` guards ``active``: a job that finds the queue empty ends under it, so a
-    task appended meanwhile makes the scheduler submit a new job rather than wait in a
-    queue nobody runs. A task's error ends the job and the lane (no job starts again);
-    :meth:`stop` drops the tasks left.
-    """
-
-    def __init__(self, inbox: _Inbox) -> None:
-        self.queue: collections.deque[tuple[int, Any, tuple[Any, ...]]] = collections.deque()
-        self.lock = threading.Lock()
-        self.active = False
-        self.put = inbox.put
-
-    def extend(self, items: list[tuple[int, Any, tuple[Any, ...]]]) -> bool:
-        """Queue ``items``; True when no job runs them yet and one must be submitted."""
-        with self.lock:
-            self.queue.extend(items)
-            if self.active:
-                return False
-            self.active = True
-            return True
-
-    def job(self) -> None:
-        """Run queued tasks until none is left (on an executor's worker)."""
-        queue, put = self.queue, self.put
-        while True:
-            try:
-                i, fn, args = queue.popleft()
-            except IndexError:
-                with self.lock:
-                    if not queue:
-                        self.active = False
-                        return
-                continue
-            start = perf_counter()
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # KeyboardInterrupt too: the scheduler re-raises it
-                # ``active`` stays set: the run ends with this error, and no new job
-                # may start on the tasks still queued.
-                put((i, None, exc))
-                return
-            put((i, (result, perf_counter() - start), None))
-
-    def done(self, result: Any, error: BaseException | None) -> None:
-        """The job's report: tasks report themselves; only a failing job is news."""
-        if error is not None:
-            self.put((-1, None, error))
-
-    def stop(self) -> None:
-        """Drop the tasks not started; the running one finishes."""
-        self.queue.clear()
 
 
 class _Run:
@@ -432,12 +267,9 @@ class _Run:
             self.consumers[i] += 1
         self.ready = [i for i in range(n) if self.waiting[i] == 0]
         heapq.heapify(self.ready)
-        self.results: dict[int, Any] = {}
-        self.sizes: dict[int, int] = {}
-        self.held = 0
         self.running = 0
         self.in_flight = 0
-        self.inbox = _Inbox()
+        self.inbox = Inbox()
         window = TASKS_PER_WORKER * max(1, executor.workers)
         small_depth = getattr(executor, "small_tasks_per_worker", SMALL_TASKS_PER_WORKER)
         deep_window = small_depth * max(1, executor.workers)
@@ -457,27 +289,24 @@ class _Run:
             self.needs = [0 if t.block else need for t, need in zip(tasks, self.needs, strict=True)]
         # GPUs a task is admitted on (a worker process admits against its own GPUs).
         self.devices = [None if self.remote and t.block else t.device for t in tasks]
-        self.seats: dict[int, Seat] = {}  # device tasks in flight -> their seats
-        self.gpu_budgets: dict[str, int] = {}  # read once by check_devices
-        self.gpu_slots = 0
-        self._levels: dict[str, Level] | None = None  # read once per _admit call
+        self.seats = Seats(tasks, self.devices)
         # Kinds of tasks that may run on the lane: those projecting under SMALL_TASK
         # (no lane beside worker processes: the lane saves thread hand-offs; none for
         # device tasks, which run on their GPU's slots).
-        kinds: dict[Any, _Kind] = {}
-        self.kinds: list[_Kind | None] = [
-            (kinds.get(t.fn) or kinds.setdefault(t.fn, _Kind()))
+        kinds: dict[Any, Kind] = {}
+        self.kinds: list[Kind | None] = [
+            (kinds.get(t.fn) or kinds.setdefault(t.fn, Kind()))
             if need < SMALL_TASK and not (self.remote and t.block) and device is None
             else None
             for t, need, device in zip(tasks, self.needs, self.devices, strict=True)
         ]
-        self.lane = _Lane(self.inbox)
+        self.lane = Lane(self.inbox)
         # Callbacks' task_done methods, looked up once rather than for every task.
         self.task_done = [m for cb in callbacks if (m := getattr(cb, "task_done", None))]
         # A profiler follows each task where it runs (types.Tracer); None costs nothing.
         self.tracer: Tracer | None = next((cb for cb in callbacks if isinstance(cb, Tracer)), None)
         self.stats = Stats()
-        self.spilled: list[np.ndarray] = []
+        self.held = Held(keep, self.tracer)  # results waiting for their consumers
         self.level = Level.OK
 
     # -- admission --------------------------------------------------------------------
@@ -486,15 +315,19 @@ class _Run:
         """Hand task ``i`` to the executor, or append it to ``lane`` (the items
         :meth:`_admit` queues on the lane, and reads ahead for, when it returns).
         Scheduler thread only."""
-        args = (*task.args, *[self.results[d] for d in task.deps]) if task.deps else task.args
+        if task.deps:
+            results = self.held.results
+            args = (*task.args, *[results[d] for d in task.deps])
+        else:
+            args = task.args
         fn = task.fn if self.tracer is None else self.tracer.wrap(i, task, task.fn)
         in_flight = self.in_flight = self.in_flight + 1
         running = self.running = self.running + need
         stats = self.stats
         if in_flight > stats.max_in_flight:
             stats.max_in_flight = in_flight
-        if running + self.held > stats.peak_bytes:
-            stats.peak_bytes = running + self.held
+        if running + self.held.bytes > stats.peak_bytes:
+            stats.peak_bytes = running + self.held.bytes
         if lane is not None:
             lane.append((i, fn, args))
             return
@@ -505,7 +338,7 @@ class _Run:
                 self._prefetch(task, remote=True)
             return
 
-        seat = self.seats.get(i)
+        seat = self.seats.held.get(i)
         if seat is None:
 
             def call() -> tuple[Any, float]:
@@ -582,7 +415,7 @@ class _Run:
             self.ready, self.tasks, self.needs, self.limits, self.kinds, self.devices,
         )  # fmt: skip
         self._room = None
-        self._levels = None
+        self.seats.levels = None
         lane: list[Any] = []
         admitted = True
         while ready:
@@ -595,12 +428,13 @@ class _Run:
                 kind = None  # runs on the workers
             if kind is not None and kind.probe_busy():
                 break  # probed one at a time, so no other thread slows it down
-            if devices[i] is not None and not self._seat(i):
+            if devices[i] is not None and not self.seats.seat(
+                i, alone=self.one_always and self.in_flight == 0
+            ):
                 admitted = False
                 break
             if need and not self._reserve(need):
-                if devices[i] is not None:
-                    device_budget.ledger.release(self.seats.pop(i))
+                self.seats.release(i)
                 admitted = False
                 break
             heapq.heappop(ready)
@@ -636,92 +470,6 @@ class _Run:
             room = self._room = budget_module.budget_bytes() - placement.ram_held()
         return ledger.admit(need, room)
 
-    def check_devices(self) -> None:
-        """Read the GPUs' budgets and slots for this run, before any task runs. Raises
-        :class:`~tierflow.errors.OutOfMemoryError` for a device task that projects more
-        than its GPU's whole budget (it could never be admitted), and
-        :class:`~tierflow.errors.TierflowError` for one whose GPU is not here."""
-        asked: dict[tuple[str, int], str] = {}  # (device, bytes) -> the first task's name
-        for t, d in zip(self.tasks, self.devices, strict=True):
-            if d is not None:
-                asked.setdefault((d, t.device_bytes), t.name)
-        if not asked:
-            return
-        self.gpu_budgets = device_budget.budgets()
-        self.gpu_slots = device_budget.slots()
-        for (device, nbytes), name in asked.items():
-            budgets = self.gpu_budgets
-            if device == "cuda":
-                where = max(budgets, key=lambda d: budgets[d], default=None)
-            else:
-                where = device if device in budgets else None
-            if where is None:
-                have = ", ".join(budgets) or "none"
-                raise TierflowError(
-                    f"{name} runs on {device}, which is not here (GPUs: {have}); run it with "
-                    "device='cpu' or on a machine with that GPU"
-                )
-            if nbytes > budgets[where]:
-                figures = {b.id: b for b in device_budget.device_budgets()}
-                fig = figures.get(where)
-                why = (
-                    f" ({format_bytes(fig.free)} free of {format_bytes(fig.total)} less a "
-                    f"margin of {format_bytes(fig.margin)})"
-                    if fig is not None
-                    else ""
-                )
-                largest = " (the largest of the GPUs here)" if device == "cuda" else ""
-                raise OutOfMemoryError(
-                    f"{name} needs {format_bytes(nbytes, 3)} on the GPU (blocks in, result "
-                    f"out and the function's own tensors), more than the whole budget of "
-                    f"{where}{largest}: {format_bytes(budgets[where], 3)}{why}; make blocks "
-                    "smaller (rows=), run it on another device (device='cuda:N' with more "
-                    "free memory, or 'cpu'), or lower the margin (gpu_margin, "
-                    "TIERFLOW_GPU_MARGIN)"
-                )
-
-    def _seat(self, i: int) -> bool:
-        """Seat device task ``i`` on a GPU slot (module docstring, "GPUs"); False when
-        it must wait. Scheduler thread only."""
-        task, device = self.tasks[i], self.devices[i]
-        assert device is not None
-        budgets = self.gpu_budgets
-        caller = tier.current_device()  # a compute inside a device task: its GPU
-        if device == "cuda" and caller in budgets:
-            device = caller
-        candidates = list(budgets) if device == "cuda" else [device]
-        ledger = device_budget.ledger
-        if self.one_always and self.in_flight == 0:
-            # A nested run: its caller holds a slot and waits for this task.
-            where = max(candidates, key=lambda d: budgets.get(d, 0) - ledger.admitted(d))
-            self.seats[i] = ledger.force(where, task.device_bytes)
-            return True
-        levels = self._levels
-        if levels is None:  # read once per _admit call
-            levels = self._levels = device_budget.levels_now()
-        # Blocks persisted on a GPU (persist(device=...)) take room from its budget, and
-        # make way for device tasks: spilled to the host, largest first, when a task
-        # would not fit beside them.
-        kept = {d: device_store.held_on(d) for d in candidates}
-        for d, held in kept.items():
-            if held and levels.get(d, Level.OK).rank >= Level.HIGH.rank:
-                # The GPU is under pressure (another process, or memory outside
-                # tierflow's count): its persisted blocks go to the host.
-                device_store.make_room(d, held)
-                kept[d] = device_store.held_on(d)
-        room = {d: max(0, budgets[d] - kept[d]) for d in candidates if d in budgets}
-        seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
-        if seat is None and any(kept.values()):
-            where = max(candidates, key=lambda d: kept[d])
-            short = task.device_bytes - (room.get(where, 0) - ledger.admitted(where))
-            if short > 0 and device_store.make_room(where, short):
-                room[where] = max(0, budgets.get(where, 0) - device_store.held_on(where))
-                seat = ledger.seat(candidates, task.device_bytes, room, levels, self.gpu_slots)
-        if seat is None:
-            return False
-        self.seats[i] = seat
-        return True
-
     # -- results ----------------------------------------------------------------------
 
     def _finished(self, i: int, outcome: Any) -> None:
@@ -734,24 +482,16 @@ class _Run:
         if need:
             self.running -= need
             budget_module.ledger.finish(need)
-        if self.seats:
-            seat = self.seats.pop(i, None)
-            if seat is not None:
-                device_budget.ledger.release(seat)
+        if self.seats.held:
+            self.seats.release(i)
         result, seconds = outcome
-        if consumers[i] > 0:
-            self.results[i] = result
-            size = _nbytes_in_ram(result)
-            if size:
-                self.sizes[i] = size
-                self.held += size
-                budget_module.ledger.hold(size)
-                if self.running + self.held > stats.peak_bytes:
-                    stats.peak_bytes = self.running + self.held
+        held = self.held
+        if consumers[i] > 0 and held.hold(i, result):
+            stats.peak_bytes = max(stats.peak_bytes, self.running + held.bytes)
         for d in task.deps:
             consumers[d] -= 1
             if consumers[d] == 0:
-                self._release(d)
+                held.release(d)
         dependents = self.dependents[i]
         if dependents:
             waiting = self.waiting
@@ -768,67 +508,11 @@ class _Run:
             for method in self.task_done:
                 method(event)
 
-    def _release(self, i: int) -> None:
-        value = self.results.pop(i, None)
-        size = self.sizes.pop(i, 0)
-        if size:
-            self.held -= size
-            budget_module.ledger.drop(size)
-        if size == 0 and self.spilled and value is not None:
-            self._unmap_spilled(value)
-
-    def _unmap_spilled(self, value: Any) -> None:
-        """Drop the pages of a released result's spill files from this process.
-
-        Its consumers read them back through the mapping (an append writes the block
-        to its file from there), which leaves them resident as file-backed RSS the
-        budget does not count, until the files are deleted when the run ends; at a few
-        MB per block that outgrew the budget. The file stays valid (a view of it, if a
-        consumer returned one, faults its pages back in); it is deleted at the end.
-        """
-        if isinstance(value, (tuple, list)):
-            for v in value:
-                self._unmap_spilled(v)
-        elif isinstance(value, np.memmap) and any(value is m for m in self.spilled):
-            pages.release(value, drop_cache=True)
-
-    def _spill_held(self, why: str) -> None:
-        """Move held results to spill files, largest first (see the module docstring)."""
-        order = sorted((size, i) for i, size in self.sizes.items() if size and i not in self.keep)
-        limit = budget_module.budget_bytes() // HELD_SHARE
-        for size, i in reversed(order):
-            if why == "held" and budget_module.ledger.held <= limit // 2:
-                break
-            self.results[i] = self._to_disk(self.results[i])
-            self.held -= size
-            budget_module.ledger.drop(size)
-            self.sizes[i] = 0
-            self.stats.spilled_bytes += size
-            if self.tracer is not None:
-                self.tracer.spilled(i, size)
-            log.info("spilled a held result of %d bytes (%s)", size, why)
-
-    def _to_disk(self, value: Any) -> Any:
-        if isinstance(value, tuple):
-            return tuple(self._to_disk(v) for v in value)
-        if isinstance(value, list):
-            return [self._to_disk(v) for v in value]
-        if isinstance(value, np.ndarray) and value.nbytes and _nbytes_in_ram(value):
-            # Read-only under a read lease: a truncated spill file cannot fault readers.
-            mapped = spill.write_array(np.ascontiguousarray(value))
-            pages.release(mapped, drop_cache=True)
-            self.spilled.append(mapped)
-            return mapped
-        return value
-
     def _pressure(self) -> None:
         level = pressure.level_now()
-        if level is not self.level:
-            if level == Level.CRITICAL and self.held:
-                self._spill_held("critical pressure")
-            self.level = level
-        if self.held and budget_module.ledger.held > budget_module.budget_bytes() // HELD_SHARE:
-            self._spill_held("held")
+        critical = level is not self.level and level == Level.CRITICAL
+        self.level = level
+        self.held.relieve(critical)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -880,18 +564,10 @@ class _Run:
     def cleanup(self) -> None:
         """Give back what the run still has admitted (tasks that did not report, held
         results) and delete its spill files."""
-        ledger = budget_module.ledger
-        ledger.finish(self.running)
-        ledger.drop(self.held)
-        self.running = self.held = 0
-        for seat in self.seats.values():
-            device_budget.ledger.release(seat)
-        self.seats.clear()
-        for mapped in self.spilled:
-            record = spill.spill_file_of(mapped)
-            if record is not None:
-                spill.discard(record)
-        self.spilled.clear()
+        budget_module.ledger.finish(self.running)
+        self.running = 0
+        self.seats.release_all()
+        self.held.cleanup()
 
 
 def run(
@@ -926,9 +602,10 @@ def run(
                 )
             )
     try:
-        state.check_devices()
+        state.seats.check()
         state.loop()
-        return {i: state.results[i] for i in state.keep if i in state.results}, state.stats
+        results = state.held.results
+        return {i: results[i] for i in state.keep if i in results}, state.stats
     except BaseException as exc:
         error = exc
         state.lane.stop()
@@ -938,6 +615,7 @@ def run(
         state.cleanup()
         state.stats.seconds = time.perf_counter() - started
         state.stats.oom_retries = halving.retries() - retries_before
+        state.stats.spilled_bytes = state.held.spilled_bytes
         finished = ComputeFinished(
             len(tasks), state.stats.done, state.stats.seconds, state.stats.peak_bytes,
             state.stats.spilled_bytes, state.stats.oom_retries, error,
