@@ -3,6 +3,7 @@ specs, blocks and partials:
 
 * :mod:`.external_sort`: the external merge sort (``np.sort`` and ``np.argsort`` along
   the rows, ``tw.sort_rows``, ``np.partition``);
+* :mod:`.topk`: ``tw.topk``'s reduction, the ``k`` largest of each column;
 * :mod:`.quantiles`: the passes that find the order statistics of ``np.quantile``,
   ``np.median`` and the others, and NumPy's interpolation on them;
 * :mod:`.distinct`: distinct values spilled by value range.
