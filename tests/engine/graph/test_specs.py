@@ -23,11 +23,11 @@ import pytest
 
 import tierflow.engine
 from tierflow.engine import graph
-from tierflow.engine.api import blockwise, frequencies, linalg, products
+from tierflow.engine.api import blockwise, linalg, products
 from tierflow.engine.graph import specs
 from tierflow.engine.graph.keyed import Keyed, key_parts
 from tierflow.engine.planning import counting
-from tierflow.engine.rowwide import external_sort, quantiles, topk
+from tierflow.engine.rowwide import external_sort, frequencies, quantiles, topk
 from tierflow.operators import reductions
 from tierflow.operators.order_stats import Limits
 from tierflow.storage import identity

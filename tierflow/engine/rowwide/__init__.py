@@ -6,7 +6,10 @@ specs, blocks and partials:
 * :mod:`.topk`: ``tw.topk``'s reduction, the ``k`` largest of each column;
 * :mod:`.quantiles`: the passes that find the order statistics of ``np.quantile``,
   ``np.median`` and the others, and NumPy's interpolation on them;
-* :mod:`.distinct`: distinct values spilled by value range.
+* :mod:`.frequencies`: the reductions of ``np.unique`` (its table of values, counts and
+  first indices; its inverse) and ``np.bincount``, and the table's outputs;
+* :mod:`.distinct`: distinct values spilled by value range, what ``np.unique``'s table
+  merges with.
 
 Imports: the program and below (program, io, graph, gpu; operators, storage, system),
 never the API, the runtime, planning or observe. The API imports this package; the
