@@ -89,8 +89,8 @@ def _lazy(function: str, a: Any, q: Any, axis: Any, method: str, keepdims: Any) 
         if _rows_decide(function, node, q, axis, method):
             return _once_counted(function, array, q, axis, method, keep)
     rule = rule_of(function, array, q, axis=axis, method=method, keepdims=keep)
-    passes = quantile_passes(array, rule)
-    return build.wrap(graph.Apply(finish, (passes[-1]._node,), {"rule": rule}, name=rule.function))
+    last = quantile_passes(array, rule)[-1]
+    return build.wrap(graph.Apply(finish, (last._node,), {"rule": rule}, name=rule.function))
 
 
 def _numpy_on(function: str, node: Chunked, rows: int, q: Any, axis: Any, **kwargs: Any) -> Any:
