@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import tierflow as tw
 from tierflow.engine.api import quantiles
 from tierflow.engine.planning.plan import Target, build_plan, describe
+from tierflow.engine.rowwide import quantiles as rowwide_quantiles
 from tierflow.operators import order_stats
 from tierflow.operators.order_stats import Limits
 
@@ -34,7 +35,7 @@ FUNCTIONS = ["quantile", "percentile", "median", "nanquantile", "nanpercentile",
 def tiny_limits(monkeypatch: pytest.MonkeyPatch) -> Iterator[Limits]:
     """At most 16 collected values and small histograms: most searches refine."""
     limits = Limits(bins=1024, collect=16)
-    monkeypatch.setattr(quantiles, "limits_for", lambda budget: limits)
+    monkeypatch.setattr(rowwide_quantiles, "limits_for", lambda budget: limits)
     yield limits
 
 
@@ -199,7 +200,7 @@ def test_collected_values_stay_under_the_limit() -> None:
     assert search.peak_bins <= 64
     assert search.passes >= 3  # 64 bins cut 20,000 values to 100 only after a few passes
     assert not search.open
-    np.testing.assert_array_equal(quantiles.finish(search, rule), np.median(a, axis=0))
+    np.testing.assert_array_equal(rowwide_quantiles.finish(search, rule), np.median(a, axis=0))
 
 
 def test_heavy_ties_settle_in_the_passes_the_dtype_allows() -> None:
@@ -211,13 +212,13 @@ def test_heavy_ties_settle_in_the_passes_the_dtype_allows() -> None:
     assert len(passes) - 1 == order_stats.passes_needed(np.float64, 1, 4, limits)
     assert not search.open and search.peak_collected <= 10
     np.testing.assert_array_equal(
-        quantiles.finish(search, rule), np.quantile(a, [0.5, 0.99], axis=0)
+        rowwide_quantiles.finish(search, rule), np.quantile(a, [0.5, 0.99], axis=0)
     )
 
 
 def test_plan_shows_the_passes_as_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        quantiles, "limits_for", lambda budget: Limits(bins=1 << 18, collect=1 << 12)
+        rowwide_quantiles, "limits_for", lambda budget: Limits(bins=1 << 18, collect=1 << 12)
     )
     x = tw.from_array(np.arange(1000, dtype=np.float32).reshape(500, 2), rows=100)
     plan = build_plan([Target(np.median(x, axis=0)._node)], workers=2, budget=64 << 20)
@@ -341,7 +342,7 @@ def test_keys_keep_the_order_of_values() -> None:
 
 def test_a_tiny_budget_bounds_what_the_passes_hold(tmp_path: Any) -> None:
     tw.memory.budget("2MB")
-    limits = quantiles.limits_for(2 << 20)
+    limits = rowwide_quantiles.limits_for(2 << 20)
     assert limits.collect * 8 + limits.bins * 8 <= (2 << 20) // 16 + 16 * 1024
     a = np.random.default_rng(6).standard_normal((300_000, 3))  # 7.2 MB: 3.6 budgets
     a[::97, 1] = np.nan
@@ -355,7 +356,7 @@ def test_a_tiny_budget_bounds_what_the_passes_hold(tmp_path: Any) -> None:
     assert search.peak_collected <= limits.collect
     assert search.peak_bins > 0  # 300,000 values per column do not fit: histograms first
     np.testing.assert_array_equal(
-        quantiles.finish(search, rule), np.nanpercentile(a, [10, 50, 90], axis=0)
+        rowwide_quantiles.finish(search, rule), np.nanpercentile(a, [10, 50, 90], axis=0)
     )
     (value,) = tw.compute(np.nanpercentile(x, [10, 50, 90], axis=0), progress=False)
     np.testing.assert_array_equal(value, np.nanpercentile(a, [10, 50, 90], axis=0))

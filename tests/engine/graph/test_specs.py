@@ -23,11 +23,11 @@ import pytest
 
 import tierflow.engine
 from tierflow.engine import graph
-from tierflow.engine.api import blockwise, frequencies, linalg, products, quantiles, sort
+from tierflow.engine.api import blockwise, linalg, products
 from tierflow.engine.graph import specs
 from tierflow.engine.graph.keyed import Keyed, key_parts
 from tierflow.engine.planning import counting
-from tierflow.engine.rowwide import external_sort
+from tierflow.engine.rowwide import external_sort, frequencies, quantiles, topk
 from tierflow.operators import reductions
 from tierflow.operators.order_stats import Limits
 from tierflow.storage import identity
@@ -135,7 +135,7 @@ def _samples() -> dict[type, tuple[Any, Any]]:
         (frequencies.UniqueSpec(False, False, False), frequencies.UniqueSpec(True, True, True)),
         (frequencies.InverseSpec(False), frequencies.InverseSpec(True)),
         (frequencies.BincountSpec(False, 0), frequencies.BincountSpec(True, 4)),
-        (sort.TopKSpec(2), sort.TopKSpec(3)),
+        (topk.TopKSpec(2), topk.TopKSpec(3)),
         (
             counting.CountSpec("rows", (0, 2, 4), 2, "x"),
             counting.CountSpec("nonzero", None, 3, "mask"),
@@ -253,7 +253,7 @@ def test_specs_of_two_kinds_with_equal_fields_have_different_keys() -> None:
 
 
 def test_specs_are_frozen() -> None:
-    spec = sort.TopKSpec(3)
+    spec = topk.TopKSpec(3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.k = 4  # type: ignore[misc]
 

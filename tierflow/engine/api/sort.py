@@ -1,11 +1,12 @@
 """Sorting along the rows, lazily: ``np.sort(x, axis=0)``, ``np.argsort(x, axis=0)``,
 ``tw.sort_rows``, ``tw.topk`` and ``np.partition``.
 
-Sorts run as an external merge sort (:mod:`tierflow.engine.rowwide.external_sort`): the result
-is a lazy array like any other (sum it, slice it, write it with ``to_npy``), computed
-in two passes with bounded memory. ``topk`` is a reduction (one pass, ``k`` rows per
-column held). Orders are NumPy's ``kind="stable"``: ties keep their original order,
-NaN goes last (also when descending, as pandas puts it).
+Sorts run as an external merge sort (:mod:`tierflow.engine.rowwide.external_sort`):
+the result is a lazy array like any other (sum it, slice it, write it with
+``to_npy``), computed in two passes with bounded memory. ``topk`` is a reduction (one
+pass, ``k`` rows per column held: :mod:`tierflow.engine.rowwide.topk`). Orders are
+NumPy's ``kind="stable"``: ties keep their original order, NaN goes last (also when
+descending, as pandas puts it).
 """
 
 from __future__ import annotations
@@ -13,18 +14,15 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...operators import byteorder
 from ...operators import sorting as kernels
-from ...operators.types import combine_partials
 from .. import graph
-from ..graph import Chunked, Value, specs
-from ..graph.specs import Dtypes, Shapes, Values
+from ..graph import Chunked, Value
 from ..rowwide.external_sort import Sorting, check_kth, sorted_node
+from ..rowwide.topk import TopKSpec, top
 from . import build, dispatch
 from .creation import from_array
 
@@ -122,88 +120,6 @@ def _sort_rows_now(values: np.ndarray, by: tuple[int, ...], descending: bool) ->
 # -- top k ------------------------------------------------------------------------------
 
 
-def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """The first ``k`` rows of each column of ``values`` (``[rows, columns]``) in the
-    stable descending order: largest first, NaN after every number, equal values in
-    their order in ``values``.
-
-    ``np.partition`` finds each column's ``k``-th key; the keys below it and the first
-    of those equal to it (by position, which is what keeps ``-0.0`` and ``0.0`` in
-    their order) are the ``k`` kept, then sorted."""
-    key = kernels.descending_key(values)
-    if values.shape[0] > k:
-        kth = np.partition(key, k - 1, axis=0)[k - 1]
-        below, equal = key < kth, key == kth
-        if key.dtype.kind == "f":
-            nan = np.isnan(kth)
-            below |= nan & ~np.isnan(key)
-            equal |= nan & np.isnan(key)
-        wanted = k - below.sum(axis=0)
-        kept = below | (equal & (np.cumsum(equal, axis=0) <= wanted))
-        width = values.shape[1]
-        values = values.T[kept.T].reshape(width, k).T
-        key = key.T[kept.T].reshape(width, k).T
-    return np.take_along_axis(values, kernels.stable_order(key, axis=0), axis=0)
-
-
-class TopK:
-    """The reduction behind :func:`topk`: each partial holds the first ``k`` of each
-    column so far in the stable descending order (fewer while fewer rows were seen);
-    partials combine in row order, which keeps equal values in their order."""
-
-    n_inputs = 1
-    row_independent = False
-    commutative = False
-
-    def __init__(self, k: int, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
-        self.k = k
-        self.in_dtype = np.dtype(dtype)
-        self.row_shape = tuple(row_shape)
-        self.out_dtype = self.in_dtype
-        self.out_shape = (k, *self.row_shape)
-
-    def chunk(self, block: np.ndarray, row_offset: int = 0) -> np.ndarray | None:
-        if block.shape[0] == 0:
-            return None
-        return _top(block.reshape(block.shape[0], -1), self.k)
-
-    def combine(self, a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
-        return combine_partials(a, b, self._top_of_both)
-
-    def _top_of_both(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return _top(byteorder.join([a, b]), self.k)
-
-    def aggregate(self, partial: np.ndarray | None) -> np.ndarray:
-        rows = 0 if partial is None else partial.shape[0]
-        if rows < self.k:
-            raise ValueError(
-                f"topk: k={self.k} is more than the {rows} rows of the array; ask for at "
-                f"most {rows}"
-            )
-        assert partial is not None
-        return partial.reshape(self.out_shape)
-
-    def temp_bytes(self, rows: int) -> int:
-        cells = rows * int(np.prod(self.row_shape, dtype=np.int64))
-        return cells * (2 * self.in_dtype.itemsize + 8)
-
-    def partial_bytes(self) -> int:
-        return self.k * int(np.prod(self.row_shape, dtype=np.int64)) * self.in_dtype.itemsize
-
-
-@dataclass(frozen=True)
-class TopKSpec(specs.ReduceSpec):
-    """Builds :class:`TopK` for a :class:`~tierflow.engine.graph.nodes.Reduce` node."""
-
-    k: int
-
-    def build(self, dtypes: Dtypes, row_shapes: Shapes, n_rows: int | None, values: Values) -> TopK:
-        return TopK(self.k, dtypes[0], row_shapes[0])
-
-    def label(self) -> str:
-        return f"topk({self.k})"
-
-
 def topk(x: Any, k: int, axis: int = 0) -> Array:
     """The ``k`` largest values of each column of ``x``, largest first.
 
@@ -243,7 +159,7 @@ def topk(x: Any, k: int, axis: int = 0) -> Array:
     if isinstance(node, Value):
         row_shape = tuple(node.shape[1:])
         return build.value_apply(
-            lambda v: _top(np.asarray(v).reshape(len(v), -1), k).reshape(k, *row_shape),
+            lambda v: top(np.asarray(v).reshape(len(v), -1), k).reshape(k, *row_shape),
             node,
             name=f"topk({k})",
         )

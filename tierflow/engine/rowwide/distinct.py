@@ -1,6 +1,6 @@
 """Distinct values of row blocks: sorted runs merged as a tree, spilled by value range.
 
-What ``np.unique`` and ``tw.value_counts`` reduce with (:mod:`tierflow.engine.api.frequencies`).
+What ``np.unique`` and ``tw.value_counts`` reduce with (:class:`.frequencies.UniqueTable`).
 
 Keys
 ----

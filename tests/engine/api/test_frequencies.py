@@ -23,10 +23,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tierflow as tw
-from tierflow.engine.api import frequencies
 from tierflow.engine.io.memory import ArraySink
 from tierflow.engine.planning.plan import Target, build_plan, describe
-from tierflow.engine.rowwide import distinct
+from tierflow.engine.rowwide import distinct, frequencies
 from tierflow.errors import OutOfMemoryError
 from tierflow.storage import spill
 
