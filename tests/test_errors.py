@@ -77,3 +77,41 @@ def test_a_progress_bar_without_tqdm_names_the_extra(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(DependencyError, match=r"^a progress bar needs the optional package"):
         tw.from_array(np.ones((4, 2))).sum().compute(progress=True)
+
+
+def _every_error_class() -> list[type[BaseException]]:
+    import pkgutil
+
+    for module in pkgutil.walk_packages(tierflow.__path__, "tierflow."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    found, todo = [], [errors.TierflowError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
+
+@pytest.mark.parametrize("pickling", ["pickle", "tblib"])
+def test_every_error_crosses_a_process_boundary_as_itself(pickling: str) -> None:
+    # dask and distributed install tblib's exception pickling in every process that
+    # imports them (a Dask worker, a worker process that ran a dask graph): it made an
+    # OutOfMemoryError (a MemoryError) fail to unpickle, so a worker sent back a
+    # RemoteError with the traceback instead of the error.
+    import pickle
+
+    if pickling == "tblib":
+        pickling_support = pytest.importorskip("tblib.pickling_support")
+        pickling_support.install()
+    classes = _every_error_class()
+    assert len(classes) > 10, classes
+    for cls in classes:
+        try:
+            error = cls("the message")
+        except TypeError:
+            error = cls("the message", "a detail")
+        error.add_note("a note")
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is cls and back.args == error.args, cls
+        assert back.__dict__ == error.__dict__, cls

@@ -55,6 +55,12 @@ class StoreError(TierflowError, OSError):
 class OutOfMemoryError(TierflowError, MemoryError):
     """Memory ran out and retrying with smaller pieces did not help."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt by calling the class. tblib's exception pickling, which dask and
+        # distributed install in every process that imports them, would otherwise call
+        # MemoryError.__new__ on this class, which Python refuses.
+        return (type(self), self.args, self.__dict__)
+
 
 class SourceError(TierflowError, ValueError):
     """A file cannot be read as rows: bad ``.npy`` header, wrong size, unsupported layout."""

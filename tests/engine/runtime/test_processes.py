@@ -24,7 +24,7 @@ import pytest
 import tierflow as tw
 from tierflow.engine.program import tasks
 from tierflow.engine.runtime.executors import ProcessExecutor, WorkerDied, make_executor
-from tierflow.engine.runtime.executors.processes import TRIES
+from tierflow.engine.runtime.executors.processes import TRIES, RemoteError
 from tierflow.engine.types import RowRange
 from tierflow.errors import BlockError, PortabilityError
 from tierflow.system import processes
@@ -318,6 +318,27 @@ def test_a_result_that_cannot_come_back_is_refused_clearly() -> None:
     r = x.reduction(lambda b: _Locked(), lambda a, b: a, lambda p: 0.0, dtype=np.float64, shape=())
     with pytest.raises(PortabilityError, match="result cannot be sent back from a worker"):
         r.compute()
+
+
+class _TwoPartError(Exception):
+    """An error that does not unpickle: pickle rebuilds it with its message alone."""
+
+    def __init__(self, message: str, part: int) -> None:
+        super().__init__(message)
+        self.part = part
+
+
+def _raises_two_part(block: np.ndarray) -> np.ndarray:
+    raise _TwoPartError(f"part of {len(block)} rows", 2)
+
+
+def test_an_error_that_cannot_come_back_arrives_as_its_traceback_and_the_reason() -> None:
+    x = tw.from_array(np.zeros((30, 1)), rows=10)
+    with pytest.raises(RemoteError) as caught:
+        x.map_blocks(_raises_two_part, dtype=np.float64, row_shape=(1,)).compute()
+    message = str(caught.value)
+    assert "_TwoPartError: part of 10 rows" in message  # the worker's traceback
+    assert "(it does not pickle: TypeError: " in message  # and why it is only that
 
 
 # -- no outcome lost: computes sharing the pool, deaths the pipes do not show ----------

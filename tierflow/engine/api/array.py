@@ -832,9 +832,9 @@ class Array:
         axis: lazy, one block at a time (also as ``np.sort(x, axis=1)`` and so on).
 
         ``sort`` and ``argsort`` along the rows (axis 0, or None for a 1-D array) are an
-        external merge sort (:mod:`tierflow.engine.api.sort`). The others need every row
-        at once along axis 0, which a chunked array does not have: that raises
-        ValueError. ``out=`` is not supported."""
+        external merge sort (:mod:`tierflow.engine.rowwide.external_sort`). The others
+        need every row at once along axis 0, which a chunked array does not have: that
+        raises ValueError. ``out=`` is not supported."""
         function = block_operators.ALONG_AXIS.get(name)
         if function is None:
             raise ValueError(

@@ -94,8 +94,8 @@ def _wire_error(exc: BaseException) -> tuple[bytes | None, str]:
     try:
         data = cloudpickle.dumps(chain)
         pickle.loads(data)
-    except Exception:
-        return None, text
+    except Exception as why:
+        return None, f"{text}(it does not pickle: {type(why).__name__}: {why})\n"
     return data, text
 
 
