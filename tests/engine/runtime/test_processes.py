@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,17 @@ def _in_thread(fn: Callable[[], np.ndarray]) -> tuple[threading.Thread, dict[str
     return thread, out
 
 
+def _holding_block_0(x: Any, folder: Path, workers: int) -> tuple[threading.Thread, dict[str, Any]]:
+    """``x.map_blocks(_holds_block_0)`` computed on ``workers`` worker processes on a
+    thread (:func:`_in_thread`), once its block 0 is held (until ``folder/release``)."""
+    held = x.map_blocks(_holds_block_0(str(folder)), dtype=np.float64, row_shape=(1,))
+    thread, out = _in_thread(
+        lambda: held.compute(executor="processes", workers=workers, progress=False)
+    )
+    wait_for(lambda: (folder / "held").exists(), 60, "block 0 to be held")
+    return thread, out
+
+
 def test_a_failing_compute_cancels_only_its_own_tasks_with_the_clusters_alive(
     tmp_path: Path, dask_client: Any, ray_runtime: Any
 ) -> None:
@@ -380,9 +392,7 @@ def test_a_failing_compute_cancels_only_its_own_tasks_with_the_clusters_alive(
     # (the driver in the scheduler's inbox, the new workers idle), and so did every
     # later compute on the pool. The Dask and Ray runtimes run alongside, as in the suite.
     x = tw.from_array(np.arange(200.0).reshape(200, 1), rows=10)
-    good = x.map_blocks(_holds_block_0(str(tmp_path)), dtype=np.float64, row_shape=(1,))
-    thread, out = _in_thread(lambda: good.compute(executor="processes", workers=2, progress=False))
-    wait_for(lambda: (tmp_path / "held").exists(), 60, "block 0 to be held")
+    thread, out = _holding_block_0(x, tmp_path, workers=2)
     with pytest.raises(BlockError, match="block 3 is bad"):
         (x * 10).map_blocks(_fails_on_block_3).compute(workers=2, progress=False)
     (tmp_path / "release").touch()
@@ -394,6 +404,57 @@ def test_a_failing_compute_cancels_only_its_own_tasks_with_the_clusters_alive(
     np.testing.assert_array_equal(x.map_blocks(_double).compute(workers=2), x.compute() * 2)
 
 
+def test_a_compute_never_waits_behind_another_computes_task_while_a_worker_is_free(
+    tmp_path: Path,
+) -> None:
+    # One compute holds a worker with a long task; the other worker is free. The second
+    # compute's tasks once went to the least busy worker whatever it ran: its second
+    # task queued behind the long one, and the compute waited for it.
+    one_block = tw.from_array(np.arange(10.0).reshape(10, 1), rows=10)
+    thread, out = _holding_block_0(one_block, tmp_path, workers=2)
+    x = tw.from_array(np.arange(1.0, 201.0).reshape(200, 1), rows=10)
+    other, other_out = _in_thread(
+        lambda: x.map_blocks(_double).compute(executor="processes", workers=2, progress=False)
+    )
+    other.join(30)
+    finished = not other.is_alive()
+    (tmp_path / "release").touch()
+    thread.join(60)
+    other.join(60)
+    assert finished, "the second compute waited for the first one's long task"
+    assert "error" not in other_out, other_out.get("error")
+    np.testing.assert_array_equal(other_out["result"], np.arange(1.0, 201.0).reshape(200, 1) * 2)
+    assert "error" not in out, out.get("error")
+    np.testing.assert_array_equal(out["result"], np.arange(10.0).reshape(10, 1) * 2)
+
+
+def _sleeps(folder: str) -> object:
+    """A function that says it has started (``started``) and takes 10 ms a block."""
+
+    def work(block: np.ndarray) -> np.ndarray:
+        Path(folder, "started").touch()
+        time.sleep(0.01)
+        return block * 2
+
+    return work
+
+
+def test_two_computes_on_one_busy_worker_take_turns(tmp_path: Path) -> None:
+    # A long compute keeps the pool's one worker busy. A short one started after it
+    # takes its turn rather than waiting for the long one to end.
+    long = tw.from_array(np.arange(300.0).reshape(300, 1), rows=1)
+    slow = long.map_blocks(_sleeps(str(tmp_path)), dtype=np.float64, row_shape=(1,))
+    thread, out = _in_thread(lambda: slow.compute(executor="processes", workers=1, progress=False))
+    wait_for(lambda: (tmp_path / "started").exists(), 60, "the long compute to start")
+    short = tw.from_array(np.arange(5.0).reshape(5, 1), rows=1)
+    got = short.map_blocks(_double).compute(executor="processes", workers=1, progress=False)
+    assert thread.is_alive(), "the short compute waited for the long one (3 s) to end"
+    np.testing.assert_array_equal(got, np.arange(5.0).reshape(5, 1) * 2)
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    np.testing.assert_array_equal(out["result"], np.arange(300.0).reshape(300, 1) * 2)
+
+
 def _kills_block_0(block: np.ndarray) -> np.ndarray:
     if block[0, 0] == 0:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -403,13 +464,12 @@ def _kills_block_0(block: np.ndarray) -> np.ndarray:
 def test_a_death_counts_against_the_task_running_not_those_queued_behind_it(
     tmp_path: Path,
 ) -> None:
-    # One worker: the other compute's tasks queue behind the killer's on it. Each
-    # death once counted against every task queued there, so after three deaths a
-    # task that never ran failed with WorkerDied.
+    # One worker, two computes. Each death once counted against every task queued on
+    # the worker, so after three deaths a task that never ran failed with WorkerDied:
+    # the killer's own tasks queue behind it (those of the other compute wait in the
+    # pool, which never queues them behind another compute's).
     x = tw.from_array(np.arange(200.0).reshape(200, 1), rows=10)
-    good = x.map_blocks(_holds_block_0(str(tmp_path)), dtype=np.float64, row_shape=(1,))
-    thread, out = _in_thread(lambda: good.compute(executor="processes", workers=1, progress=False))
-    wait_for(lambda: (tmp_path / "held").exists(), 60, "block 0 to be held")
+    thread, out = _holding_block_0(x, tmp_path, workers=1)
     killer = x.map_blocks(_kills_block_0, dtype=np.float64, row_shape=(1,))
     bad, bad_out = _in_thread(
         lambda: killer.compute(executor="processes", workers=1, progress=False)

@@ -27,12 +27,16 @@ A worker that dies while running a task (killed by the kernel's OOM killer, a
 counts against the task it was running, not against those queued behind it: after
 :data:`TRIES` deaths a task fails with :class:`WorkerDied`. Several computes may share
 the pool (threads of one process); one that fails or is interrupted cancels only its own
-tasks. How no outcome is ever lost is in :class:`_Pool`'s docstring.
+tasks. A worker never queues a task behind another compute's: that task could be long,
+and a free worker would wait beside it; the task waits in the pool until a worker is free
+or runs only its own compute's tasks. How no outcome is ever lost is in :class:`_Pool`'s
+docstring.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import faulthandler
 import itertools
@@ -71,6 +75,7 @@ RUNTIME_KEEP = 64  # programs a worker keeps, least recently used dropped first
 KNOWN_PROGRAMS = 32  # programs the driver counts on a worker having (fewer: a margin)
 _SETTINGS = ("spill_dir", "store_dir", "proc_root")  # passed on to workers as they are
 SWEEP_SECONDS = 0.5  # how often the pids of the workers are checked for a death unseen
+_DRAIN = object()  # on the resend queue: send what waits in the backlog, if it has room now
 
 
 class WorkerDied(TierflowError, RuntimeError):
@@ -274,9 +279,12 @@ class _Pool:
     """``size`` spawned workers, the thread that receives their replies, and the thread
     that sends again the tasks of workers that died.
 
-    No outcome is lost. Every task sent is in exactly one worker's ``inflight`` until
-    its reply comes, its worker's death sends it again (or fails it), or its own compute
-    cancels it. A death is seen three ways, whichever comes first: the process's
+    No outcome is lost. Every task is in the pool's ``backlog`` or in exactly one
+    worker's ``inflight`` until its reply comes, its worker's death sends it again (or
+    fails it), or its own compute cancels it. Tasks leave the backlog first come first,
+    each to the least busy worker that is free or holds only tasks of its own compute
+    (its scheduler bounds how many); the first waits, and those behind it, until a
+    reply, a death or a cancel makes room (:meth:`_drain`). A death is seen three ways, whichever comes first: the process's
     sentinel, the end of its pipe, and a sweep of the workers' pids every
     :data:`SWEEP_SECONDS` (a worker's pipe or sentinel can outlive it: a process it
     started keeps them open). The receiving thread never sends (a worker blocked on a
@@ -287,8 +295,8 @@ class _Pool:
     queued behind it are sent again uncharged. Cancelling a compute kills only the
     workers holding its tasks and sends the other computes' tasks there again.
 
-    ``_lock`` guards ``_workers``, every worker's ``inflight`` and ``mourned``; a
-    worker's ``send_lock`` orders the messages sent to it."""
+    ``_lock`` guards ``_workers``, ``_backlog``, every worker's ``inflight`` and
+    ``mourned``; a worker's ``send_lock`` orders the messages sent to it."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -298,7 +306,8 @@ class _Pool:
         self._numbers = itertools.count()
         self._tids = itertools.count()
         self._wake_r, self._wake_w = self._context.Pipe(duplex=False)
-        self._resends: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._backlog: collections.deque[_Pending] = collections.deque()
+        self._resends: queue.SimpleQueue[Any] = queue.SimpleQueue()  # _Pending, _DRAIN, None
         self._closed = False
         self._threads: list[threading.Thread] = []
         self.shipped = 0  # programs sent to workers (each once per worker)
@@ -334,13 +343,47 @@ class _Pool:
         self._send(_Pending(desc, done, owner))
 
     def _send(self, pending: _Pending) -> None:
-        """Send ``pending`` to the least busy worker. A task that cannot be pickled
-        fails; one whose worker died on the way is the death's to send again."""
-        tid = next(self._tids)
+        """Queue ``pending`` behind the tasks waiting in the backlog, and send what has
+        room."""
         with self._lock:
-            self._fill()
-            worker = min(self._workers, key=lambda w: len(w.inflight))
-            worker.inflight[tid] = pending
+            self._backlog.append(pending)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Send the backlog's tasks, first come first, while a worker has room for one."""
+        while True:
+            with self._lock:
+                if not self._backlog:
+                    return
+                self._fill()
+                placed = self._place()
+            if placed is None:
+                return
+            self._transmit(*placed)
+
+    def _place(self) -> tuple[_Worker, int, _Pending] | None:
+        """Take the backlog's first task if a worker has room for it (free, or holding
+        only tasks of its compute), into the least busy such worker's ``inflight``.
+        First come first: a compute's tasks never overtake another's that waits, so
+        neither starves the other. Caller holds ``_lock``."""
+        backlog = self._backlog
+        while backlog and backlog[0].owner.cancelled:
+            backlog.popleft()  # its compute has ended
+        if not backlog:
+            return None
+        owner = backlog[0].owner
+        fits = [w for w in self._workers if all(p.owner is owner for p in w.inflight.values())]
+        if not fits:
+            return None
+        pending = backlog.popleft()
+        worker = min(fits, key=lambda w: len(w.inflight))
+        tid = next(self._tids)
+        worker.inflight[tid] = pending
+        return worker, tid, pending
+
+    def _transmit(self, worker: _Worker, tid: int, pending: _Pending) -> None:
+        """Send ``pending`` to ``worker``. A task that cannot be pickled fails; one whose
+        worker died on the way is the death's to send again."""
         desc = pending.desc
         settings = self._settings()
         with worker.send_lock:
@@ -377,6 +420,12 @@ class _Pool:
             pending = self._resends.get()
             if pending is None:
                 return
+            if pending is _DRAIN:
+                try:
+                    self._drain()
+                except Exception:  # a task's own failure is told to it; never give up
+                    log.debug("the process pool could not send its backlog", exc_info=True)
+                continue
             if pending.owner.cancelled:
                 continue
             try:
@@ -446,6 +495,8 @@ class _Pool:
                 pending = worker.inflight.pop(next(iter(worker.inflight)))
         if pending is None:
             return  # cancelled meanwhile
+        if self._backlog:
+            self._resends.put(_DRAIN)  # room on this worker: never sent from this thread
         if message[0] == "ok":
             try:  # the task's warnings, at the lines that raised them
                 tasks_module.reissue(pending.desc, message[4])
@@ -502,6 +553,8 @@ class _Pool:
                 pending.done(None, _died(how, pending))
             else:
                 self._resends.put(pending)
+        if self._backlog:
+            self._resends.put(_DRAIN)  # its replacement has room
 
     # -- stopping ---------------------------------------------------------------------
 
@@ -519,16 +572,21 @@ class _Pool:
                 others.extend(p for p in w.inflight.values() if p.owner is not owner)
                 w.inflight.clear()
                 self._workers.remove(w)
+            kept = [p for p in self._backlog if p.owner is not owner]
+            self._backlog.clear()
+            self._backlog.extend(kept)
         for w in doomed:
             w.kill()
         for pending in others:
             self._resends.put(pending)
+        self._resends.put(_DRAIN)  # workers started afresh have room
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             workers, self._workers = self._workers, []
-            left = [p for w in workers for p in w.inflight.values()]
+            left = [*self._backlog, *(p for w in workers for p in w.inflight.values())]
+            self._backlog.clear()
             for w in workers:
                 w.inflight.clear()
         for w in workers:
