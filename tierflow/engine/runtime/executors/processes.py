@@ -284,12 +284,12 @@ class _Pool:
     fails it), or its own compute cancels it. Tasks leave the backlog first come first,
     each to the least busy worker that is free or holds only tasks of its own compute
     (its scheduler bounds how many); the first waits, and those behind it, until a
-    reply, a death or a cancel makes room (:meth:`_drain`). A death is seen three ways, whichever comes first: the process's
-    sentinel, the end of its pipe, and a sweep of the workers' pids every
-    :data:`SWEEP_SECONDS` (a worker's pipe or sentinel can outlive it: a process it
-    started keeps them open). The receiving thread never sends (a worker blocked on a
-    full pipe would wait for it) and never dies of an error; resends go through the
-    resending thread.
+    reply, a death or a cancel makes room (:meth:`_drain`). A death is seen three ways,
+    whichever comes first: the process's sentinel, the end of its pipe, and a sweep of
+    the workers' pids every :data:`SWEEP_SECONDS` (a worker's pipe or sentinel can
+    outlive it: a process it started keeps them open). The receiving thread never sends
+    (a worker blocked on a full pipe would wait for it) and never dies of an error;
+    resends go through the resending thread.
 
     A death is charged to the task the worker was running (the first sent); the tasks
     queued behind it are sent again uncharged. Cancelling a compute kills only the
