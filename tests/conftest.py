@@ -42,6 +42,8 @@ def _isolated_settings(
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("TIERFLOW_SPILL_DIR", str(base / "spill"))
     monkeypatch.setenv("TIERFLOW_STORE_DIR", str(base / "store"))
+    # Compiled kernels are shared by the session's tests: each compiles once.
+    monkeypatch.setenv("TIERFLOW_KERNEL_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))
     config.reset()
     pressure.reset()
     yield

@@ -54,6 +54,9 @@ DEFAULTS: dict[str, Any] = {
     "gpu_slots": 2,  # device tasks that run at once on each GPU (one CUDA stream each)
     "device": "cpu",  # where fused operators and reductions run: cpu, auto, cuda, cuda:N
     "copy_bandwidth": 12 * GB,  # bytes/s host-to-GPU copies reach (device="auto" weighs it)
+    "jit": True,  # compile fused reductions with numba: True, False, "eager" (wait for it)
+    "jit_min_bytes": 256 * MB,  # input bytes from which a compute asks for a compile
+    "kernel_dir": None,  # folder of compiled kernels; None = <store_dir>/.kernels
 }
 
 ENVIRONMENT: dict[str, str] = {
@@ -65,6 +68,8 @@ ENVIRONMENT: dict[str, str] = {
     "gpu_margin": "TIERFLOW_GPU_MARGIN",
     "gpu_slots": "TIERFLOW_GPU_SLOTS",
     "device": "TIERFLOW_DEVICE",
+    "jit": "TIERFLOW_JIT",
+    "kernel_dir": "TIERFLOW_KERNEL_DIR",
 }
 
 _EXAMPLES = {
@@ -72,6 +77,7 @@ _EXAMPLES = {
     "budget_fraction": "0.7",
     "gpu_margin": "512MB, 0 or a number of bytes",
     "gpu_slots": "2",
+    "jit": "1, 0 or eager",
 }
 
 _UNITS = {
@@ -166,6 +172,17 @@ def _device(value: Any, origin: str) -> str:
     return text
 
 
+def _jit(value: Any, origin: str) -> bool | str:
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text == "eager":
+        return "eager"
+    raise ConfigError(f"{origin}={value!r} must be 1, 0 or eager")
+
+
 def _cache(value: Any, origin: str) -> Any:
     return value if value not in ("", "0", "false", "False") else None
 
@@ -187,6 +204,9 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "cache": _cache,
     "device": _device,
     "copy_bandwidth": parse_size,
+    "jit": _jit,
+    "jit_min_bytes": parse_size,
+    "kernel_dir": _path,
 }
 
 

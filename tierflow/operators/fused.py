@@ -654,6 +654,11 @@ class FusedKernel:
         self.subblock_bytes = subblock_bytes
         self.sub_rows = self._program.sub_rows
         self._scratch = _Scratch(self._program.specs, self.sub_rows, self._program.width)
+        # The compiled form of a kernel without an epilogue (a
+        # tierflow.operators.compiled.CompiledSlot), attached by the engine; or why
+        # there is none.
+        self.compiled: Any = None
+        self.not_compiled: str | None = None
 
     def __repr__(self) -> str:
         tail = f" -> {self.epilogue!r}" if self.epilogue is not None else ""
@@ -670,6 +675,9 @@ class FusedKernel:
             out, (rows, *self.out_row_shape), self.out_dtype, blocks, "FusedKernel"
         )
         if rows == 0:
+            return result
+        compiled = self.compiled
+        if compiled is not None and compiled.apply(blocks, rows, result):
             return result
         held = self._scratch.get(rows)
         epilogue = self.epilogue
@@ -746,6 +754,10 @@ class FusedReduction:
         self.out_dtype = reduction.out_dtype
         self.out_shape = reduction.out_shape
         self.commutative = reduction.commutative
+        # The compiled form (a tierflow.operators.compiled.CompiledSlot), attached by
+        # the engine; or why there is none.
+        self.compiled: Any = None
+        self.not_compiled: str | None = None
 
     def __repr__(self) -> str:
         return f"FusedReduction({self.kernel.expr!r} -> {self.reduction!r})"
@@ -757,8 +769,17 @@ class FusedReduction:
         if rows == 0:
             return None
         held = self._scratch.get(rows)
-        builtin = self._builtin
         program = self._program
+        compiled = self.compiled
+        if compiled is not None:
+
+            def head(n: int) -> np.ndarray:
+                return program.evaluate([b[:n] for b in blocks], n, held)
+
+            found = compiled.partial(blocks, rows, head)
+            if found is not None:
+                return found
+        builtin = self._builtin
         # The blocks were checked above; a built-in reduction's own chunk would check the
         # values again on every sub-block.
         reduce = builtin._chunk if builtin is not None else self._chunk_checked

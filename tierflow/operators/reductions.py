@@ -529,6 +529,7 @@ class RowReduction(_NamedReduction, abc.ABC):
     row_independent = False
     commutative = True
     n_inputs = 1
+    folds_in_lanes = False  # whether partial_of_lanes builds its partials
 
     def _derive(self) -> None:
         axes, row_shape = self.axes, self.in_row_shape
@@ -592,6 +593,23 @@ class RowReduction(_NamedReduction, abc.ABC):
         piece and combines). Used by FusedReduction."""
         return None
 
+    def partial_of_lanes(
+        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+    ) -> Partial:
+        """The partial of a block of ``rows`` rows from per-lane values that a compiled
+        kernel folded (:mod:`tierflow.operators.compiled`): each array holds lanes of
+        whole rows (lane ``j`` is element ``j % row_elements`` of a row), in the dtype
+        the kernel was told; var/std take the lanes' sums of deviations from ``shift``
+        (one row, float64) and of their squares. Raises TypeError for a reduction
+        without lanes."""
+        raise TypeError(f"{self!r} has no partial of lanes")
+
+    def _fold_lanes(self, ufunc: np.ufunc, lanes: np.ndarray, dtype: Any) -> np.ndarray:
+        """Lanes of whole rows folded into one row, then over the reduced trailing axes."""
+        row_elements = math.prod(self.in_row_shape)
+        folded = ufunc.reduce(lanes.reshape(-1, row_elements), axis=0, dtype=dtype)
+        return self._reduce_trailing(ufunc, np.asarray(folded), dtype)
+
     @abc.abstractmethod
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
         """The partial of one block (``row_offset``: its first row in the array)."""
@@ -639,6 +657,7 @@ class _UfuncReduction(RowReduction):
         # shows which): values are folded in NumPy's order, blocks in row order.
         self._in_order = self.kind in ("min", "max") and self.in_dtype.kind == "c"
         self.commutative = not self._in_order
+        self.folds_in_lanes = not self._in_order
 
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
         if self._in_order:  # every reduced axis at once, in NumPy's order
@@ -654,6 +673,11 @@ class _UfuncReduction(RowReduction):
         dtype = _lane_dtype(self.ufunc, self.in_dtype, self.acc)
         return _Accumulated(self, _UfuncLanes(self.ufunc, dtype, row_elements, fold))
 
+    def partial_of_lanes(
+        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+    ) -> Partial:
+        return self._fold_lanes(self.ufunc, lanes[0], lanes[0].dtype)
+
     def _combine(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.asarray(self.ufunc(a, b, out=np.empty_like(a)))
 
@@ -666,6 +690,8 @@ class _UfuncReduction(RowReduction):
 
 
 class _CountNonzero(RowReduction):
+    folds_in_lanes = True
+
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
         if len(self.axes) == block.ndim:
             return np.asarray(np.count_nonzero(block), dtype=np.intp)
@@ -673,6 +699,11 @@ class _CountNonzero(RowReduction):
         for _, piece in _subblocks(block, 1):
             total += self._reduce(np.add, piece.astype(bool), np.intp)
         return total
+
+    def partial_of_lanes(
+        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+    ) -> Partial:
+        return self._fold_lanes(np.add, lanes[0], np.intp)
 
     def _combine(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.add(a, b, out=np.empty_like(a))
@@ -687,6 +718,8 @@ class _CountNonzero(RowReduction):
 class _Mean(RowReduction):
     """Partial (count per output element, sum in the accumulator dtype)."""
 
+    folds_in_lanes = True
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.acc = accumulator_dtype(self.out_dtype)
@@ -700,6 +733,11 @@ class _Mean(RowReduction):
         if fold < 2:
             return None
         return _Accumulated(self, _UfuncLanes(np.add, self.acc, row_elements, fold))
+
+    def partial_of_lanes(
+        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+    ) -> Partial:
+        return (rows * self.reduced_per_row, self._fold_lanes(np.add, lanes[0], self.acc))
 
     def _combine(self, a: Partial, b: Partial) -> Partial:
         return (a[0] + b[0], np.add(a[1], b[1], out=np.empty_like(a[1])))
@@ -766,6 +804,7 @@ class _Moments(RowReduction):
         self._narrow = (
             self._one_pass and self.in_dtype in _NARROW_DTYPES and self.out_dtype in _NARROW_DTYPES
         )
+        self.folds_in_lanes = self._one_pass
 
     def _accumulator(self, rows: int) -> _Accumulator | None:
         if not self._one_pass:
@@ -800,6 +839,16 @@ class _Moments(RowReduction):
                 one = (count, guess, correction, m2)
             partial = one if partial is None else self._combine(partial, one)
         return partial
+
+    def partial_of_lanes(
+        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+    ) -> Partial:
+        if not self._one_pass or shift is None:
+            raise TypeError(f"{self!r} has no partial of lanes")
+        row_elements = math.prod(self.in_row_shape)
+        total = np.add.reduce(lanes[0].reshape(-1, row_elements), axis=0)
+        squares = np.add.reduce(lanes[1].reshape(-1, row_elements), axis=0)
+        return _moments_of_sums(rows, shift, total, squares, self.core_shape)
 
     def _combine(self, a: Partial, b: Partial) -> Partial:
         na, shift_a, offset_a, m2_a = a
@@ -841,7 +890,7 @@ class _RealMeanMoments(_Moments):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.acc = np.dtype(np.float64)
-        self._one_pass = self._narrow = False
+        self._one_pass = self._narrow = self.folds_in_lanes = False
 
     def _chunk(self, block: np.ndarray, row_offset: int) -> Partial:
         squares = np.zeros(self.core_shape, np.float64)
@@ -972,13 +1021,20 @@ class _MomentLanes:
         """``(count, shift, offset, M2)`` of the rows added (the partial of _Moments)."""
         sums = self._sums.reshape(2, self._fold, self.row_elements)  # type: ignore[union-attr]
         total, squares = np.add.reduce(sums, axis=1) if self._fold > 1 else sums[:, 0]
-        offset = total / self.rows
-        m2 = squares - total * offset
-        # sum((x - shift)**2) - n * offset**2 rounds below zero when the variance is nil
-        # and the shift is off; NumPy's variance never is (np.maximum keeps NaN).
-        np.maximum(m2, 0.0, out=m2)
-        shape = self._core_shape
-        return (self.rows, self._shift.reshape(shape), offset.reshape(shape), m2.reshape(shape))  # type: ignore[union-attr]
+        return _moments_of_sums(self.rows, self._shift, total, squares, self._core_shape)  # type: ignore[arg-type]
+
+
+def _moments_of_sums(
+    rows: int, shift: np.ndarray, total: np.ndarray, squares: np.ndarray, shape: tuple[int, ...]
+) -> Partial:
+    """``(count, shift, offset, M2)`` of ``rows`` rows whose deviations from ``shift``
+    sum to ``total`` per column, and their squares to ``squares`` (float64)."""
+    offset = total / rows
+    m2 = squares - total * offset
+    # sum((x - shift)**2) - n * offset**2 rounds below zero when the variance is nil
+    # and the shift is off; NumPy's variance never is (np.maximum keeps NaN).
+    np.maximum(m2, 0.0, out=m2)
+    return (rows, shift.reshape(shape), offset.reshape(shape), m2.reshape(shape))
 
 
 def _narrow_moments(block: np.ndarray, core_shape: tuple[int, ...]) -> Partial | None:

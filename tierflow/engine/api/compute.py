@@ -44,6 +44,7 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
     cache: Any = None,
     device: str | None = None,
     profile: Any = None,
+    jit: bool | str | None = None,
 ) -> tuple[Any, ...]:
     """Compute several results in one run; inputs they share are read once per stage.
 
@@ -72,6 +73,11 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
     setting. Results come back as NumPy arrays either way. See
     :mod:`tierflow.engine.gpu.offload` and docs/engine.md.
 
+    ``jit``: compile fused reductions to one loop with numba, on a background thread
+    while the first blocks run on the NumPy path (:mod:`tierflow.engine.planning.jit`);
+    None (default) follows the ``jit`` setting (``TIERFLOW_JIT``), False keeps every
+    block on the NumPy path, ``"eager"`` waits for the kernels before the first block.
+
     ``profile``: record the compute's tasks, memory samples and plan
     (:mod:`tierflow.engine.observe.profile`): True (into the enclosing ``with tw.profile()``
     block's profile, else a new one that ``tw.last_profile()`` returns), a
@@ -97,6 +103,7 @@ def compute(  # noqa: PLR0913 -- keyword-only options, one per aspect of a run
         cache,
         None if device is None else check(device),
         profile,
+        jit,
     )
     outputs, _ = run(requests, options)
     return tuple(outputs)

@@ -152,6 +152,10 @@ class ComputeRecord:
     spilled_bytes: int = 0
     oom_retries: int = 0
     error: str | None = None
+    # Each fused reduction's compiled kernel: how it ran, or why it did not; and the
+    # kernels' generated sources by key.
+    kernels: list[str] = field(default_factory=list)
+    kernel_sources: dict[str, str] = field(default_factory=dict)
 
     def stage_of(self, index: int) -> int:
         """The stage of task ``index`` of this compute's plan."""
@@ -205,6 +209,26 @@ def _record(  # noqa: PLR0913 -- one task's facts, each from a different place
     )  # fmt: skip
 
 
+def kernel_report(programs: list[Any]) -> tuple[list[str], dict[str, str]]:
+    """One line per fused reduction of ``programs``: its compiled kernel's state and the
+    blocks each path ran (in this process: worker processes keep their own counts), or
+    why it ran on the NumPy path; and the kernels' sources by key."""
+    lines: list[str] = []
+    sources: dict[str, str] = {}
+    for program in programs:
+        found = [(s.label(), s.op) for s in program.steps() if hasattr(s, "op")]
+        found += [(r.label, r.chunker) for r in program.reductions]
+        for label, op in found:
+            slot = getattr(op, "compiled", None)
+            if slot is not None:
+                counts = ", ".join(f"{n} {what}" for what, n in slot.counts.items())
+                lines.append(f"{label}: kernel {slot.key} {slot.describe()}; blocks: {counts}")
+                sources[slot.key] = slot.source.text
+            elif getattr(op, "not_compiled", None):
+                lines.append(f"{label}: NumPy path: {op.not_compiled}")
+    return lines, sources
+
+
 class Recorder:
     """Records one compute into a :class:`Profile`: a callback and a tracer
     (:class:`~tierflow.engine.types.Tracer`; see the module docstring)."""
@@ -213,6 +237,7 @@ class Recorder:
         self.profile = owner
         self.record = record
         self.executor = executor
+        self._programs: list[Any] = []
         self._spilled: dict[int, int] = {}  # task -> bytes the scheduler spilled
 
     # -- the plan, from the compute --
@@ -225,6 +250,7 @@ class Recorder:
         r.passes = [(p.name, p.count) for p in plan.programs]
         r.plan = text
         r.stage_starts = list(getattr(plan, "stage_starts", []))
+        self._programs = list(plan.programs)
 
     # -- callback --
 
@@ -243,6 +269,7 @@ class Recorder:
     def finish(self, event: ComputeFinished) -> None:
         self.profile.sample_quietly()  # every compute's end, its worker processes still here
         r = self.record
+        r.kernels, r.kernel_sources = kernel_report(self._programs)
         r.end = self.profile.now()
         r.peak_bytes, r.spilled_bytes = event.peak_bytes, event.spilled_bytes
         r.oom_retries = event.oom_retries

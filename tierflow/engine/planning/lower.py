@@ -61,21 +61,25 @@ from ..program.steps import (
     TakeStep,
 )
 from ..rowwide import external_sort
+from . import jit as jit_module
 
 __all__ = ["Lowering", "attach_device", "lower_pass", "share_partials"]
 
 
-def lower_pass(
+def lower_pass(  # noqa: PLR0913 -- the pass, then the compute's options
     sinks: list[tuple[Chunked, Any]],
     reduces: list[graph.Reduce],
     values: dict[str, Any],
     cache: Any = None,
     device: str | None = None,
+    *,
+    jit: bool = False,
 ) -> tuple[Program, dict[str, Accumulator]]:
     """The program of a pass computing ``sinks`` (``(node, sink)``) and ``reduces``,
     with value nodes bound to ``values``, and each reduction's accumulator by key.
     ``device`` is the compute's ``device=`` (None: not given; see
-    :func:`tierflow.engine.gpu.offload.pass_device`)."""
+    :func:`tierflow.engine.gpu.offload.pass_device`); ``jit`` gives fused reductions
+    their compiled kernels' sources (:mod:`tierflow.engine.planning.jit`)."""
     lowering = Lowering(values, {n.ident for n, _ in sinks}, cache)
     accs: dict[str, Accumulator] = {}
 
@@ -91,6 +95,7 @@ def lower_pass(
     program.device = offload.pass_device(device, _gpu_map(program))
     if program.device is not None:
         program.work = attach_device(program)
+    jit_module.attach(program, jit)
     return program, accs
 
 

@@ -76,6 +76,8 @@ from ..program.roots import Accumulator
 from ..program.steps import KernelStep
 from ..rowwide import external_sort
 from ..types import BlockIndex, Request, RowRange, Task, TaskMemory
+from . import jit as jit_module
+from .jit import JitSettings
 from .lower import lower_pass
 
 __all__ = [
@@ -145,6 +147,8 @@ class Plan:
     # Files that live for one compute (an external sort's runs): open() when it starts,
     # close() when it ends, however it ends (see tierflow.engine.rowwide.external_sort).
     scratch: list[Any] = field(default_factory=list)
+    # Where compiled kernels live and when a compute asks for one; None: NumPy path only.
+    jit: JitSettings | None = None
 
     def add(self, task: Task) -> int:
         self.tasks.append(task)
@@ -155,7 +159,8 @@ class Plan:
         return {o.task for o in self.outputs if isinstance(o, TaskOutput)}
 
     def open(self) -> None:
-        """Open every sink, then the scratch; on a failure what was opened is undone."""
+        """Open every sink, then the scratch, and ask for the compiled kernels that pay;
+        on a failure what was opened is undone."""
         opened = []
         try:
             for sink in self.sinks:
@@ -163,6 +168,8 @@ class Plan:
             for scratch in self.scratch:
                 scratch.open()
                 opened.append(scratch)
+            for program in self.programs:
+                jit_module.start(program, self.jit)
         except BaseException:
             for scratch in opened:
                 scratch.close()
@@ -315,7 +322,7 @@ class Planner:
     :meth:`tasks`, :meth:`outputs`. Pure: it reads file headers' identities and
     builds programs, but allocates and opens nothing."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 -- keyword-only options, one per aspect of a compute
         self,
         targets: list[Target],
         *,
@@ -323,8 +330,10 @@ class Planner:
         budget: int,
         cache: Any = None,
         device: str | None = None,
+        jit: bool = False,
     ) -> None:
         self.targets = targets
+        self.jit = jit  # whether fused reductions get a compiled kernel's source
         self.workers = max(1, workers)
         self.budget = budget
         self.cache = cache
@@ -489,13 +498,14 @@ class Planner:
         )
 
 
-def build_plan(
+def build_plan(  # noqa: PLR0913 -- keyword-only options, one per aspect of a compute
     targets: list[Target],
     *,
     workers: int,
     budget: int,
     cache: Any = None,
     device: str | None = None,
+    jit: JitSettings | None = None,
 ) -> Plan:
     """The plan of a compute of ``targets`` (see the module docstring and
     :class:`Planner`).
@@ -507,7 +517,11 @@ def build_plan(
     :class:`~tierflow.errors.OutOfMemoryError` for a task that cannot fit the budget
     even on one row.
     """
-    return Planner(targets, workers=workers, budget=budget, cache=cache, device=device).build()
+    plan = Planner(
+        targets, workers=workers, budget=budget, cache=cache, device=device, jit=jit is not None
+    ).build()
+    plan.jit = jit
+    return plan
 
 
 def _dep_values(
@@ -558,7 +572,7 @@ class _PassTasks:
         values.update({v.ident: graph.placeholder(v) for v in self.bound})
         with graph.quiet():
             self.program, self.accs = lower_pass(
-                p.sinks, p.reduces, values, planner.cache, planner.device
+                p.sinks, p.reduces, values, planner.cache, planner.device, jit=planner.jit
             )
         _check_fits(p, self.program, planner.budget)
         self.task_limit = max(1, planner.budget // (TASKS_PER_WORKER * planner.workers))
@@ -591,11 +605,15 @@ class _PassTasks:
         p, const, cache, device = self.p, self.const, self.planner.cache, self.planner.device
         label, count = self.program.name, self.program.count
         made = self.plan.accumulators
+        plan = self.plan
 
         def prepare_fn(*results: Any) -> tuple[Program, dict[str, Accumulator]]:
             real = dict(const)
             real.update(zip(keys, results, strict=False))
-            program, accs = lower_pass(p.sinks, p.reduces, real, cache, device)
+            program, accs = lower_pass(
+                p.sinks, p.reduces, real, cache, device, jit=plan.jit is not None
+            )
+            jit_module.start(program, plan.jit)
             program.name, program.count = label, count
             made.extend(accs.values())
             return program, accs

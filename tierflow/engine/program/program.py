@@ -239,7 +239,13 @@ class Program:
         lines: list[str] = []
 
         def walk(step: Step, depth: int) -> None:
-            lines.append(f"{'  ' * depth}{type(step).__name__} {step.label()}")
+            line = f"{'  ' * depth}{type(step).__name__} {step.label()}"
+            op: Any = getattr(step, "op", None)
+            if getattr(op, "compiled", None) is not None:
+                line += f" [compiled kernel {op.compiled.key}]"
+            elif getattr(op, "not_compiled", None):
+                line += f" [NumPy path: {op.not_compiled}]"
+            lines.append(line)
             for child in step.children():
                 walk(child, depth + 1)
 
@@ -251,6 +257,11 @@ class Program:
                 lines.append(f"reduce {r.label} from the partials of {r.derived_from[0].label}")
                 continue
             lines.append(f"reduce {r.label} by {type(r.chunker).__name__}")
+            compiled = getattr(r.chunker, "compiled", None)
+            if compiled is not None:
+                lines.append(f"  compiled kernel {compiled.key}")
+            elif getattr(r.chunker, "not_compiled", None):
+                lines.append(f"  NumPy path: {r.chunker.not_compiled}")
             for step in r.inputs:
                 walk(step, 1)
         return "\n".join(lines)

@@ -20,7 +20,7 @@ from ..io import cache as cache_module
 from ..io.memory import ArrayReader, ArraySink
 from ..observe.profile import recorder_for
 from ..observe.progress import progress_callbacks
-from ..planning import counting
+from ..planning import counting, jit
 from ..planning.plan import Target, build_plan, describe
 from ..types import Executor, callback_list
 from . import scheduler
@@ -42,6 +42,7 @@ class RunOptions:
     cache: Any = None
     device: str | None = None
     profile: Any = None
+    jit: bool | str | None = None
 
 
 PLAN_LINES = 200  # a profile keeps every task's line of plans with at most this many tasks
@@ -129,6 +130,7 @@ def run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedule
             budget=budget_module.budget_bytes(),
             cache=session,
             device=options.device,
+            jit=jit.settings(options.jit),
         )
         plan.counting = counted
         log.debug("plan of %s: %s", plan.what, describe(plan))

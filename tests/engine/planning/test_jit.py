@@ -1,0 +1,196 @@
+"""Compiled kernels in a compute: the switches, tiering, the profile's report, warnings,
+the kernel folder across processes, and a machine without numba."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierflow as tw
+from tierflow import config
+from tierflow.errors import ConfigError
+
+pytest.importorskip("numba")
+pytestmark = pytest.mark.executors("threads")
+
+
+def _kernels(profile: tw.Profile) -> list[str]:
+    return profile.computes[-1].kernels
+
+
+def _column_sum(rows: int = 20_000) -> tuple[np.ndarray, tw.Array]:
+    x = np.random.default_rng(0).random((rows, 8), dtype=np.float32)
+    return x, tw.from_array(x, rows=4096)
+
+
+def test_an_eager_compute_runs_every_block_on_the_kernel_with_the_numpy_paths_result() -> None:
+    x, a = _column_sum()
+    expr = np.sqrt(a * 2 + 1).sum(axis=0)
+    with tw.profile() as p:
+        (got,) = tw.compute(expr, jit="eager")
+    (report,) = _kernels(p)
+    assert "compiled in" in report or "read from disk" in report
+    assert "5 kernel, 0 waiting, 0 sent back" in report
+    (source,) = p.computes[-1].kernel_sources.values()
+    assert "np.float32(np.sqrt(" in source  # the generated loop, readable
+    (want,) = tw.compute(expr, jit=False)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.dtype == want.dtype == np.float32
+    np.testing.assert_allclose(got, np.sqrt(x.astype(np.float64) * 2 + 1).sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["option", "setting", "environment"])
+def test_jit_off_keeps_every_block_on_the_numpy_path(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, a = _column_sum()
+    options: dict[str, object] = {}
+    if how == "option":
+        options["jit"] = False
+    elif how == "setting":
+        config.set(jit=False)
+    else:
+        monkeypatch.setenv("TIERFLOW_JIT", "0")
+        config.reset()
+    with tw.profile() as p:
+        tw.compute((a * 2).sum(axis=0), **options)
+    assert _kernels(p) == ["sum(axis=0): NumPy path: jit is off"]
+
+
+def test_a_bad_jit_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERFLOW_JIT", "maybe")
+    config.reset()
+    with pytest.raises(ConfigError, match="TIERFLOW_JIT='maybe' must be 1, 0 or eager"):
+        config.get("jit")
+    monkeypatch.delenv("TIERFLOW_JIT")
+    config.reset()
+    _, a = _column_sum()
+    with pytest.raises(ValueError, match="jit='later': use True, False or 'eager'"):
+        tw.compute(a.sum(axis=0), jit="later")
+
+
+def test_a_small_compute_never_asks_for_a_compiler() -> None:
+    _, a = _column_sum()
+    expr = (a * 3 - 1).max(axis=0)  # an expression no other test compiles
+    with tw.profile() as p:
+        tw.compute(expr)
+    (report,) = _kernels(p)
+    assert "not asked for (a small compute)" in report
+    assert "0 kernel, 0 waiting" in report
+
+
+def test_a_compute_over_the_threshold_starts_on_the_numpy_path_and_never_waits() -> None:
+    config.set(jit_min_bytes=1)
+    _, a = _column_sum(rows=4096 * 3)
+    with tw.profile() as p:
+        (got,) = tw.compute((a - 0.25).min(axis=0))
+    (report,) = _kernels(p)
+    # every block ran on one path or the other; none waited for the compiler
+    counts = report.split("blocks: ")[1]
+    kernel, waiting = (int(part.split()[0]) for part in counts.split(", ")[:2])
+    assert kernel + waiting == 3
+    np.testing.assert_array_equal(got, tw.compute((a - 0.25).min(axis=0), jit=False)[0])
+
+
+def test_a_program_the_compiler_cannot_take_says_why() -> None:
+    x = np.ones((100, 4), np.float16)
+    with tw.profile() as p:
+        (got,) = tw.compute((tw.from_array(x) * 2).sum(axis=0), jit="eager")
+    (report,) = _kernels(p)
+    assert "NumPy path:" in report and "float16" in report
+    np.testing.assert_array_equal(got, (x * 2).sum(axis=0))
+
+
+def test_describe_names_the_kernel_or_the_reason() -> None:
+    from tierflow.engine.planning.jit import settings as jit_settings
+    from tierflow.engine.planning.plan import Target, build_plan, describe
+
+    _, a = _column_sum()
+    settings = jit_settings(True)
+    text = describe(
+        build_plan([Target((a * 2).sum(axis=0)._node)], workers=2, budget=1 << 30, jit=settings),
+        tasks=True,
+    )
+    assert "compiled kernel " in text
+    text = describe(
+        build_plan([Target(a.argmax(axis=0)._node)], workers=2, budget=1 << 30, jit=settings),
+        tasks=True,
+    )
+    assert "NumPy path:" in text
+
+
+def test_a_floating_point_error_warns_as_numpy_does() -> None:
+    x = np.linspace(0, 1, 8 * 5000, dtype=np.float32).reshape(5000, 8)
+    a = tw.from_array(x, rows=1000)
+    with pytest.warns(RuntimeWarning, match="invalid value encountered in sqrt"):
+        (got,) = tw.compute(np.sqrt(a - 0.5).sum(axis=0), jit="eager")
+    assert np.isnan(got).all()
+    with pytest.warns(RuntimeWarning, match="invalid value encountered in sqrt"):
+        (counted,) = tw.compute((np.sqrt(a - 0.5) > 0.1).sum(axis=0), jit="eager")
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(counted, (np.sqrt(x - 0.5) > 0.1).sum(axis=0))
+
+
+_SCRIPT = """
+import warnings, sys
+import numpy as np
+import tierflow as tw
+x = np.arange(80_000, dtype=np.float64).reshape(10_000, 8)
+with tw.profile() as p:
+    (got,) = tw.compute((tw.from_array(x, rows=2500) * 0.5).sum(axis=0), jit="eager")
+assert np.allclose(got, (x * 0.5).sum(axis=0)), got
+print(p.computes[-1].kernels[0])
+"""
+
+
+def _run(code: str, kernel_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TIERFLOW_KERNEL_DIR": str(kernel_dir)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_a_second_process_reads_the_kernel_from_disk(tmp_path: Path) -> None:
+    first = _run(_SCRIPT, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "compiled in" in first.stdout
+    second = _run(_SCRIPT, tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "read from disk" in second.stdout, second.stdout
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith("numba-")
+
+
+def test_without_numba_the_numpy_path_runs_and_says_so_once(tmp_path: Path) -> None:
+    code = (
+        "import sys\nsys.modules['numba'] = None\n"
+        + _SCRIPT
+        + textwrap.dedent(
+            """
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tw.compute((tw.from_array(x, rows=2500) - 1).sum(axis=0), jit="eager")
+        assert not caught, [str(w.message) for w in caught]
+        """
+        )
+    )
+    done = _run(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "failed: numba cannot be imported" in done.stdout
+    assert done.stderr.count("fused programs run on the NumPy path") == 1
+
+
+@pytest.mark.executors("processes")
+def test_worker_processes_get_the_same_results_with_kernels() -> None:
+    x, a = _column_sum(rows=30_000)
+    expr = (a * 2 - 1).var(axis=0)
+    (got,) = tw.compute(expr, jit="eager", executor="processes", workers=2)
+    np.testing.assert_allclose(
+        got, (x * np.float32(2) - 1).var(axis=0, dtype=np.float64), rtol=1e-6
+    )

@@ -1,0 +1,129 @@
+"""Compiled elementwise kernels: NumPy's values bit for bit (the sign of zero included),
+the NumPy path wherever NumPy would warn, and the reasons for what is not compiled."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from tierflow.operators.compiled import (
+    CompiledElementwise,
+    Unsupported,
+    elementwise_source,
+    load,
+)
+from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, where
+from tierflow.operators.fused import FusedKernel
+
+from common import examples
+
+x = Input(0)
+y = Input(1)
+_loaded: dict[str, Any] = {}
+
+
+def _compiled(expr: Expr, dtypes: list[str], shape: tuple[int, ...], folder: Path) -> Any:
+    source = elementwise_source(expr, dtypes, [shape] * len(dtypes))
+    if source.key not in _loaded:
+        _loaded[source.key] = load(source, folder).function
+    return CompiledElementwise(source, _loaded[source.key])
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a
+
+
+EXPRESSIONS = {
+    "(x-m)/s": (lambda: (x - Const(np.arange(4.0, dtype=np.float32))) / 3, ["float32"]),
+    "minimum": (lambda: call(np.minimum, x, y), ["float32", "float32"]),
+    "maximum": (lambda: call(np.maximum, x, y), ["float64", "float64"]),
+    "clip": (lambda: clip(x, -0.0, 0.5), ["float32"]),
+    "clip by rows": (
+        lambda: clip(x, Const(np.array([-0.0, 0, 1, 0.5])), y),
+        ["float32", "float32"],
+    ),
+    "where": (lambda: where(call(np.greater, x, y), x, -y), ["float64", "float64"]),
+    "abs-neg": (lambda: abs(-x) * y, ["float32", "float32"]),
+    "rounding": (
+        lambda: call(np.floor, x) + call(np.ceil, y) - call(np.trunc, x) * call(np.rint, y),
+        ["float64", "float64"],
+    ),
+    "sqrt": (lambda: call(np.sqrt, x * x + y * y), ["float32", "float32"]),
+    "cast": (lambda: astype(x, np.float32) + astype(y, np.float32), ["float64", "int32"]),
+    "compare": (lambda: call(np.less_equal, x, y), ["float32", "float32"]),
+    "mixed ints": (lambda: x * y - 7, ["int16", "uint8"]),
+}
+
+finite = st.floats(width=32, allow_nan=False, allow_infinity=False)
+special = st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.0e38, -3.0e38, 0.5, -0.5, 1.5])
+
+
+@pytest.mark.parametrize("name", sorted(EXPRESSIONS))
+@given(data=st.data())
+@settings(max_examples=examples(15), deadline=None)
+def test_the_kernel_writes_numpys_values_bit_for_bit(
+    name: str, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    make, dtypes = EXPRESSIONS[name]
+    expr = make()
+    rows = data.draw(st.integers(1, 300))
+    pool = data.draw(st.lists(st.one_of(finite, special), min_size=1, max_size=24))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    blocks = []
+    for d in dtypes:
+        values = rng.choice(np.array(pool, np.float64), size=(rows, 4))
+        if np.dtype(d).kind in "iu":
+            info = np.iinfo(d)
+            blocks.append(np.clip(values * 1000, info.min, info.max).astype(d))
+        else:
+            blocks.append(values.astype(d))
+    kernel = FusedKernel(expr, dtypes, [(4,)] * len(dtypes))
+    compiled = _compiled(expr, dtypes, (4,), tmp_path_factory.getbasetemp() / "kernels-ew")
+    out = np.empty((rows, 4), kernel.out_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            want = kernel.apply(*blocks)
+        except RuntimeWarning:  # NumPy warns: the kernel must send the block back
+            assert not compiled.apply(blocks, rows, out)
+            return
+    assert compiled.apply(blocks, rows, out), "sent back a block NumPy does not warn on"
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+
+
+def test_nan_in_the_data_or_an_overflow_goes_back(tmp_path: Path) -> None:
+    compiled = _compiled(x * 2, ["float32"], (4,), tmp_path)
+    out = np.empty((3, 4), np.float32)
+    block = np.ones((3, 4), np.float32)
+    assert compiled.apply([block], 3, out)
+    block[1, 2] = np.nan
+    assert not compiled.apply([block], 3, out)
+    assert not compiled.apply([np.full((3, 4), 3e38, np.float32)], 3, out)
+    hidden = _compiled(call(np.greater, x * 2, 0), ["float32"], (4,), tmp_path)
+    assert not hidden.apply([np.full((3, 4), 3e38, np.float32)], 3, np.empty((3, 4), bool))
+
+
+@pytest.mark.parametrize(
+    ("expr", "dtypes", "reason"),
+    [
+        (lambda: call(np.exp, x), ["float32"], "exp of floats in numba is not NumPy's own"),
+        (lambda: call(np.fmin, x, 1), ["float32"], "fmin of floats"),
+        (lambda: x // 2, ["int32"], "floor_divide on int32 is not compiled"),
+        (lambda: astype(x, np.int32), ["float32"], "casts float32 to int32"),
+        (lambda: x * 2, ["float16"], "float16, which the compiler does not handle"),
+        (lambda: x * 2, ["complex64"], "complex64, which the compiler does not handle"),
+        (lambda: x, ["float32"], "nothing to compute"),
+    ],
+)
+def test_what_is_not_compiled_says_why(expr: Any, dtypes: list[str], reason: str) -> None:
+    with pytest.raises(Unsupported, match=reason):
+        elementwise_source(expr(), dtypes, [(4,)])

@@ -1,0 +1,214 @@
+"""Compiled fused reductions against the NumPy path: the same partials, NumPy's dtypes,
+and the NumPy path wherever NumPy would warn."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from tierflow.operators.compiled import CompiledReduction, load, reduction_source
+from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, where
+from tierflow.operators.fused import FusedKernel, FusedReduction
+from tierflow.operators.reductions import reduction
+
+from ..helpers import random_array
+from common import examples
+
+x = Input(0)
+y = Input(1)
+
+_loaded: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
+
+
+def _pair(
+    expr: Expr, dtypes: list[Any], shape: tuple[int, ...], kind: str, folder: Path, **kw: Any
+) -> tuple[FusedReduction, CompiledReduction]:
+    kw.setdefault("axis", 0)
+    op = reduction(kind, FusedKernel(expr, dtypes, [shape] * len(dtypes)).out_dtype, shape, **kw)
+    fused = FusedReduction(FusedKernel(expr, dtypes, [shape] * len(dtypes)), op)
+    source = reduction_source(expr, dtypes, [shape] * len(dtypes), op)
+    if source.key not in _loaded:
+        _loaded[source.key] = load(source, folder).function
+    return fused, CompiledReduction(source, _loaded[source.key], op)
+
+
+def _kernel_result(fused: FusedReduction, compiled: CompiledReduction, blocks: list[Any]) -> Any:
+    rows = blocks[0].shape[0]
+    held = fused._scratch.get(rows)
+
+    def head(n: int) -> np.ndarray:
+        return fused._program.evaluate([b[:n] for b in blocks], n, held)
+
+    partial = compiled.partial(blocks, rows, head)
+    return None if partial is None else fused.aggregate(partial)
+
+
+def _assert_same(got: Any, want: Any, exact: bool) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    if exact or got.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        rtol = 2e-6 if got.dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
+
+
+KINDS = ["sum", "prod", "mean", "min", "max", "nanmin", "nanmax", "any", "all",
+         "count_nonzero", "var", "std"]  # fmt: skip
+
+
+# Every kind on one integer and one float dtype; the kinds whose code differs by dtype
+# (wrapping sums, integer bounds, truth) on the others.
+PAIRS = [(k, d) for k in KINDS for d in ("int64", "float32")] + [
+    (k, d)
+    for d in ("bool", "int8", "uint8", "uint64", "float64")
+    for k in ("sum", "max", "all", "var")
+]
+
+
+@pytest.mark.parametrize(("kind", "dtype"), PAIRS)
+def test_a_reduction_of_the_input_itself_matches_the_numpy_path(
+    kind: str, dtype: str, folder: Path
+) -> None:
+    if kind in ("nanmin", "nanmax") and dtype == "bool":
+        pytest.skip("NumPy has no nanmin of bools")
+    rng = np.random.default_rng(3)
+    block = random_array(rng, np.dtype(dtype), (1237, 8), wide_ints=kind != "prod")
+    fused, compiled = _pair(x, [dtype], (8,), kind, folder)
+    got = _kernel_result(fused, compiled, [block])
+    assert got is not None, "the kernel sent a block without NaN back"
+    want = fused.aggregate(fused.chunk(block))
+    exact = kind in ("min", "max", "nanmin", "nanmax", "any", "all", "count_nonzero")
+    _assert_same(got, want, exact)
+    if kind in ("sum", "mean") and dtype.startswith("float"):
+        # float64 sums: NumPy's float64 result rounded to the dtype (NumPy's own float32
+        # sum is less accurate than both paths)
+        exact64 = getattr(np, kind)(block, axis=0, dtype=np.float64).astype(dtype)
+        _assert_same(got, exact64, False)
+
+
+EXPRESSIONS = {
+    "sqrt(|x|*2+1)": (lambda: call(np.sqrt, abs(x) * 2 + 1), ["float32"]),
+    "(x-m)/s": (lambda: (x - Const(np.arange(8.0))) / Const(np.arange(1.0, 9.0)), ["float32"]),
+    "where": (lambda: where(call(np.greater, x, 0.5), x, 0), ["float64"]),
+    "clip": (lambda: clip(x, 0.25, 0.75), ["float32"]),
+    "minimum": (lambda: call(np.minimum, x, y), ["float32", "float32"]),
+    "abs(-x)": (lambda: abs(-x), ["int16"]),
+    "int wrap": (lambda: x * 3 + 7, ["int64"]),
+    "uint wrap": (lambda: x - 200, ["uint8"]),
+    "mixed": (lambda: x * y + 1.5, ["int32", "float32"]),
+    "astype": (lambda: astype(x, np.float64) * 3, ["float32"]),
+    "compare": (lambda: call(np.less, x, y), ["int8", "int8"]),
+    "logical": (lambda: call(np.logical_and, x, call(np.logical_not, y)), ["bool", "bool"]),
+    "exp": (lambda: call(np.exp, x), ["float64"]),
+}
+
+
+@pytest.mark.parametrize("kind", ["sum", "min", "var", "count_nonzero"])
+@pytest.mark.parametrize("name", sorted(EXPRESSIONS))
+def test_an_expression_reduced_matches_the_numpy_path(kind: str, name: str, folder: Path) -> None:
+    make, dtypes = EXPRESSIONS[name]
+    expr = make()
+    rng = np.random.default_rng(7)
+    blocks = [random_array(rng, np.dtype(d), (999, 8), span=(-2, 2)) for d in dtypes]
+    try:
+        fused, compiled = _pair(expr, dtypes, (8,), kind, folder)
+    except TypeError:
+        pytest.skip(f"NumPy has no {kind} of this expression's dtype")
+    got = _kernel_result(fused, compiled, blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = fused.aggregate(fused.chunk(*blocks))
+    assert got is not None
+    exact = kind in ("min", "max", "any", "count_nonzero")
+    if name == "exp":  # libm's exp against NumPy's own: a unit in the last place
+        np.testing.assert_allclose(got, want, rtol=1e-15 if kind != "var" else 1e-12)
+    else:
+        _assert_same(got, want, exact)
+
+
+@given(
+    values=st.lists(
+        st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=300
+    ),
+    kind=st.sampled_from(["sum", "min", "max", "mean", "var", "count_nonzero"]),
+)
+@settings(max_examples=examples(60), deadline=None)
+def test_edge_values_give_the_numpy_paths_answer_or_go_back_to_it(
+    values: list[float], kind: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.getbasetemp() / "kernels-edge"
+    rows = len(values) // 2 or 1
+    block = np.resize(np.array(values, np.float32), (rows, 2))
+    fused, compiled = _pair(call(np.sqrt, x * 2 + 1), ["float32"], (2,), kind, folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = fused.aggregate(fused.chunk(block))
+        got = _kernel_result(fused, compiled, [block])
+    raises = not np.isfinite(block).all() or (block * np.float32(2) + 1 < 0).any()
+    if got is None:
+        assert raises or kind in ("sum", "mean", "var"), "sent back a block that is fine"
+        return
+    assert not raises or (kind in ("min", "max", "count_nonzero") and np.isfinite(block).all())
+    _assert_same(got, want, kind in ("min", "max", "count_nonzero"))
+
+
+def test_a_floating_point_error_sends_the_block_to_the_numpy_path(folder: Path) -> None:
+    block = np.linspace(-1, 1, 4000, dtype=np.float32).reshape(500, 8)
+    for kind in ("sum", "min", "count_nonzero"):
+        # min and count_nonzero do not show the NaN: a witness lane does
+        fused, compiled = _pair(call(np.sqrt, x), ["float32"], (8,), kind, folder)
+        assert _kernel_result(fused, compiled, [block]) is None
+        with pytest.warns(RuntimeWarning, match="invalid value encountered in sqrt"):
+            fused.chunk(block)
+
+
+def test_an_error_hidden_by_a_comparison_still_goes_back(folder: Path) -> None:
+    block = np.full((300, 8), 1e30, np.float32)
+    fused, compiled = _pair(call(np.greater, x * x, 0), ["float32"], (8,), "sum", folder)
+    assert _kernel_result(fused, compiled, [block]) is None  # x * x overflows float32
+
+
+def test_a_float64_sum_that_overflows_goes_back(folder: Path) -> None:
+    block = np.full((300, 8), 1e308, np.float64)
+    fused, compiled = _pair(x, ["float64"], (8,), "sum", folder)
+    assert _kernel_result(fused, compiled, [block]) is None
+
+
+def test_underflow_under_errstate_raise_goes_back(folder: Path) -> None:
+    block = np.full((300, 8), 1e-30, np.float32)
+    fused, compiled = _pair(x * x, ["float32"], (8,), "sum", folder)
+    assert _kernel_result(fused, compiled, [block]) is not None
+    with np.errstate(under="raise"):
+        assert _kernel_result(fused, compiled, [block]) is None
+
+
+def test_a_block_that_is_not_contiguous_goes_back(folder: Path) -> None:
+    block = np.ones((300, 16), np.float32)[:, ::2]
+    fused, compiled = _pair(x, ["float32"], (8,), "sum", folder)
+    assert _kernel_result(fused, compiled, [block]) is None
+
+
+@pytest.mark.parametrize("shape", [(1,), (3,), (3, 5), (2000,)])
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+def test_row_shapes_and_trailing_axes(shape: tuple[int, ...], rows: int, folder: Path) -> None:
+    rng = np.random.default_rng(1)
+    block = random_array(rng, np.dtype(np.float64), (rows, *shape))
+    for axis in (0, None):
+        fused, compiled = _pair(x * 2, ["float64"], shape, "sum", folder, axis=axis)
+        got = _kernel_result(fused, compiled, [block])
+        _assert_same(got, (block * 2).sum(axis=axis), False)

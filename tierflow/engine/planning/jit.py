@@ -1,0 +1,151 @@
+"""Which fused reductions of a program get a compiled kernel, and when it is asked for.
+
+Lowering (pure) gives every :class:`~tierflow.operators.fused.FusedReduction` of a pass,
+every built-in row reduction of an array itself and every fused elementwise kernel
+without an epilogue (:class:`~tierflow.operators.fused.FusedKernel`) its kernel's
+source, or the reason it has none (:func:`attach`); nothing compiles then.
+When the compute starts (:func:`start`, from :meth:`Plan.open
+<tierflow.engine.planning.plan.Plan.open>` and from a pass lowered while it runs), a
+reduction over at least ``jit_min_bytes`` of input asks the background thread for its
+kernel; a smaller one uses a kernel this process already has, and never asks: it would
+end before the compiler did. Blocks run on the NumPy path until the kernel is ready
+(:mod:`tierflow.operators.compiled.tiered`).
+
+Switches, the first that says no wins: ``jit=False`` on a compute or a sink,
+``config.set(jit=False)`` or ``TIERFLOW_JIT=0``, and numba missing (said once).
+``jit="eager"`` makes the compute wait for its kernels before its first block, whatever
+its size (tests and benchmarks that must run the compiled path).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ... import config
+from ...operators import elementwise as ew
+from ...operators import fused
+from ...operators.compiled import Unsupported, elementwise_source, reduction_source
+from ...operators.compiled.tiered import CompiledSlot, KernelChunker
+from ...operators.reductions import RowReduction
+from ..program.program import Program
+from ..program.steps import KernelStep
+
+__all__ = ["JitSettings", "attach", "settings", "start"]
+
+
+@dataclass(frozen=True)
+class JitSettings:
+    """Where kernels are kept, and from how many input bytes a compute compiles."""
+
+    folder: str
+    min_bytes: int
+    eager: bool = False  # wait for the kernels before the first block
+
+
+def settings(jit: bool | str | None) -> JitSettings | None:
+    """The compute's kernel settings; None when ``jit`` (the compute's option: True,
+    False or ``"eager"``; None: the ``jit`` setting) turns kernels off."""
+    choice = config.get("jit") if jit is None else jit
+    if choice not in (True, False, "eager"):
+        raise ValueError(f"jit={choice!r}: use True, False or 'eager'")
+    if choice is False:
+        return None
+    folder = config.get("kernel_dir")
+    if folder is None:
+        folder = os.path.join(os.path.expanduser(config.get("store_dir")), ".kernels")
+    return JitSettings(
+        os.path.expanduser(folder), int(config.get("jit_min_bytes")), choice == "eager"
+    )
+
+
+def attach(program: Program, enabled: bool) -> None:
+    """Give each fused reduction, each built-in reduction of an input itself and each
+    fused elementwise kernel its kernel's source, or the reason it has none (pure)."""
+    for step in program.steps():
+        if isinstance(step, KernelStep) and isinstance(step.op, fused.FusedKernel):
+            _attach_elementwise(step, enabled)
+    for root in program.reductions:
+        chunker = root.chunker
+        op: Any
+        if isinstance(chunker, fused.FusedReduction):
+            op = chunker.reduction
+            kernel = chunker.kernel
+            expr, dtypes, shapes = kernel.expr, kernel.input_dtypes, kernel.input_row_shapes
+        elif enabled and chunker is root.op and isinstance(chunker, RowReduction):
+            op = chunker
+            expr, dtypes, shapes = ew.Input(0), [op.in_dtype], [op.in_row_shape]
+        else:
+            continue
+        slot: CompiledSlot | None = None
+        why: str | None = "jit is off"
+        if enabled:
+            slot, why = _slot(expr, dtypes, shapes, op)
+        if isinstance(chunker, fused.FusedReduction):
+            chunker.compiled, chunker.not_compiled = slot, why
+        else:
+            root.chunker = KernelChunker(op, slot, why)
+
+
+def _attach_elementwise(step: KernelStep, enabled: bool) -> None:
+    kernel = step.op
+    if not enabled:
+        kernel.not_compiled = "jit is off"
+        return
+    if kernel.epilogue is not None:
+        kernel.not_compiled = f"an epilogue ({kernel.epilogue!r}) is not compiled"
+        return
+    try:
+        source = elementwise_source(kernel.expr, kernel.input_dtypes, kernel.input_row_shapes)
+    except Unsupported as exc:
+        kernel.not_compiled = str(exc)
+        return
+    kernel.compiled = CompiledSlot(source)
+
+
+def _slot(
+    expr: ew.Expr, dtypes: list[Any], shapes: list[tuple[int, ...]], op: Any
+) -> tuple[CompiledSlot | None, str | None]:
+    """The compiled slot of ``op`` over ``expr``, or why there is none."""
+    if not isinstance(op, RowReduction):
+        return None, f"{type(op).__name__} is not compiled"
+    try:
+        source = reduction_source(expr, dtypes, shapes, op)
+    except Unsupported as exc:
+        return None, str(exc)
+    return CompiledSlot(source, op), None
+
+
+def start(program: Program, jit: JitSettings | None) -> None:
+    """Ask for the kernels of ``program`` that pay (see the module docstring)."""
+    if jit is None:
+        return
+    asked: list[tuple[CompiledSlot, Any]] = [
+        (step.op.compiled, step.node)
+        for step in program.steps()
+        if isinstance(step, KernelStep) and getattr(step.op, "compiled", None) is not None
+    ]
+    asked += [
+        (root.chunker.compiled, root.reduced)
+        for root in program.reductions
+        if getattr(root.chunker, "compiled", None) is not None
+    ]
+    for slot, node in asked:
+        if jit.eager:
+            slot.start(jit.folder)
+            slot.wait()
+        elif slot.loaded() or _input_bytes(slot, node) >= jit.min_bytes:
+            slot.start(jit.folder)
+
+
+def _input_bytes(slot: CompiledSlot, node: Any) -> float:
+    """Bytes a kernel reads: the rows of ``node`` (the array it computes or reduces)
+    times its inputs' row bytes (unknown rows count as many)."""
+    rows = node.n_rows
+    if rows is None:
+        return math.inf
+    source = slot.source
+    row_bytes = sum(d.itemsize for d in source.input_dtypes) * source.row_elements
+    return float(rows) * row_bytes

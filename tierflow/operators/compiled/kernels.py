@@ -1,0 +1,215 @@
+"""Compiling a kernel's source with numba, and running it on a block.
+
+numba is imported on first use, never by ``import tierflow`` (it takes about half a
+second). Where it cannot be imported, :func:`compiler_missing` says why, once, and
+every program runs on the NumPy path.
+
+A kernel's module is written to ``<folder>/k<key>.py`` (atomically: a temporary file,
+then a rename) and imported from there, so numba's own on-disk cache (``cache=True``:
+``__pycache__`` beside the file, checked against the file and numba's version) keeps
+its machine code: a second process that loads the same kernel finds it compiled. The
+folder's name holds numba's and Python's versions, so a new numba never reads old code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..types import Partial
+from .source import KernelSource
+
+__all__ = [
+    "CompiledElementwise",
+    "CompiledReduction",
+    "Loaded",
+    "compiler_missing",
+    "kernel_folder",
+    "load",
+]
+
+_PILOT_ELEMENTS = 16384  # values of a block's first rows that set the var/std shift
+
+_lock = threading.Lock()
+_missing: str | None = None
+_checked = False
+
+
+def compiler_missing() -> str | None:
+    """Why kernels cannot be compiled here (numba cannot be imported), or None.
+
+    The first call imports numba; where that fails it warns once, naming the fix.
+    """
+    global _missing, _checked
+    with _lock:
+        if not _checked:
+            _checked = True
+            try:
+                import numba  # noqa: F401
+            except Exception as exc:  # ImportError, or a broken llvmlite
+                _missing = f"numba cannot be imported ({type(exc).__name__}: {exc})"
+                warnings.warn(
+                    f"tierflow: {_missing}; fused programs run on the NumPy path. "
+                    "Install numba (pip install numba) for compiled kernels.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return _missing
+
+
+def kernel_folder(root: str | os.PathLike[str]) -> Path:
+    """The folder under ``root`` for this numba and Python (not created)."""
+    import numba
+
+    tag = f"numba-{numba.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path(root) / tag
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A compiled kernel: the function, and whether loading it compiled (seconds) or
+    found the machine code on disk."""
+
+    function: Callable[..., Any]
+    compiled: bool
+    seconds: float
+
+
+def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
+    """The kernel of ``source``, compiled or read from numba's cache in ``folder``.
+
+    Writes the module when it is not there, imports it and calls the kernel once on
+    empty inputs, which compiles it (or loads its cached machine code). Raises what
+    numba raises for source it cannot compile.
+    """
+    path = Path(folder) / f"k{source.key}.py"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".k{source.key}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(source.text)
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+    name = f"tierflow_kernel_{source.key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # numba's cache finds the kernel's globals through sys.modules when it loads it
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    function = module.kernel
+    start = time.perf_counter()
+    function(*_empty_arguments(source))
+    seconds = time.perf_counter() - start
+    compiled = bool(function.stats.cache_misses)
+    return Loaded(function, compiled, seconds)
+
+
+def _empty_arguments(source: KernelSource) -> list[Any]:
+    """Arguments of the kernel's own types on no elements (what compiles it)."""
+    args: list[Any] = [0]
+    if source.pilot:
+        args.append(np.zeros(source.lanes))
+    args += [np.empty(0, d) for d in source.input_dtypes]
+    args += list(source.consts)
+    args += [np.empty(source.lanes, d) for d, _, _ in source.lane_inits]
+    if source.out_dtype is not None:
+        args.append(np.empty(0, source.out_dtype))
+    return args
+
+
+class CompiledReduction:
+    """A fused reduction's partial of a block from its compiled kernel.
+
+    ``partial(blocks, evaluate)`` returns the reduction's partial, exactly what
+    ``chunk`` would return up to the order of the float64 additions, or None where the
+    block must run on the NumPy path: a floating-point error happened (NumPy then warns
+    or raises as it does), or an input is not contiguous. ``evaluate(rows)`` gives the
+    expression's values on the block's first ``rows`` rows (the var/std shift).
+    """
+
+    def __init__(self, source: KernelSource, function: Callable[..., Any], op: Any) -> None:
+        self.source = source
+        self.function = function
+        self.op = op
+        self._pilot_rows = max(1, _PILOT_ELEMENTS // source.row_elements)
+
+    def partial(
+        self, blocks: Sequence[np.ndarray], rows: int, evaluate: Callable[[int], np.ndarray]
+    ) -> Partial | None:
+        source = self.source
+        if np.geterr()["under"] != "ignore":
+            return None  # the kernel cannot see an underflow; NumPy's path can
+        flats = []
+        for i in source.inputs:
+            block = blocks[i]
+            if not block.flags.c_contiguous:
+                return None
+            flats.append(np.asarray(block).reshape(-1))
+        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
+        args: list[Any] = [rows * source.row_elements]
+        shift = None
+        if source.pilot:
+            head = min(rows, self._pilot_rows)
+            with np.errstate(all="ignore"):
+                values = np.asarray(evaluate(head), dtype=np.float64)
+            shift = values.reshape(head, -1).mean(axis=0)
+            args.append(np.tile(shift, source.lanes // source.row_elements))
+        args += flats
+        args += source.consts
+        args += lanes
+        self.function(*args)
+        for lane, (_, _, checked) in zip(lanes, source.lane_inits, strict=True):
+            if checked and not np.isfinite(lane).all():
+                # A floating-point error, NaN or infinity in the data, or a float64 sum
+                # that overflowed: the NumPy path gives NumPy's warnings and values.
+                return None
+        return self.op.partial_of_lanes(lanes, rows, shift)
+
+
+class CompiledElementwise:
+    """A fused elementwise kernel's output block from its compiled kernel.
+
+    ``apply(blocks, rows, out)`` writes the expression's values into ``out`` (the
+    caller's output block, C-contiguous) and returns True, or returns False where the
+    block must run on the NumPy path (which then overwrites ``out``): a floating-point
+    error may have happened, the data hold NaN or infinity, or a block is not
+    contiguous. Values are NumPy's bit for bit (:func:`~.source.elementwise_source`
+    compiles only correctly rounded operations).
+    """
+
+    def __init__(self, source: KernelSource, function: Callable[..., Any]) -> None:
+        self.source = source
+        self.function = function
+
+    def apply(self, blocks: Sequence[np.ndarray], rows: int, out: np.ndarray) -> bool:
+        source = self.source
+        if np.geterr()["under"] != "ignore" or not out.flags.c_contiguous:
+            return False
+        flats = []
+        for i in source.inputs:
+            block = blocks[i]
+            if not block.flags.c_contiguous:
+                return False
+            flats.append(np.asarray(block).reshape(-1))
+        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
+        self.function(rows * source.row_elements, *flats, *source.consts, *lanes, out.reshape(-1))
+        return all(np.isfinite(lane).all() for lane in lanes)

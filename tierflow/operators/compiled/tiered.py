@@ -1,0 +1,298 @@
+"""Tiered kernels: blocks run on the NumPy path until the compiled kernel is ready.
+
+A :class:`CompiledSlot` is what a fused reduction carries: the kernel's source (made
+while the program is lowered, which compiles nothing) and, once :meth:`CompiledSlot.start`
+asked for it, the kernel that one background thread per process compiles or reads from
+disk. ``partial`` returns None until the kernel is ready, and for blocks the kernel
+sends back (a floating-point error, NaN in the data): the caller then runs the NumPy
+path. So no block ever waits for a compiler, and a compute that ends before its kernel
+is ready ran on the NumPy path throughout.
+
+Kernels are kept per process by key (:attr:`~.source.KernelSource.key`): every program
+with the same expression shape and dtypes shares one, compiled once. The thread runs at
+a lower scheduling priority where the system allows it, so compiling takes the CPU the
+blocks leave (it still needs the GIL, which it gives up every few milliseconds).
+
+A slot travels to a worker process without its kernel and asks that process's thread
+for it when it arrives: the kernel folder keeps the machine code, so a machine compiles
+a kernel once, not once per task or per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._blocks import check_blocks
+from ..types import Partial
+from .kernels import (
+    CompiledElementwise,
+    CompiledReduction,
+    Loaded,
+    compiler_missing,
+    kernel_folder,
+    load,
+)
+from .source import KernelSource
+
+__all__ = ["CompiledSlot", "Kernel", "KernelChunker", "kernels"]
+
+_NICE = 10  # how much lower the compiling thread's priority is
+
+
+class Kernel:
+    """One compiled kernel of this process: waiting, ready, or failed (with why).
+
+    ``state`` and the fields below are written by the compiling thread once, under
+    ``_lock``; readers see either the old or the new state.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.state = "idle"  # idle, waiting, ready, failed
+        self.function: Callable[..., Any] | None = None
+        self.reason: str | None = None
+        self.compiled = False  # whether loading it compiled (else it came from disk)
+        self.seconds = 0.0
+        self.ready_at: float | None = None
+        self.ready = threading.Event()
+
+    def _done(self, loaded: Loaded | None, reason: str | None) -> None:
+        with _lock:
+            if loaded is not None:
+                self.function = loaded.function
+                self.compiled = loaded.compiled
+                self.seconds = loaded.seconds
+                self.state = "ready"
+                self.ready_at = time.monotonic()
+            else:
+                self.reason = reason
+                self.state = "failed"
+        self.ready.set()
+
+
+_lock = threading.Lock()
+_kernels: dict[str, Kernel] = {}
+_queue: queue.Queue[tuple[KernelSource, Path, Kernel]] = queue.Queue()
+_thread: threading.Thread | None = None
+
+
+def kernels() -> list[Kernel]:
+    """The kernels this process knows (for reports and tests)."""
+    with _lock:
+        return list(_kernels.values())
+
+
+def _request(source: KernelSource, folder: Path) -> Kernel:
+    """The kernel of ``source``: known, or queued for the compiling thread."""
+    global _thread
+    with _lock:
+        kernel = _kernels.get(source.key)
+        if kernel is None:
+            kernel = _kernels[source.key] = Kernel(source.key)
+        if kernel.state == "idle":
+            kernel.state = "waiting"
+            _queue.put((source, folder, kernel))
+            if _thread is None or not _thread.is_alive():
+                _thread = threading.Thread(target=_compile_loop, name="tierflow-jit", daemon=True)
+                _thread.start()
+    return kernel
+
+
+def _known(source: KernelSource) -> Kernel | None:
+    with _lock:
+        return _kernels.get(source.key)
+
+
+def _compile_loop() -> None:
+    # A lower priority for this thread only (on Linux a thread is a task of its own).
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+    while True:
+        source, folder, kernel = _queue.get()
+        missing = compiler_missing()
+        if missing is not None:
+            kernel._done(None, missing)
+            continue
+        try:
+            loaded = load(source, kernel_folder(folder))
+        except Exception as exc:  # numba's errors: the NumPy path runs instead
+            kernel._done(None, f"numba could not compile it ({type(exc).__name__}: {exc})")
+        else:
+            kernel._done(loaded, None)
+
+
+class CompiledSlot:
+    """A fused reduction's compiled form: its source, and its kernel once started.
+
+    Counts the blocks each path ran (``counts``: kernel, waiting, sent back), under a
+    lock: blocks run on several threads.
+    """
+
+    def __init__(self, source: KernelSource, op: Any = None) -> None:
+        self.source = source
+        self.op = op  # the reduction, or None for an elementwise kernel
+        self._folder: Path | None = None
+        self._kernel: Kernel | None = None
+        self._runner: Any = None
+        self._count_lock = threading.Lock()
+        self.counts = {"kernel": 0, "waiting": 0, "sent back": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"source": self.source, "op": self.op, "folder": self._folder}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["source"], state["op"])  # type: ignore[misc]
+        if state["folder"] is not None:
+            self.start(state["folder"])
+
+    @property
+    def key(self) -> str:
+        return self.source.key
+
+    def loaded(self) -> bool:
+        """Whether this process has the kernel already (then using it costs nothing)."""
+        kernel = _known(self.source)
+        return kernel is not None and kernel.state == "ready"
+
+    def start(self, folder: str | os.PathLike[str]) -> None:
+        """Ask for the kernel (compiled, or read from ``folder``) on the background
+        thread; blocks use it as soon as it is ready."""
+        self._folder = Path(folder)
+        self._kernel = _request(self.source, self._folder)
+
+    def attach(self) -> None:
+        """Use the kernel if this process has it, without asking for a compile."""
+        kernel = _known(self.source)
+        if kernel is not None and kernel.state == "ready":
+            self._kernel = kernel
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the kernel is ready or failed (tests and benchmarks); whether it is
+        ready."""
+        if self._kernel is None:
+            return False
+        self._kernel.ready.wait(timeout)
+        return self._kernel.state == "ready"
+
+    def state(self) -> str:
+        """``off`` (not started), ``waiting``, ``ready`` or ``failed: <why>``."""
+        kernel = self._kernel
+        if kernel is None:
+            return "off"
+        if kernel.state == "failed":
+            return f"failed: {kernel.reason}"
+        return kernel.state
+
+    def describe(self) -> str:
+        """The kernel's state in words: ``not asked for`` (the compute was small),
+        ``compiled in 0.42 s``, ``read from disk in 0.1 s``, ``not ready ...``,
+        ``failed: ...``."""
+        kernel = self._kernel
+        if kernel is None:
+            return "not asked for (a small compute)"
+        if kernel.state == "failed":
+            return f"failed: {kernel.reason}"
+        if kernel.state != "ready":
+            return "not ready before the compute ended (compiling, or reading from disk)"
+        if kernel.compiled:
+            return f"compiled in {kernel.seconds:.2f} s"
+        return f"read from disk in {kernel.seconds:.2f} s"
+
+    def _count(self, what: str) -> None:
+        with self._count_lock:
+            self.counts[what] += 1
+
+    def _ready(self) -> Any:
+        """The runner of the kernel, once it is ready (else None, counted as waiting)."""
+        runner = self._runner
+        if runner is not None:
+            return runner
+        kernel = self._kernel
+        if kernel is None:
+            return None
+        function = kernel.function
+        if function is None:
+            self._count("waiting")
+            return None
+        if self.source.out_dtype is not None:
+            runner = CompiledElementwise(self.source, function)
+        else:
+            runner = CompiledReduction(self.source, function, self.op)
+        self._runner = runner
+        return runner
+
+    def partial(
+        self, blocks: Sequence[np.ndarray], rows: int, evaluate: Callable[[int], np.ndarray]
+    ) -> Partial | None:
+        """The block's partial from the kernel, or None: run the NumPy path."""
+        runner = self._ready()
+        if runner is None:
+            return None
+        partial = runner.partial(blocks, rows, evaluate)
+        self._count("sent back" if partial is None else "kernel")
+        return partial
+
+    def apply(self, blocks: Sequence[np.ndarray], rows: int, out: np.ndarray) -> bool:
+        """Whether the kernel wrote the block's values into ``out`` (else run the NumPy
+        path, which overwrites it)."""
+        runner = self._ready()
+        if runner is None:
+            return False
+        done = bool(runner.apply(blocks, rows, out))
+        self._count("kernel" if done else "sent back")
+        return done
+
+
+class KernelChunker:
+    """A built-in row reduction of its input itself (no expression), with its compiled
+    kernel beside it: ``chunk`` takes the kernel's partial when it gives one, else the
+    reduction's own. ``compiled`` is the :class:`CompiledSlot` (None where there is
+    none, then ``not_compiled`` says why); the rest is the reduction's."""
+
+    row_independent = False
+    n_inputs = 1
+
+    def __init__(self, reduction: Any, compiled: CompiledSlot | None, why: str | None) -> None:
+        self.reduction = reduction
+        self.compiled = compiled
+        self.not_compiled = why
+        self.out_dtype = reduction.out_dtype
+        self.out_shape = reduction.out_shape
+        self.commutative = reduction.commutative
+
+    def __repr__(self) -> str:
+        return f"KernelChunker({self.reduction!r})"
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        """The block's partial: the kernel's, or the reduction's own chunk."""
+        compiled = self.compiled
+        if compiled is not None:
+            op = self.reduction
+            rows = check_blocks(blocks, [op.in_dtype], [op.in_row_shape], op.kind)
+            if rows:
+                block = blocks[0]
+                found = compiled.partial(blocks, rows, lambda n: block[:n])
+                if found is not None:
+                    return found
+        return self.reduction.chunk(*blocks, row_offset=row_offset)
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        return self.reduction.combine(a, b)
+
+    def aggregate(self, partial: Partial) -> Any:
+        return self.reduction.aggregate(partial)
+
+    def temp_bytes(self, rows: int) -> int:
+        return int(self.reduction.temp_bytes(rows))
+
+    def partial_bytes(self) -> int:
+        return int(self.reduction.partial_bytes())
