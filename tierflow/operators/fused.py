@@ -776,7 +776,7 @@ class FusedReduction:
             def head(n: int) -> np.ndarray:
                 return program.evaluate([b[:n] for b in blocks], n, held)
 
-            found = compiled.partial(blocks, rows, head)
+            found = compiled.partial(blocks, rows, head, int(row_offset))
             if found is not None:
                 return found
         builtin = self._builtin

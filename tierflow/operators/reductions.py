@@ -594,14 +594,19 @@ class RowReduction(_NamedReduction, abc.ABC):
         return None
 
     def partial_of_lanes(
-        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+        self,
+        lanes: Sequence[np.ndarray],
+        rows: int,
+        shift: np.ndarray | None = None,
+        row_offset: int = 0,
     ) -> Partial:
         """The partial of a block of ``rows`` rows from per-lane values that a compiled
         kernel folded (:mod:`tierflow.operators.compiled`): each array holds lanes of
         whole rows (lane ``j`` is element ``j % row_elements`` of a row), in the dtype
         the kernel was told; var/std take the lanes' sums of deviations from ``shift``
-        (one row, float64) and of their squares. Raises TypeError for a reduction
-        without lanes."""
+        (one row, float64) and of their squares; argmin/argmax the best value of each
+        lane and its element in the block (``row_offset``: the block's first row in the
+        array). Raises TypeError for a reduction without lanes."""
         raise TypeError(f"{self!r} has no partial of lanes")
 
     def _fold_lanes(self, ufunc: np.ufunc, lanes: np.ndarray, dtype: Any) -> np.ndarray:
@@ -674,7 +679,11 @@ class _UfuncReduction(RowReduction):
         return _Accumulated(self, _UfuncLanes(self.ufunc, dtype, row_elements, fold))
 
     def partial_of_lanes(
-        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+        self,
+        lanes: Sequence[np.ndarray],
+        rows: int,
+        shift: np.ndarray | None = None,
+        row_offset: int = 0,
     ) -> Partial:
         return self._fold_lanes(self.ufunc, lanes[0], lanes[0].dtype)
 
@@ -701,7 +710,11 @@ class _CountNonzero(RowReduction):
         return total
 
     def partial_of_lanes(
-        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+        self,
+        lanes: Sequence[np.ndarray],
+        rows: int,
+        shift: np.ndarray | None = None,
+        row_offset: int = 0,
     ) -> Partial:
         return self._fold_lanes(np.add, lanes[0], np.intp)
 
@@ -735,7 +748,11 @@ class _Mean(RowReduction):
         return _Accumulated(self, _UfuncLanes(np.add, self.acc, row_elements, fold))
 
     def partial_of_lanes(
-        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+        self,
+        lanes: Sequence[np.ndarray],
+        rows: int,
+        shift: np.ndarray | None = None,
+        row_offset: int = 0,
     ) -> Partial:
         return (rows * self.reduced_per_row, self._fold_lanes(np.add, lanes[0], self.acc))
 
@@ -841,7 +858,11 @@ class _Moments(RowReduction):
         return partial
 
     def partial_of_lanes(
-        self, lanes: Sequence[np.ndarray], rows: int, shift: np.ndarray | None = None
+        self,
+        lanes: Sequence[np.ndarray],
+        rows: int,
+        shift: np.ndarray | None = None,
+        row_offset: int = 0,
     ) -> Partial:
         if not self._one_pass or shift is None:
             raise TypeError(f"{self!r} has no partial of lanes")
@@ -1131,6 +1152,8 @@ def _narrow_sums(flat: np.ndarray, pilot: np.ndarray, row_elements: int, fold: i
 class _ArgReduction(RowReduction):
     """argmin / argmax over all axes or axis 0: partial (values, global indices)."""
 
+    folds_in_lanes = True
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.find = np.argmin if self.kind == "argmin" else np.argmax
@@ -1165,6 +1188,40 @@ class _ArgReduction(RowReduction):
             tie = tie | (nan_a & nan_b)
         wins = wins | (tie & (ib < ia))
         return (np.where(wins, vb, va), np.where(wins, ib, ia))
+
+    def partial_of_lanes(
+        self,
+        lanes: Sequence[np.ndarray],
+        rows: int,
+        shift: np.ndarray | None = None,
+        row_offset: int = 0,
+    ) -> Partial:
+        """Lanes of the best value and its element of the block (-1 where a lane got
+        none): per column (or over all, for ``axis=None``), the first NaN, else the
+        best value's first element."""
+        row_elements = math.prod(self.in_row_shape)
+        width = 1 if self.flat else row_elements
+        values, found = lanes[0].reshape(-1, width), lanes[1].reshape(-1, width)
+        valid = found >= 0
+        nan = valid & np.isnan(values) if self.has_nan else np.zeros_like(valid)
+        plain = valid & ~nan
+        if values.dtype.kind == "f":
+            fill = np.inf if self.kind == "argmin" else -np.inf
+        else:
+            info = np.iinfo(values.dtype)
+            fill = info.max if self.kind == "argmin" else info.min
+        masked = np.where(plain, values, fill)
+        best = masked.min(axis=0) if self.kind == "argmin" else masked.max(axis=0)
+        never = np.iinfo(np.int64).max
+        first = np.where(plain & (masked == best), found, never).min(axis=0)
+        first_nan = np.where(nan, found, never).min(axis=0)
+        element = np.where(first_nan < never, first_nan, first)
+        value = np.where(first_nan < never, np.nan, best).astype(values.dtype)
+        if self.flat:
+            index = row_offset * row_elements + element
+            return (value.reshape(()), index.reshape(()).astype(np.int64))
+        index = (row_offset + element // row_elements).astype(np.int64)
+        return (value.reshape(self.core_shape), index.reshape(self.core_shape))
 
     def _finish(self, partial: Partial) -> np.ndarray:
         return np.asarray(partial[1]).astype(np.intp)

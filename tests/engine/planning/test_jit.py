@@ -118,11 +118,12 @@ def test_describe_names_the_kernel_or_the_reason() -> None:
         tasks=True,
     )
     assert "compiled kernel " in text
+    half = tw.from_array(np.ones((100, 4), np.float16))
     text = describe(
-        build_plan([Target(a.argmax(axis=0)._node)], workers=2, budget=1 << 30, jit=settings),
+        build_plan([Target((half * 2).sum(axis=0)._node)], workers=2, budget=1 << 30, jit=settings),
         tasks=True,
     )
-    assert "NumPy path:" in text
+    assert "NumPy path: input 0 has dtype float16" in text
 
 
 def test_a_floating_point_error_warns_as_numpy_does() -> None:
@@ -186,11 +187,52 @@ def test_without_numba_the_numpy_path_runs_and_says_so_once(tmp_path: Path) -> N
     assert done.stderr.count("fused programs run on the NumPy path") == 1
 
 
-@pytest.mark.executors("processes")
-def test_worker_processes_get_the_same_results_with_kernels() -> None:
+@pytest.mark.executors("processes", "dask", "ray")
+def test_workers_get_the_same_results_with_kernels() -> None:
     x, a = _column_sum(rows=30_000)
     expr = (a * 2 - 1).var(axis=0)
-    (got,) = tw.compute(expr, jit="eager", executor="processes", workers=2)
-    np.testing.assert_allclose(
-        got, (x * np.float32(2) - 1).var(axis=0, dtype=np.float64), rtol=1e-6
-    )
+    (got,) = tw.compute(expr, jit="eager")
+    want = (x * np.float32(2) - 1).var(axis=0, dtype=np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _kernels_here() -> list[tuple[str, str, bool]]:
+    from tierflow.operators.compiled import tiered
+
+    for kernel in tiered.kernels():
+        kernel.ready.wait(60)
+    return [(k.key, k.state, k.compiled) for k in tiered.kernels()]
+
+
+@pytest.mark.executors("dask")
+def test_dask_workers_read_the_kernel_the_driver_compiled(dask_client: object) -> None:
+    _, a = _column_sum(rows=40_000)
+    expr = (a * 3 + 0.5).sum(axis=0)  # an expression no other test compiles
+    with tw.profile() as p:
+        tw.compute(expr, jit="eager")
+    (report,) = _kernels(p)
+    key = report.split("kernel ")[1].split()[0]
+    found = dask_client.run(_kernels_here)  # type: ignore[attr-defined]
+    on_workers = [entry for entries in found.values() for entry in entries if entry[0] == key]
+    assert on_workers, f"no worker asked for kernel {key}: {found}"
+    assert all(state == "ready" and not compiled for _, state, compiled in on_workers)
+
+
+def test_a_masked_reduction_reads_the_unfiltered_blocks_once() -> None:
+    x, a = _column_sum(rows=20_000)
+    x[4096:8192, 0] = 0  # a block the mask empties
+    a = tw.from_array(x, rows=4096)
+    expressions = [
+        a[a[:, 0] > 0.5].sum(axis=0),
+        (a * 2)[a[:, 0] > 0.5].mean(axis=0),
+        a[(a[:, 3] < 0.2)].var(axis=0),
+        a[a[:, 0] > 2].sum(axis=0),  # keeps no row at all
+    ]
+    with tw.profile() as p:
+        got = tw.compute(*expressions, jit="eager")
+    reports = _kernels(p)
+    assert len(reports) == 4 and all("0 sent back" in r for r in reports), reports
+    want = tw.compute(*expressions, jit=False)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-6)
+    np.testing.assert_array_equal(got[3], np.zeros(8, np.float32))

@@ -3,6 +3,7 @@ the NumPy path wherever NumPy would warn, and the reasons for what is not compil
 
 from __future__ import annotations
 
+import random
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ from tierflow.operators.compiled import (
     elementwise_source,
     load,
 )
-from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, where
+from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, walk, where
 from tierflow.operators.fused import FusedKernel
 
+from ..helpers import DTYPES, random_array
+from ..test_fused import _random_expr
 from common import examples
 
 x = Input(0)
@@ -127,3 +130,49 @@ def test_nan_in_the_data_or_an_overflow_goes_back(tmp_path: Path) -> None:
 def test_what_is_not_compiled_says_why(expr: Any, dtypes: list[str], reason: str) -> None:
     with pytest.raises(Unsupported, match=reason):
         elementwise_source(expr(), dtypes, [(4,)])
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(1, 300),
+    row_shape=st.sampled_from([(1,), (3,), (2, 3)]),
+    depth=st.integers(1, 4),
+)
+def test_random_expressions_compiled_match_the_numpy_path_bitwise(
+    seed: int,
+    rows: int,
+    row_shape: tuple[int, ...],
+    depth: int,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The fused kernels' property test, over the compiled path: every expression the
+    compiler takes gives the NumPy path's bits, or goes back where NumPy warns."""
+    rng = random.Random(seed)
+    n_inputs = rng.choice([1, 2])
+    dtypes = [str(rng.choice(DTYPES)) for _ in range(n_inputs)]
+    expr = _random_expr(rng, depth, n_inputs, row_shape)
+    if not isinstance(expr, Expr) or not any(isinstance(n, Input) for n in walk(expr)):
+        return
+    try:
+        with warnings.catch_warnings():  # NumPy's warnings on constants folded at build
+            warnings.simplefilter("ignore")
+            kernel = FusedKernel(expr, dtypes, [row_shape] * n_inputs)
+        compiled = _compiled(expr, dtypes, row_shape, tmp_path_factory.getbasetemp() / "kr")
+    except (TypeError, ValueError, OverflowError, Unsupported):
+        return  # NumPy refuses it, or the compiler does not take it (tested above)
+    data = np.random.default_rng(seed)
+    blocks = [random_array(data, np.dtype(d), (rows, *row_shape)) for d in dtypes]
+    out = np.empty((rows, *kernel.out_row_shape), kernel.out_dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            want = kernel.apply(*blocks)
+        except Exception:  # NumPy raises on these values (a negative integer power)
+            return
+    done = compiled.apply(blocks, rows, out)
+    if caught:
+        assert not done, f"{expr!r}: NumPy warned {caught[0].message}, the kernel did not"
+        return
+    assert done, f"{expr!r}: sent back a block NumPy computes without a warning"
+    np.testing.assert_array_equal(_bits(out), _bits(want))

@@ -24,14 +24,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ... import config
 from ...operators import elementwise as ew
-from ...operators import fused
+from ...operators import fused, selection
 from ...operators.compiled import Unsupported, elementwise_source, reduction_source
-from ...operators.compiled.tiered import CompiledSlot, KernelChunker
+from ...operators.compiled.source import masked_source
+from ...operators.compiled.tiered import CompiledSlot, KernelChunker, MaskedKernelChunker
 from ...operators.reductions import RowReduction
 from ..program.program import Program
-from ..program.steps import KernelStep
+from ..program.steps import FilterStep, KernelStep, UnfilteredStep
 
 __all__ = ["JitSettings", "attach", "settings", "start"]
 
@@ -69,6 +72,8 @@ def attach(program: Program, enabled: bool) -> None:
             _attach_elementwise(step, enabled)
     for root in program.reductions:
         chunker = root.chunker
+        if enabled and _attach_masked(root):
+            continue
         op: Any
         if isinstance(chunker, fused.FusedReduction):
             op = chunker.reduction
@@ -103,6 +108,71 @@ def _attach_elementwise(step: KernelStep, enabled: bool) -> None:
         kernel.not_compiled = str(exc)
         return
     kernel.compiled = CompiledSlot(source)
+
+
+def _attach_masked(root: Any) -> bool:
+    """Whether ``root`` is a built-in row reduction of the rows a mask keeps, with a
+    mask that is a fused kernel of single values of the same rows
+    (``x[x[:, 0] > 0.5].sum(0)``), and now reduces the unfiltered blocks in one
+    compiled pass (:class:`~tierflow.operators.compiled.tiered.MaskedKernelChunker`)."""
+    op = root.op
+    if root.chunker is not op or not isinstance(op, RowReduction) or len(root.inputs) != 1:
+        return False
+    step = root.inputs[0]
+    if not isinstance(step, FilterStep) or not isinstance(step.mask, KernelStep):
+        return False
+    mask = step.mask.op
+    if not isinstance(mask, fused.FusedKernel) or mask.epilogue is not None:
+        return False
+    data: Any = step.source
+    data_kernel = None
+    inputs: list[Any] = [data]
+    if isinstance(data, KernelStep) and isinstance(data.op, fused.FusedKernel):
+        if data.op.epilogue is not None:
+            return False
+        data_kernel, inputs = data.op, list(data.inputs)
+    columns: list[tuple[int, Any]] = []
+    places: list[tuple[int, int]] = []
+    column: Any
+    for column in step.mask.inputs:
+        index = getattr(column, "op", None)
+        if not isinstance(index, selection.TrailingIndex) or column.inputs[0] not in inputs:
+            return False
+        flat = _flat_column(index)
+        if flat is None:
+            return False
+        position = inputs.index(column.inputs[0])
+        columns.append((position, index))
+        places.append((position, flat))
+    expr = ew.Input(0) if data_kernel is None else data_kernel.expr
+    dtypes = [op.in_dtype] if data_kernel is None else data_kernel.input_dtypes
+    shapes = [op.in_row_shape] if data_kernel is None else data_kernel.input_row_shapes
+    try:
+        source = masked_source(expr, dtypes, shapes, mask.expr, places, op)
+    except Unsupported:
+        return False
+    slot = CompiledSlot(source, op)
+    root.chunker = MaskedKernelChunker(op, slot, data_kernel, mask, columns, len(inputs))
+    root.inputs = [UnfilteredStep(step, s) for s in inputs]
+    return True
+
+
+def _flat_column(index: Any) -> int | None:
+    """The element within a row that a row selection ``x[:, j]`` (or ``x[:, i, j]``)
+    picks, or None for another selection."""
+    key = index.key
+    if not key or key[0] != slice(None) or len(key) != len(index.in_row_shape) + 1:
+        return None
+    picks = key[1:]
+    if not all(isinstance(k, (int, np.integer)) for k in picks):
+        return None
+    shape = index.in_row_shape
+    flat = 0
+    for k, n in zip(picks, shape, strict=True):
+        if not -n <= k < n:
+            return None
+        flat = flat * n + (k % n)
+    return flat
 
 
 def _slot(

@@ -37,6 +37,7 @@ __all__ = [
     "SourceStep",
     "Step",
     "TakeStep",
+    "UnfilteredStep",
     "own_request",
     "widest_rows",
     "worker_name",
@@ -396,6 +397,29 @@ class FilterStep(Step):
 
     def memory(self, rows: int, into_sink: bool) -> TaskMemory:
         return TaskMemory(outputs=block_bytes(rows, self.node.row_shape, self.node.dtype))  # type: ignore[arg-type]
+
+
+class UnfilteredStep(Step):
+    """A step under a filter, asked for the rows of one of the filter's blocks: all the
+    rows that block is taken from, none dropped (a compiled masked reduction reads them
+    whole and applies the mask itself; see :mod:`tierflow.engine.planning.jit`)."""
+
+    def __init__(self, filtered: FilterStep, step: Step) -> None:
+        self.filtered = filtered
+        self.step = step
+        self.node = step.node
+
+    def _eval(self, ctx: Context, req: Request) -> np.ndarray:
+        return self.step.host(ctx, self.filtered._inner(req))
+
+    def children(self) -> list[Step]:
+        return [self.step]
+
+    def sources(self, req: Request) -> Iterator[tuple[Any, int, int]]:
+        yield from self.step.sources(self.filtered._inner(req))
+
+    def label(self) -> str:
+        return f"{self.step.label()} (unfiltered)"
 
 
 class CountedStep(Step):

@@ -32,6 +32,7 @@ from .source import KernelSource
 
 __all__ = [
     "CompiledElementwise",
+    "CompiledMaskedReduction",
     "CompiledReduction",
     "Loaded",
     "compiler_missing",
@@ -133,17 +134,20 @@ def _empty_arguments(source: KernelSource) -> list[Any]:
     args += [np.empty(source.lanes, d) for d, _, _ in source.lane_inits]
     if source.out_dtype is not None:
         args.append(np.empty(0, source.out_dtype))
+    if source.masked:
+        args.append(np.zeros(1, np.int64))
     return args
 
 
 class CompiledReduction:
     """A fused reduction's partial of a block from its compiled kernel.
 
-    ``partial(blocks, evaluate)`` returns the reduction's partial, exactly what
-    ``chunk`` would return up to the order of the float64 additions, or None where the
-    block must run on the NumPy path: a floating-point error happened (NumPy then warns
-    or raises as it does), or an input is not contiguous. ``evaluate(rows)`` gives the
-    expression's values on the block's first ``rows`` rows (the var/std shift).
+    ``partial(blocks, rows, evaluate, row_offset)`` returns the reduction's partial,
+    exactly what ``chunk`` would return up to the order of the float64 additions, or
+    None where the block must run on the NumPy path: a floating-point error happened
+    (NumPy then warns or raises as it does), or an input is not contiguous.
+    ``evaluate(rows)`` gives the expression's values on the block's first ``rows`` rows
+    (the var/std shift); ``row_offset`` is the block's first row in the array.
     """
 
     def __init__(self, source: KernelSource, function: Callable[..., Any], op: Any) -> None:
@@ -153,7 +157,11 @@ class CompiledReduction:
         self._pilot_rows = max(1, _PILOT_ELEMENTS // source.row_elements)
 
     def partial(
-        self, blocks: Sequence[np.ndarray], rows: int, evaluate: Callable[[int], np.ndarray]
+        self,
+        blocks: Sequence[np.ndarray],
+        rows: int,
+        evaluate: Callable[[int], np.ndarray],
+        row_offset: int = 0,
     ) -> Partial | None:
         source = self.source
         if np.geterr()["under"] != "ignore":
@@ -182,7 +190,7 @@ class CompiledReduction:
                 # A floating-point error, NaN or infinity in the data, or a float64 sum
                 # that overflowed: the NumPy path gives NumPy's warnings and values.
                 return None
-        return self.op.partial_of_lanes(lanes, rows, shift)
+        return self.op.partial_of_lanes(lanes, rows, shift, row_offset)
 
 
 class CompiledElementwise:
@@ -213,3 +221,51 @@ class CompiledElementwise:
         lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
         self.function(rows * source.row_elements, *flats, *source.consts, *lanes, out.reshape(-1))
         return all(np.isfinite(lane).all() for lane in lanes)
+
+
+class CompiledMaskedReduction:
+    """A reduction's partial of the rows a mask keeps, from the unfiltered blocks in one
+    pass (:func:`~.source.masked_source`).
+
+    ``partial(blocks, rows, evaluate)`` returns ``(True, partial)`` (None for a block
+    whose rows the mask all dropped) or ``(False, None)`` where the block must run on
+    the NumPy path, for the reasons of :class:`CompiledReduction`. The var/std shift is
+    the mean of the block's first rows, kept or not (any shift gives the same
+    variance; a near one keeps it accurate).
+    """
+
+    def __init__(self, source: KernelSource, function: Callable[..., Any], op: Any) -> None:
+        self.source = source
+        self.function = function
+        self.op = op
+        self._pilot_rows = max(1, _PILOT_ELEMENTS // source.row_elements)
+
+    def partial(
+        self, blocks: Sequence[np.ndarray], rows: int, evaluate: Callable[[int], np.ndarray]
+    ) -> tuple[bool, Partial]:
+        source = self.source
+        if np.geterr()["under"] != "ignore":
+            return False, None
+        flats = []
+        for i in source.inputs:
+            block = blocks[i]
+            if not block.flags.c_contiguous:
+                return False, None
+            flats.append(np.asarray(block).reshape(-1))
+        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
+        args: list[Any] = [rows]
+        shift = None
+        if source.pilot:
+            head = min(rows, self._pilot_rows)
+            with np.errstate(all="ignore"):
+                values = np.asarray(evaluate(head), dtype=np.float64)
+            shift = values.reshape(head, -1).mean(axis=0)
+            args.append(np.tile(shift, source.lanes // source.row_elements))
+        kept = np.zeros(1, np.int64)
+        self.function(*args, *flats, *source.consts, *lanes, kept)
+        for lane, (_, _, checked) in zip(lanes, source.lane_inits, strict=True):
+            if checked and not np.isfinite(lane).all():
+                return False, None
+        if not kept[0]:
+            return True, None
+        return True, self.op.partial_of_lanes(lanes, int(kept[0]), shift)

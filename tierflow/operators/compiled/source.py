@@ -72,6 +72,7 @@ __all__ = [
     "Unsupported",
     "elementwise_source",
     "lanes_for",
+    "masked_source",
     "reduction_source",
 ]
 
@@ -103,6 +104,7 @@ class KernelSource:
     lane_inits: tuple[tuple[np.dtype, Any, bool], ...]  # dtype, initial value, checked
     pilot: bool  # the kernel takes the var/std pilot shift (float64 per lane) first
     out_dtype: np.dtype | None = None  # an elementwise kernel's output (its last argument)
+    masked: bool = False  # a reduction of the rows a mask keeps (masked_source)
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -307,7 +309,14 @@ class _Writer:
         expr: Expr,
         input_dtypes: Sequence[np.dtype],
         input_row_shapes: Sequence[tuple[int, ...]],
+        *,
+        reads: dict[int, str] | None = None,
+        prefix: str = "",
     ) -> None:
+        # ``reads``: the code that reads input i (default ``i{i}[e]``); ``prefix`` goes
+        # before every name made here, so that two writers share one function.
+        self.reads = reads or {}
+        self.prefix = prefix
         self.lines: list[str] = []
         self.consts: list[Any] = []
         self.const_types: list[str] = []
@@ -333,19 +342,18 @@ class _Writer:
             return _cast(self.names[id(node)], self.dtype_of(node), dtype, what)
         value = self.values[id(node)]
         _type(dtype, what)
+        name = f"{self.prefix}c{len(self.consts)}"
         if isinstance(value, np.ndarray) and value.ndim and value.size > 1:
-            name = f"c{len(self.consts)}"
             self.consts.append(("array", value, dtype))
             self.const_types.append(f"{dtype.name}[lanes]")
             return f"{name}[l]"
-        name = f"c{len(self.consts)}"
         scalar = np.asarray(value).reshape(-1)[0] if np.ndim(value) else value
         self.consts.append(("scalar", scalar, dtype))
         self.const_types.append(dtype.name)
         return name
 
     def _emit(self, node: Expr, code: str, raises: bool = False) -> None:
-        name = f"v{len(self.names)}"
+        name = f"{self.prefix}v{len(self.names)}"
         self.names[id(node)] = name
         self.lines.append(f"{name} = {code}  # {_label(node)}")
         if raises:
@@ -356,7 +364,7 @@ class _Writer:
             dtype = self.dtype_of(node)
             _type(dtype, f"input {node.index}")
             self.inputs.add(node.index)
-            self._emit(node, f"i{node.index}[e]")
+            self._emit(node, self.reads.get(node.index, f"i{node.index}[e]"))
             return
         out = self.dtype_of(node)
         if isinstance(node, AsType):
@@ -493,7 +501,9 @@ class _Writer:
         """What NumPy's type resolution sees for ``node``: a dtype, or the Python type
         of a weak scalar (NEP 50)."""
         value = self.values[id(node)]
-        if not self.varying(node) and isinstance(value, (bool, int, float, complex)):
+        if not self.varying(node) and isinstance(value, bool):
+            return np.dtype(bool)  # NumPy's type resolution takes no Python bool
+        if not self.varying(node) and isinstance(value, (int, float, complex)):
             return type(value)
         return np.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype
 
@@ -566,6 +576,22 @@ def _fold_statement(op: RowReduction, value: str, dtype: np.dtype) -> tuple[np.d
     raise Unsupported(f"{kind} is not compiled")
 
 
+def _arg_fold(op: RowReduction, value: str, dtype: np.dtype) -> list[str]:
+    """argmin/argmax per lane: the best value (``lanes0``) and the element it is
+    (``lanes1``, -1 before the first); the first of equal values, the first NaN."""
+    _type(dtype, op.kind)
+    if dtype == np.bool_:
+        raise Unsupported(f"{op.kind} of bools is not compiled")
+    better = f"{value} {'<' if op.kind == 'argmin' else '>'} lanes0[l]"
+    if dtype.kind == "f":
+        better += f" or ({value} != {value} and lanes0[l] == lanes0[l])"
+    return [
+        f"if lanes1[l] < 0 or ((lanes0[l] == lanes0[l]) and ({better})):",
+        f"    lanes0[l] = {value}",
+        "    lanes1[l] = e",
+    ]
+
+
 def reduction_source(
     expr: Expr,
     input_dtypes: Sequence[Any],
@@ -597,6 +623,9 @@ def reduction_source(
         inits: tuple[tuple[np.dtype, Any, bool], ...] = ((np.dtype(np.float64), 0.0, True),) * 2
         dev = f"np.float64({value}) - pilot[l]"
         fold = [f"d = {dev}", "lanes0[l] += d", "lanes1[l] += d * d"]
+    elif op.kind in ("argmin", "argmax"):
+        fold = _arg_fold(op, value, writer.dtype)
+        inits = ((writer.dtype, 0, False), (np.dtype(np.int64), -1, False))
     else:
         lane_dtype, init, statement = _fold_statement(op, value, writer.dtype)
         inits = ((lane_dtype, init, sum_like),)
@@ -654,10 +683,8 @@ def elementwise_source(
             for n in walk(expr)
             if isinstance(n, Apply)
             and writer.varying(n)
-            and writer.dtype_of(n.args[0]).kind == "f"
+            and writer.dtype_of(n).kind == "f"
             and n.ufunc.__name__ not in _EXACT
-            and n.ufunc.__name__ not in _COMPARE
-            and n.ufunc.__name__ not in _PREDICATES
         }
     )
     if inexact:
@@ -692,6 +719,103 @@ def elementwise_source(
         inits,
         False,
         writer.dtype,
+    )
+
+
+def masked_source(  # noqa: PLR0913 -- the data's expression, then the mask's
+    expr: Expr,
+    input_dtypes: Sequence[Any],
+    input_row_shapes: Sequence[tuple[int, ...]],
+    mask: Expr,
+    columns: Sequence[tuple[int, int]],
+    op: RowReduction,
+) -> KernelSource:
+    """The kernel of ``op`` over the rows of ``expr`` that ``mask`` keeps, in one pass
+    over the unfiltered blocks: ``mask`` is a boolean expression of one value per row,
+    its input ``k`` element ``columns[k][1]`` (flat, within a row) of block input
+    ``columns[k][0]``. The kernel counts the rows it kept into its last argument.
+    Raises :class:`Unsupported` with the reason where it cannot be compiled."""
+    dtypes = [np.dtype(d) for d in input_dtypes]
+    shapes = [tuple(int(n) for n in s) for s in input_row_shapes]
+    row_shape = tuple(op.in_row_shape)
+    if any(s != row_shape for s in shapes):
+        raise Unsupported("the inputs broadcast against each other (their row shapes differ)")
+    row_elements = math.prod(row_shape)
+    if row_elements == 0 or not op.folds_in_lanes or op.kind in ("argmin", "argmax"):
+        raise Unsupported(f"{op.kind} after a mask is not compiled")
+    lanes = lanes_for(row_elements)
+    fold_rows = lanes // row_elements
+    reads = {k: f"i{d}[base + {c}]" for k, (d, c) in enumerate(columns)}
+    mask_dtypes = [dtypes[d] for d, _ in columns]
+    masker = _Writer(mask, mask_dtypes, [()] * len(columns), reads=reads, prefix="m")
+    if masker.dtype != np.bool_:
+        raise Unsupported(f"a mask of {masker.dtype} is not compiled")
+    writer = _Writer(expr, dtypes, shapes, reads={i: f"i{i}[s]" for i in range(len(dtypes))})
+    if writer.dtype != op.in_dtype:
+        raise Unsupported(f"the expression gives {writer.dtype}, the reduction takes {op.in_dtype}")
+    value = writer.result
+    sum_like = op.kind in ("sum", "mean", "prod", "var", "std") and writer.dtype.kind == "f"
+    witnesses = writer.witnesses(expr, sum_like)
+    if op.kind in ("var", "std"):
+        inits: tuple[tuple[np.dtype, Any, bool], ...] = ((np.dtype(np.float64), 0.0, True),) * 2
+        fold = [f"d = np.float64({value}) - pilot[l]", "lanes0[l] += d", "lanes1[l] += d * d"]
+    else:
+        lane_dtype, init, statement = _fold_statement(op, value, writer.dtype)
+        inits = ((lane_dtype, init, sum_like),)
+        fold = [statement]
+    row_lines = list(masker.lines)
+    mask_witnesses = masker.witnesses(mask, False)
+    if witnesses or mask_witnesses:
+        w = len(inits)
+        inits = (*inits, (np.dtype(np.float64), 0.0, True))
+        if witnesses:
+            fold.append(f"lanes{w}[l] += " + " + ".join(f"({v} - {v})" for v in witnesses))
+        if mask_witnesses:
+            sums = " + ".join(f"({v} - {v})" for v in mask_witnesses)
+            row_lines.append(f"lanes{w}[0] += {sums}")
+    used = sorted(writer.inputs | {d for d, _ in columns})
+    all_consts = _arguments(writer, row_elements, lanes) + _arguments(masker, 1, 1)
+    args = ["pilot"] if op.kind in ("var", "std") else []
+    args += [f"i{i}" for i in used]
+    args += [f"c{k}" for k in range(len(writer.consts))]
+    args += [f"mc{k}" for k in range(len(masker.consts))]
+    args += [f"lanes{k}" for k in range(len(inits))]
+    body = [*writer.lines, *fold]
+    text = "\n".join(
+        [
+            f"# tierflow compiled kernel: {op.kind} of the {writer.dtype.name} values of the "
+            f"rows a mask keeps, {lanes} lanes",
+            "import numpy as np",
+            "from numba import njit",
+            HELPERS,
+            "",
+            '@njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)',
+            f"def kernel(rows, {', '.join(args)}, kept):",
+            "    k = 0",
+            "    for r in range(rows):",
+            f"        base = r * {row_elements}",
+            *(f"        {line}" for line in row_lines),
+            f"        if {masker.result}:",
+            f"            g = (k % {fold_rows}) * {row_elements}",
+            "            k += 1",
+            f"            for j in range({row_elements}):",
+            "                s = base + j",
+            "                l = g + j",
+            *(f"                {line}" for line in body),
+            "    kept[0] = k",
+            "",
+        ]
+    )
+    return KernelSource(
+        text,
+        all_consts,
+        tuple(used),
+        tuple(dtypes[i] for i in used),
+        lanes,
+        row_elements,
+        inits,
+        op.kind in ("var", "std"),
+        masked=True,
     )
 
 

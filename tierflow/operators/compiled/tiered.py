@@ -21,6 +21,7 @@ a kernel once, not once per task or per process.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import threading
@@ -35,6 +36,7 @@ from .._blocks import check_blocks
 from ..types import Partial
 from .kernels import (
     CompiledElementwise,
+    CompiledMaskedReduction,
     CompiledReduction,
     Loaded,
     compiler_missing,
@@ -43,7 +45,7 @@ from .kernels import (
 )
 from .source import KernelSource
 
-__all__ = ["CompiledSlot", "Kernel", "KernelChunker", "kernels"]
+__all__ = ["CompiledSlot", "Kernel", "KernelChunker", "MaskedKernelChunker", "kernels"]
 
 _NICE = 10  # how much lower the compiling thread's priority is
 
@@ -225,21 +227,39 @@ class CompiledSlot:
             return None
         if self.source.out_dtype is not None:
             runner = CompiledElementwise(self.source, function)
+        elif self.source.masked:
+            runner = CompiledMaskedReduction(self.source, function, self.op)
         else:
             runner = CompiledReduction(self.source, function, self.op)
         self._runner = runner
         return runner
 
     def partial(
-        self, blocks: Sequence[np.ndarray], rows: int, evaluate: Callable[[int], np.ndarray]
+        self,
+        blocks: Sequence[np.ndarray],
+        rows: int,
+        evaluate: Callable[[int], np.ndarray],
+        row_offset: int = 0,
     ) -> Partial | None:
         """The block's partial from the kernel, or None: run the NumPy path."""
         runner = self._ready()
         if runner is None:
             return None
-        partial = runner.partial(blocks, rows, evaluate)
+        partial = runner.partial(blocks, rows, evaluate, row_offset)
         self._count("sent back" if partial is None else "kernel")
         return partial
+
+    def masked_partial(
+        self, blocks: Sequence[np.ndarray], rows: int, evaluate: Callable[[int], np.ndarray]
+    ) -> tuple[bool, Partial]:
+        """``(True, partial)`` of the rows the mask keeps, from the kernel, or
+        ``(False, None)``: run the NumPy path."""
+        runner = self._ready()
+        if runner is None:
+            return False, None
+        done, partial = runner.partial(blocks, rows, evaluate)
+        self._count("kernel" if done else "sent back")
+        return done, partial
 
     def apply(self, blocks: Sequence[np.ndarray], rows: int, out: np.ndarray) -> bool:
         """Whether the kernel wrote the block's values into ``out`` (else run the NumPy
@@ -280,7 +300,7 @@ class KernelChunker:
             rows = check_blocks(blocks, [op.in_dtype], [op.in_row_shape], op.kind)
             if rows:
                 block = blocks[0]
-                found = compiled.partial(blocks, rows, lambda n: block[:n])
+                found = compiled.partial(blocks, rows, lambda n: block[:n], int(row_offset))
                 if found is not None:
                     return found
         return self.reduction.chunk(*blocks, row_offset=row_offset)
@@ -293,6 +313,80 @@ class KernelChunker:
 
     def temp_bytes(self, rows: int) -> int:
         return int(self.reduction.temp_bytes(rows))
+
+    def partial_bytes(self) -> int:
+        return int(self.reduction.partial_bytes())
+
+
+class MaskedKernelChunker:
+    """A built-in row reduction of the rows a mask keeps, computed from the unfiltered
+    blocks: by the compiled kernel (one pass, nothing copied) when it is ready, else as
+    the engine's filter would (the mask's columns, the mask's kernel, the kept rows)
+    and the reduction's own chunk.
+
+    ``columns`` are ``(input, op)``: the block input and the row selection
+    (:class:`~tierflow.operators.selection.TrailingIndex`) that give each input of the
+    ``mask`` kernel; ``data`` is the fused kernel of the reduced values, or None for
+    the first block input itself.
+    """
+
+    row_independent = False
+
+    def __init__(  # noqa: PLR0913 -- the reduction, its kernel, then the filter's parts
+        self,
+        reduction: Any,
+        compiled: CompiledSlot,
+        data: Any,
+        mask: Any,
+        columns: Sequence[tuple[int, Any]],
+        n_inputs: int,
+    ) -> None:
+        self.reduction = reduction
+        self.compiled = compiled
+        self.not_compiled: str | None = None
+        self.data = data
+        self.mask = mask
+        self.columns = list(columns)
+        self.n_inputs = n_inputs
+        self.out_dtype = reduction.out_dtype
+        self.out_shape = reduction.out_shape
+        self.commutative = reduction.commutative
+
+    def __repr__(self) -> str:
+        return f"MaskedKernelChunker({self.reduction!r}, mask {self.mask!r})"
+
+    def _values(self, blocks: Sequence[np.ndarray], rows: int) -> np.ndarray:
+        return (
+            blocks[0][:rows] if self.data is None else self.data.apply(*(b[:rows] for b in blocks))
+        )
+
+    def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
+        """The partial of the kept rows of the block (None where none is kept)."""
+        rows = blocks[0].shape[0]
+        if rows == 0:
+            return None
+        done, partial = self.compiled.masked_partial(
+            blocks, rows, lambda n: self._values(blocks, n)
+        )
+        if done:
+            return partial
+        keep = self.mask.apply(*(op.apply(blocks[i]) for i, op in self.columns))
+        values = self._values(blocks, rows)[keep]
+        if values.shape[0] == 0:
+            return None
+        return self.reduction.chunk(values, row_offset=row_offset)
+
+    def combine(self, a: Partial, b: Partial) -> Partial:
+        return self.reduction.combine(a, b)
+
+    def aggregate(self, partial: Partial) -> Any:
+        return self.reduction.aggregate(partial)
+
+    def temp_bytes(self, rows: int) -> int:
+        # The NumPy path's mask, columns and kept rows, as the filter's step holds them.
+        elements = rows * max(1, math.prod(self.reduction.in_row_shape))
+        kept = elements * np.dtype(self.reduction.in_dtype).itemsize
+        return int(self.reduction.temp_bytes(rows)) + kept + rows * (1 + 8 * len(self.columns))
 
     def partial_bytes(self) -> int:
         return int(self.reduction.partial_bytes())
