@@ -1273,6 +1273,18 @@ class Histogram:
     def __repr__(self) -> str:
         return f"Histogram({self.out_shape[0]} bins from {self.edges[0]} to {self.edges[-1]})"
 
+    @property
+    def uniform(self) -> tuple[Any, Any, int] | None:
+        """``(first_edge, last_edge, bins)`` as NumPy's equal-bins loop takes them (the
+        range's own values, an empty range widened by 0.5 each way), or None for bins
+        given as edges."""
+        if np.ndim(self._bins) != 0 or self._range is None:
+            return None
+        first, last = self._range
+        if first == last:
+            first, last = first - 0.5, last + 0.5
+        return first, last, int(self._bins)
+
     def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
         """Counts per bin of one block (None without rows)."""
         if len(blocks) != 1:

@@ -3,6 +3,7 @@ and the NumPy path wherever NumPy would warn."""
 
 from __future__ import annotations
 
+import random
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,19 @@ from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 
-from tierflow.operators.compiled import CompiledReduction, load, reduction_source
-from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, where
+from tierflow.operators.compiled import (
+    CompiledReduction,
+    Unsupported,
+    elementwise_source,
+    load,
+    reduction_source,
+)
+from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, walk, where
 from tierflow.operators.fused import FusedKernel, FusedReduction
 from tierflow.operators.reductions import reduction
 
-from ..helpers import random_array
+from ..helpers import DTYPES, random_array
+from ..test_fused import _random_expr
 from common import examples
 
 x = Input(0)
@@ -250,3 +258,107 @@ def test_argmin_and_argmax_give_numpys_first_index_across_blocks(
     got = fused.aggregate(combined)
     want = getattr(np, kind)(data, axis=axis)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+@pytest.mark.parametrize(
+    ("bins", "limits"),
+    [
+        (64, (1, 1.75)),
+        (10, (0.0, 1.0)),
+        (7, (0.1, 0.9)),
+        (3, (0.5, 0.5)),
+        (5, (-3, 40)),
+        (4, (np.float64(0.2), np.float64(0.7))),
+    ],
+)
+def test_a_histogram_counts_what_numpys_does(
+    dtype: str, bins: int, limits: tuple[Any, Any], folder: Path
+) -> None:
+    from tierflow.operators.compiled.kernels import CompiledHistogram
+    from tierflow.operators.compiled.source import histogram_source
+    from tierflow.operators.reductions import Histogram
+
+    rng = np.random.default_rng(11)
+    values = rng.random(20_000) * (2 if dtype != "int32" else 50)
+    edges = np.histogram_bin_edges(values.astype(dtype), bins=bins, range=limits)
+    values[:40] = np.resize(edges, 40)  # every edge, exactly
+    if dtype != "int32":
+        values[40:44] = [np.nan, np.inf, -np.inf, -0.0]
+    column = values.astype(dtype)
+    histogram = Histogram(np.dtype(dtype), bins, limits)
+
+    class Counts:  # what the engine's histogram reduction holds
+        def __init__(self, h: Any) -> None:
+            self.histogram = h
+
+    source = histogram_source(x, [dtype], [()], histogram)
+    if source.key not in _loaded:
+        _loaded[source.key] = load(source, folder).function
+    compiled = CompiledHistogram(source, _loaded[source.key], Counts(histogram))
+    strided = np.stack([column, column], axis=1)[:, 0]  # a column of a wider block
+    for block in (column, strided):
+        got = compiled.partial([block], len(block), lambda n, b=block: b[:n])
+        np.testing.assert_array_equal(got, np.histogram(column, bins=bins, range=limits)[0])
+
+
+def test_a_histogram_of_bin_edges_is_not_compiled() -> None:
+    from tierflow.operators.compiled.source import Unsupported, histogram_source
+    from tierflow.operators.reductions import Histogram
+
+    with pytest.raises(Unsupported, match="bins given as edges"):
+        histogram_source(x, ["float32"], [()], Histogram(np.float32, [0, 1, 5]))
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(1, 400),
+    kind=st.sampled_from(["sum", "min", "max", "mean", "var", "argmax", "any", "count_nonzero"]),
+    depth=st.integers(1, 4),
+)
+def test_random_expressions_reduced_match_the_numpy_path(
+    seed: int, rows: int, kind: str, depth: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The fused kernels' random expressions, reduced on both paths: the same result
+    (float sums within float64's rounding), or the kernel goes back where NumPy warns."""
+    rng = random.Random(seed)
+    n_inputs = rng.choice([1, 2])
+    dtypes = [str(rng.choice(DTYPES)) for _ in range(n_inputs)]
+    expr = _random_expr(rng, depth, n_inputs, (3,))
+    if not isinstance(expr, Expr) or not any(isinstance(n, Input) for n in walk(expr)):
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fused, compiled = _pair(expr, dtypes, (3,), kind, tmp_path_factory.getbasetemp() / "kr")
+    except (TypeError, ValueError, OverflowError, Unsupported):
+        return
+    data = np.random.default_rng(seed)
+    blocks = [random_array(data, np.dtype(d), (rows, 3)) for d in dtypes]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            want = fused.aggregate(fused.chunk(*blocks))
+        except Exception:
+            return
+    got = _kernel_result(fused, compiled, blocks)
+    if caught:
+        assert got is None, f"{expr!r}: NumPy warned {caught[0].message}, the kernel did not"
+        return
+    if got is None:  # NaN or infinity reached a checked lane without a warning: allowed
+        return
+    try:  # values bit for bit NumPy's (no exp, log, ...: a unit in the last place apart)
+        elementwise_source(expr, dtypes, [(3,)] * n_inputs)
+        bitwise = True
+    except Unsupported:
+        bitwise = False
+    exact = kind in ("any", "count_nonzero") or (bitwise and kind in ("min", "max", "argmax"))
+    if kind == "argmax" and not exact:
+        return  # the first of two values a unit apart may differ
+    if exact or np.asarray(want).dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(
+            got, want, rtol=1e-5 if np.asarray(want).dtype.itemsize < 8 else 1e-9
+        )

@@ -30,9 +30,9 @@ from ... import config
 from ...operators import elementwise as ew
 from ...operators import fused, selection
 from ...operators.compiled import Unsupported, elementwise_source, reduction_source
-from ...operators.compiled.source import masked_source
+from ...operators.compiled.source import histogram_source, masked_source
 from ...operators.compiled.tiered import CompiledSlot, KernelChunker, MaskedKernelChunker
-from ...operators.reductions import RowReduction
+from ...operators.reductions import Histogram, RowReduction
 from ..program.program import Program
 from ..program.steps import FilterStep, KernelStep, UnfilteredStep
 
@@ -179,10 +179,14 @@ def _slot(
     expr: ew.Expr, dtypes: list[Any], shapes: list[tuple[int, ...]], op: Any
 ) -> tuple[CompiledSlot | None, str | None]:
     """The compiled slot of ``op`` over ``expr``, or why there is none."""
-    if not isinstance(op, RowReduction):
+    histogram = getattr(op, "histogram", None)
+    if not isinstance(op, RowReduction) and not isinstance(histogram, Histogram):
         return None, f"{type(op).__name__} is not compiled"
     try:
-        source = reduction_source(expr, dtypes, shapes, op)
+        if histogram is not None:
+            source = histogram_source(expr, dtypes, shapes, histogram)
+        else:
+            source = reduction_source(expr, dtypes, shapes, op)
     except Unsupported as exc:
         return None, str(exc)
     return CompiledSlot(source, op), None

@@ -32,6 +32,7 @@ from .source import KernelSource
 
 __all__ = [
     "CompiledElementwise",
+    "CompiledHistogram",
     "CompiledMaskedReduction",
     "CompiledReduction",
     "Loaded",
@@ -119,24 +120,40 @@ def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
     function = module.kernel
     start = time.perf_counter()
     function(*_empty_arguments(source))
+    if source.row_elements == 1:
+        # A column of a wider block (x[:, 0]) comes strided: compile that layout too.
+        function(*_empty_arguments(source, strided=True))
     seconds = time.perf_counter() - start
     compiled = bool(function.stats.cache_misses)
     return Loaded(function, compiled, seconds)
 
 
-def _empty_arguments(source: KernelSource) -> list[Any]:
-    """Arguments of the kernel's own types on no elements (what compiles it)."""
+def _empty_arguments(source: KernelSource, strided: bool = False) -> list[Any]:
+    """Arguments of the kernel's own types on no elements (what compiles it); strided
+    inputs with ``strided``."""
     args: list[Any] = [0]
     if source.pilot:
         args.append(np.zeros(source.lanes))
-    args += [np.empty(0, d) for d in source.input_dtypes]
+    args += [np.empty(4 if strided else 0, d)[:: 2 if strided else 1] for d in source.input_dtypes]
     args += list(source.consts)
     args += [np.empty(source.lanes, d) for d, _, _ in source.lane_inits]
     if source.out_dtype is not None:
         args.append(np.empty(0, source.out_dtype))
     if source.masked:
         args.append(np.zeros(1, np.int64))
+    if source.histogram:
+        args += [np.zeros(2), np.zeros(1, np.intp)]
     return args
+
+
+def _flat(block: np.ndarray) -> np.ndarray | None:
+    """A block's elements in order, as the kernel reads them: a view of a C-contiguous
+    block, a column as it is (strided, one element per row), else None."""
+    if block.flags.c_contiguous:
+        return np.asarray(block).reshape(-1)
+    if block.ndim == 1:
+        return np.asarray(block)
+    return None
 
 
 class CompiledReduction:
@@ -168,10 +185,10 @@ class CompiledReduction:
             return None  # the kernel cannot see an underflow; NumPy's path can
         flats = []
         for i in source.inputs:
-            block = blocks[i]
-            if not block.flags.c_contiguous:
+            flat = _flat(blocks[i])
+            if flat is None:
                 return None
-            flats.append(np.asarray(block).reshape(-1))
+            flats.append(flat)
         lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
         args: list[Any] = [rows * source.row_elements]
         shift = None
@@ -214,10 +231,10 @@ class CompiledElementwise:
             return False
         flats = []
         for i in source.inputs:
-            block = blocks[i]
-            if not block.flags.c_contiguous:
+            flat = _flat(blocks[i])
+            if flat is None:
                 return False
-            flats.append(np.asarray(block).reshape(-1))
+            flats.append(flat)
         lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
         self.function(rows * source.row_elements, *flats, *source.consts, *lanes, out.reshape(-1))
         return all(np.isfinite(lane).all() for lane in lanes)
@@ -248,10 +265,10 @@ class CompiledMaskedReduction:
             return False, None
         flats = []
         for i in source.inputs:
-            block = blocks[i]
-            if not block.flags.c_contiguous:
+            flat = _flat(blocks[i])
+            if flat is None:
                 return False, None
-            flats.append(np.asarray(block).reshape(-1))
+            flats.append(flat)
         lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
         args: list[Any] = [rows]
         shift = None
@@ -269,3 +286,39 @@ class CompiledMaskedReduction:
         if not kept[0]:
             return True, None
         return True, self.op.partial_of_lanes(lanes, int(kept[0]), shift)
+
+
+class CompiledHistogram:
+    """A histogram's counts of a block from its compiled kernel
+    (:func:`~.source.histogram_source`), or None where the block must run on the NumPy
+    path (a floating-point error may have happened, a block is not contiguous)."""
+
+    def __init__(self, source: KernelSource, function: Callable[..., Any], op: Any) -> None:
+        self.source = source
+        self.function = function
+        self.edges = np.ascontiguousarray(op.histogram.edges)
+        self.bins = len(self.edges) - 1
+
+    def partial(
+        self,
+        blocks: Sequence[np.ndarray],
+        rows: int,
+        evaluate: Callable[[int], np.ndarray],
+        row_offset: int = 0,
+    ) -> Partial | None:
+        source = self.source
+        if np.geterr()["under"] != "ignore":
+            return None
+        flats = []
+        for i in source.inputs:
+            flat = _flat(blocks[i])
+            if flat is None:
+                return None
+            flats.append(flat)
+        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
+        counts = np.zeros(self.bins, np.intp)
+        n = rows * source.row_elements
+        self.function(n, *flats, *source.consts, *lanes, self.edges, counts)
+        if any(not np.isfinite(lane).all() for lane in lanes):
+            return None
+        return counts

@@ -71,6 +71,7 @@ __all__ = [
     "KernelSource",
     "Unsupported",
     "elementwise_source",
+    "histogram_source",
     "lanes_for",
     "masked_source",
     "reduction_source",
@@ -105,6 +106,7 @@ class KernelSource:
     pilot: bool  # the kernel takes the var/std pilot shift (float64 per lane) first
     out_dtype: np.dtype | None = None  # an elementwise kernel's output (its last argument)
     masked: bool = False  # a reduction of the rows a mask keeps (masked_source)
+    histogram: bool = False  # counts per bin (histogram_source): edges, counts come last
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -720,6 +722,92 @@ def elementwise_source(
         False,
         writer.dtype,
     )
+
+
+def histogram_source(
+    expr: Expr,
+    input_dtypes: Sequence[Any],
+    input_row_shapes: Sequence[tuple[int, ...]],
+    histogram: Any,
+) -> KernelSource:
+    """The kernel that counts the values of ``expr`` per bin of ``histogram`` (a
+    :class:`~tierflow.operators.reductions.Histogram` of equal bins) into its last
+    argument, as NumPy's equal-bins loop does: values compared with the range in the
+    dtype NumPy compares them in, NaN and values outside left out, the bin guessed from
+    the value and then corrected against the edges, the last bin closed."""
+    uniform = histogram.uniform
+    if uniform is None:
+        raise Unsupported("a histogram of bins given as edges is not compiled")
+    dtypes = [np.dtype(d) for d in input_dtypes]
+    shapes = [tuple(int(n) for n in s) for s in input_row_shapes]
+    writer = _Writer(expr, dtypes, shapes)
+    row_shape = tuple(writer.values[id(expr)].shape[1:])
+    if any(s != row_shape for s in shapes):
+        raise Unsupported("the inputs broadcast against each other (their row shapes differ)")
+    value, dtype = writer.result, writer.dtype
+    if dtype.kind not in "fiu":
+        raise Unsupported(f"a histogram of {dtype} values is not compiled")
+    first, last, bins = uniform
+    edges = np.asarray(histogram.edges)
+
+    def given(v: Any) -> Any:  # a Python number is weak (NEP 50), a NumPy one is not
+        return type(v) if type(v) in (int, float) else np.asarray(v).dtype
+
+    compare = np.dtype(np.greater_equal.resolve_dtypes((dtype, given(first), None))[0])
+    first_c = np.asarray(first).astype(compare)[()]
+    last_c = np.asarray(last).astype(compare)[()]
+    edge = edges.dtype
+    w = _cast(value, dtype, compare, "histogram")
+    u = _cast(value, dtype, edge, "histogram")
+    row_elements = math.prod(row_shape)
+    if row_elements == 0:
+        raise Unsupported("rows without elements")
+    lanes = lanes_for(row_elements)
+    e_type = _type(edge, "histogram")
+    fold = [
+        f"u = {u}",
+        f"w = {w}",
+        f"if w >= {_literal(first_c)} and w <= {_literal(last_c)}:",
+        f"    k = np.intp(np.float64(u - {e_type}({_literal(first)})) * "
+        f"{_literal(float(bins) / (float(last) - float(first)))})",
+        f"    if k >= {bins}:",
+        f"        k = {bins - 1}",
+        "    elif k < 0:",
+        "        k = 0",
+        "    if u < edges[k]:",
+        "        k -= 1",
+        f"    elif k != {bins - 1} and u >= edges[k + 1]:",
+        "        k += 1",
+        "    counts[k] += 1",
+    ]
+    witnesses = writer.witnesses(expr, False)
+    inits: tuple[tuple[np.dtype, Any, bool], ...] = ()
+    if witnesses:
+        fold.append("lanes0[l] += " + " + ".join(f"({v} - {v})" for v in witnesses))
+        inits = ((np.dtype(np.float64), 0.0, True),)
+    consts = _arguments(writer, row_elements, lanes)
+    used = sorted(writer.inputs)
+    title = f"histogram of {bins} bins of {dtype.name} values"
+    text = _module(writer, used, dtypes, lanes, fold, len(inits), title, [], ["edges", "counts"])
+    return KernelSource(
+        text,
+        consts,
+        tuple(used),
+        tuple(dtypes[i] for i in used),
+        lanes,
+        row_elements,
+        inits,
+        False,
+        histogram=True,
+    )
+
+
+def _literal(value: Any) -> str:
+    """A number as exact source text (``repr`` of a float round-trips)."""
+    number = value.item() if isinstance(value, np.generic) else value
+    if isinstance(number, float) and not math.isfinite(number):
+        return "np.inf" if number > 0 else ("-np.inf" if number < 0 else "np.nan")
+    return repr(number)
 
 
 def masked_source(  # noqa: PLR0913 -- the data's expression, then the mask's

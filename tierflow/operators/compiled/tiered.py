@@ -36,6 +36,7 @@ from .._blocks import check_blocks
 from ..types import Partial
 from .kernels import (
     CompiledElementwise,
+    CompiledHistogram,
     CompiledMaskedReduction,
     CompiledReduction,
     Loaded,
@@ -227,6 +228,8 @@ class CompiledSlot:
             return None
         if self.source.out_dtype is not None:
             runner = CompiledElementwise(self.source, function)
+        elif self.source.histogram:
+            runner = CompiledHistogram(self.source, function, self.op)
         elif self.source.masked:
             runner = CompiledMaskedReduction(self.source, function, self.op)
         else:
