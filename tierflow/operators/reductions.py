@@ -1283,7 +1283,7 @@ class Histogram:
         first, last = self._range
         if first == last:
             first, last = first - 0.5, last + 0.5
-        return first, last, int(self._bins)  # type: ignore[arg-type]
+        return first, last, int(np.asarray(self._bins).item())
 
     def chunk(self, *blocks: np.ndarray, row_offset: int = 0) -> Partial:
         """Counts per bin of one block (None without rows)."""
