@@ -361,3 +361,15 @@ def test_any_dtype_and_block_size_gives_the_cpus_result_on_the_gpu(
             np.testing.assert_array_equal(got, want)
     else:
         assert gpu[1] is cpu[1]
+
+
+@pytest.mark.usefixtures("gpus")
+def test_a_masked_reduction_on_the_gpu_keeps_its_mask_with_kernels_on(a: np.ndarray) -> None:
+    """The compiled masked reduction reads unfiltered blocks; a reduction whose device
+    form runs on the GPU keeps the filter's rows (jit on, eager)."""
+    pytest.importorskip("numba")
+    x = tw.from_array(a, rows=ROWS)
+    for device in ("cuda", "cpu"):
+        got = x[x[:, 0] > 0.2].sum(axis=0).compute(device=device, jit="eager")
+        want = a[a[:, 0] > 0.2].sum(axis=0, dtype=np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5)

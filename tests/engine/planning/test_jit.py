@@ -190,10 +190,19 @@ def test_without_numba_the_numpy_path_runs_and_says_so_once(tmp_path: Path) -> N
 @pytest.mark.executors("processes", "dask", "ray")
 def test_workers_get_the_same_results_with_kernels() -> None:
     x, a = _column_sum(rows=30_000)
-    expr = (a * 2 - 1).var(axis=0)
-    (got,) = tw.compute(expr, jit="eager")
-    want = (x * np.float32(2) - 1).var(axis=0, dtype=np.float64)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+    counts, _ = np.histogram(a[:, 1] * 2, bins=16, range=(0, 2))
+    got = tw.compute(
+        (a * 2 - 1).var(axis=0), a[a[:, 2] > 0.7].mean(axis=0), counts, a.argmin(axis=0),
+        jit="eager",
+    )  # fmt: skip
+    want = [
+        (x * np.float32(2) - 1).var(axis=0, dtype=np.float64),
+        x[x[:, 2] > 0.7].mean(axis=0, dtype=np.float64),
+        np.histogram(x[:, 1] * 2, bins=16, range=(0, 2))[0],
+        x.argmin(axis=0),
+    ]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
 
 
 def _kernels_here() -> list[tuple[str, str, bool]]:
@@ -236,3 +245,17 @@ def test_a_masked_reduction_reads_the_unfiltered_blocks_once() -> None:
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-6)
     np.testing.assert_array_equal(got[3], np.zeros(8, np.float32))
+
+
+def test_a_sink_takes_the_jit_option(tmp_path: Path) -> None:
+    x, a = _column_sum()
+    m = x.mean(axis=0)
+    with tw.profile() as p:
+        ((a - m) * 2).to_npy(tmp_path / "off.npy", jit=False)
+    assert _kernels(p) == ["fused[multiply ∘ subtract]: NumPy path: jit is off"]
+    with tw.profile() as p:
+        ((a - m) * 2).to_npy(tmp_path / "on.npy", jit="eager")
+    (report,) = _kernels(p)
+    assert "0 waiting, 0 sent back" in report
+    on, off = np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy")
+    assert on.tobytes() == off.tobytes() == ((x - m) * 2).tobytes()

@@ -118,6 +118,8 @@ def _attach_masked(root: Any) -> bool:
     op = root.op
     if root.chunker is not op or not isinstance(op, RowReduction) or len(root.inputs) != 1:
         return False
+    if root.device_reduce is not None:
+        return False  # its device form reduces the filter's rows on the GPU
     step = root.inputs[0]
     if not isinstance(step, FilterStep) or not isinstance(step.mask, KernelStep):
         return False
