@@ -33,6 +33,7 @@ from ...operators.compiled import Unsupported, elementwise_source, reduction_sou
 from ...operators.compiled.source import histogram_source, masked_source
 from ...operators.compiled.tiered import CompiledSlot, KernelChunker, MaskedKernelChunker
 from ...operators.reductions import Histogram, RowReduction
+from ..graph import Chunked
 from ..program.program import Program
 from ..program.steps import FilterStep, KernelStep, UnfilteredStep
 
@@ -218,10 +219,21 @@ def start(program: Program, jit: JitSettings | None) -> None:
 
 def _input_bytes(slot: CompiledSlot, node: Any) -> float:
     """Bytes a kernel reads: the rows of ``node`` (the array it computes or reduces)
-    times its inputs' row bytes (unknown rows count as many)."""
-    rows = node.n_rows
+    times its inputs' row bytes (rows not known yet: those of what they come from, a
+    mask's source; none known: many)."""
+    rows = _upper_rows(node)
     if rows is None:
         return math.inf
     source = slot.source
     row_bytes = sum(d.itemsize for d in source.input_dtypes) * source.row_elements
     return float(rows) * row_bytes
+
+
+def _upper_rows(node: Any, depth: int = 8) -> int | None:
+    """``node``'s rows, or for rows not known yet (after a mask) the most rows of the
+    arrays it is made from; None where none is known."""
+    if node.n_rows is not None or depth == 0:
+        return node.n_rows
+    found = [_upper_rows(n, depth - 1) for n in node.inputs if isinstance(n, Chunked)]
+    known = [n for n in found if n is not None]
+    return max(known) if known else None

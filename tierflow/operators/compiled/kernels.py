@@ -5,16 +5,19 @@ second). Where it cannot be imported, :func:`compiler_missing` says why, once, a
 every program runs on the NumPy path.
 
 A kernel's module is written to ``<folder>/k<key>.py`` (atomically: a temporary file,
-then a rename) and imported from there, so numba's own on-disk cache (``cache=True``:
-``__pycache__`` beside the file, checked against the file and numba's version) keeps
-its machine code: a second process that loads the same kernel finds it compiled. The
-folder's name holds numba's and Python's versions, so a new numba never reads old code.
+then a rename), compiled by the compiling process (:mod:`.server`: numba never compiles
+in the process that runs the kernel) and imported from there; numba's own on-disk
+cache (``cache=True``: ``__pycache__`` beside the file, checked against the file and
+numba's version) keeps its machine code, so a second process that loads the same
+kernel finds it compiled. The folder's name holds numba's and Python's versions, so a
+new numba never reads old code.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,6 +26,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -31,6 +35,7 @@ from ..types import Partial
 from .source import KernelSource
 
 __all__ = [
+    "CompileError",
     "CompiledElementwise",
     "CompiledHistogram",
     "CompiledMaskedReduction",
@@ -89,11 +94,12 @@ class Loaded:
 
 
 def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
-    """The kernel of ``source``, compiled or read from numba's cache in ``folder``.
+    """The kernel of ``source``, read from numba's cache in ``folder``.
 
-    Writes the module when it is not there, imports it and calls the kernel once on
-    empty inputs, which compiles it (or loads its cached machine code). Raises what
-    numba raises for source it cannot compile.
+    Writes the module when it is not there; where its machine code is not cached yet,
+    the compiling process (:mod:`.server`) compiles it first, so that numba never
+    compiles in this process (see there why). Raises :class:`CompileError` with
+    numba's reason for source it cannot compile.
     """
     path = Path(folder) / f"k{source.key}.py"
     if not path.exists():
@@ -101,49 +107,117 @@ def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".k{source.key}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
-                f.write(source.text)
+                f.write(source.text + _warm_source(source))
             os.replace(temp, path)
         except BaseException:
             Path(temp).unlink(missing_ok=True)
             raise
-    name = f"tierflow_kernel_{source.key}"
+    start = time.perf_counter()
+    compiled = not _cached(path)
+    if compiled:
+        _server().compile(path)
+    module = import_kernel(path)
+    module.warm()  # reads the machine code from the cache
+    return Loaded(module.kernel, compiled, time.perf_counter() - start)
+
+
+def import_kernel(path: str | os.PathLike[str]) -> ModuleType:
+    """The kernel module at ``path``, imported under one name in every process (numba's
+    cache finds a kernel's globals through ``sys.modules`` by that name)."""
+    name = "tierflow_kernel_" + Path(path).stem
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    # numba's cache finds the kernel's globals through sys.modules when it loads it
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
-    function = module.kernel
-    start = time.perf_counter()
-    function(*_empty_arguments(source))
+    return module
+
+
+class CompileError(RuntimeError):
+    """numba could not compile a kernel (the NumPy path runs instead)."""
+
+
+def _cached(path: Path) -> bool:
+    """Whether numba's cache holds machine code for the module at ``path``."""
+    return any((path.parent / "__pycache__").glob(f"{path.stem}.kernel-*.nbi"))
+
+
+def _warm_source(source: KernelSource) -> str:
+    """``warm()``: the kernel called on no elements with arguments of its own types,
+    which compiles it, or loads it from the cache (strided inputs too for a column)."""
+
+    def arguments(strided: bool) -> str:
+        args = ["0"]
+        if source.pilot:
+            args.append(f"np.zeros({source.lanes})")
+        for d in source.input_dtypes:
+            args.append(
+                f"np.empty(4, np.{d.name})[::2]" if strided else f"np.empty(0, np.{d.name})"
+            )
+        for c in source.consts:
+            dtype = np.asarray(c).dtype
+            args.append(f"np.zeros(1, np.{dtype.name})" if np.ndim(c) else f"np.{dtype.name}(0)")
+        args += [f"np.zeros({source.lanes}, np.{d.name})" for d, _, _ in source.lane_inits]
+        if source.out_dtype is not None:
+            args.append(f"np.empty(0, np.{source.out_dtype.name})")
+        if source.masked:
+            args.append("np.zeros(1, np.int64)")
+        if source.edges_dtype is not None:
+            args += [f"np.zeros(2, np.{source.edges_dtype.name})", "np.zeros(1, np.intp)"]
+        return ", ".join(args)
+
+    lines = ["", "", "def warm():", f"    kernel({arguments(False)})"]
     if source.row_elements == 1:
-        # A column of a wider block (x[:, 0]) comes strided: compile that layout too.
-        function(*_empty_arguments(source, strided=True))
-    seconds = time.perf_counter() - start
-    compiled = bool(function.stats.cache_misses)
-    return Loaded(function, compiled, seconds)
+        # A column of a wider block (x[:, 0]) comes strided: that layout too.
+        lines.append(f"    kernel({arguments(True)})")
+    return "\n".join(lines) + "\n"
 
 
-def _empty_arguments(source: KernelSource, strided: bool = False) -> list[Any]:
-    """Arguments of the kernel's own types on no elements (what compiles it); strided
-    inputs with ``strided``."""
-    args: list[Any] = [0]
-    if source.pilot:
-        args.append(np.zeros(source.lanes))
-    args += [np.empty(4 if strided else 0, d)[:: 2 if strided else 1] for d in source.input_dtypes]
-    args += list(source.consts)
-    args += [np.empty(source.lanes, d) for d, _, _ in source.lane_inits]
-    if source.out_dtype is not None:
-        args.append(np.empty(0, source.out_dtype))
-    if source.masked:
-        args.append(np.zeros(1, np.int64))
-    if source.histogram:
-        args += [np.zeros(2), np.zeros(1, np.intp)]
-    return args
+class _Server:
+    """The compiling process of this process (:mod:`.server`), started on first use;
+    one compile at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+
+    def compile(self, path: Path) -> None:
+        """Have the module at ``path`` compiled; CompileError with numba's reason."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                proc = self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "tierflow.operators.compiled.server"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    bufsize=1,
+                )
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(f"{path}\n")
+                proc.stdin.flush()
+                answer = proc.stdout.readline().strip()
+            except OSError as exc:  # a broken pipe: the process died
+                answer = f"error: the compiling process ended ({exc})"
+            if not answer:
+                answer = f"error: the compiling process ended (exit {proc.poll()})"
+        if answer != "ok":
+            raise CompileError(answer.removeprefix("error: "))
+
+
+_servers: list[_Server] = []
+
+
+def _server() -> _Server:
+    with _lock:
+        if not _servers:
+            _servers.append(_Server())
+        return _servers[0]
 
 
 def _flat(block: np.ndarray) -> np.ndarray | None:

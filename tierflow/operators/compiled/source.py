@@ -106,7 +106,7 @@ class KernelSource:
     pilot: bool  # the kernel takes the var/std pilot shift (float64 per lane) first
     out_dtype: np.dtype | None = None  # an elementwise kernel's output (its last argument)
     masked: bool = False  # a reduction of the rows a mask keeps (masked_source)
-    histogram: bool = False  # counts per bin (histogram_source): edges, counts come last
+    edges_dtype: np.dtype | None = None  # a histogram's (histogram_source): edges, counts last
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -798,7 +798,7 @@ def histogram_source(
         row_elements,
         inits,
         False,
-        histogram=True,
+        edges_dtype=edge,
     )
 
 

@@ -228,7 +228,7 @@ class CompiledSlot:
             return None
         if self.source.out_dtype is not None:
             runner = CompiledElementwise(self.source, function)
-        elif self.source.histogram:
+        elif self.source.edges_dtype is not None:
             runner = CompiledHistogram(self.source, function, self.op)
         elif self.source.masked:
             runner = CompiledMaskedReduction(self.source, function, self.op)
