@@ -1,17 +1,20 @@
 """Tiered kernels: blocks run on the NumPy path until the compiled kernel is ready.
 
-A :class:`CompiledSlot` is what a fused reduction carries: the kernel's source (made
-while the program is lowered, which compiles nothing) and, once :meth:`CompiledSlot.start`
-asked for it, the kernel that one background thread per process compiles or reads from
-disk. ``partial`` returns None until the kernel is ready, and for blocks the kernel
+A :class:`CompiledSlot` is what a fused operator carries (a fused reduction, a fused
+elementwise kernel, a reduction of the rows a mask keeps): the kernel's source (made
+while the program is lowered, which compiles nothing) and, once
+:meth:`CompiledSlot.start` asked for it, the kernel that one background thread per
+process loads: compiled by the compiling process where the kernel folder does not hold
+it yet (:mod:`.kernels`, :mod:`.server`), then read from there. ``partial`` (``apply``,
+``masked_partial``) returns None until the kernel is ready, and for blocks the kernel
 sends back (a floating-point error, NaN in the data): the caller then runs the NumPy
 path. So no block ever waits for a compiler, and a compute that ends before its kernel
 is ready ran on the NumPy path throughout.
 
 Kernels are kept per process by key (:attr:`~.source.KernelSource.key`): every program
 with the same expression shape and dtypes shares one, compiled once. The thread runs at
-a lower scheduling priority where the system allows it, so compiling takes the CPU the
-blocks leave (it still needs the GIL, which it gives up every few milliseconds).
+a lower scheduling priority where the system allows it; importing numba and reading a
+kernel need the GIL, which it gives up every few milliseconds.
 
 A slot travels to a worker process without its kernel and asks that process's thread
 for it when it arrives: the kernel folder keeps the machine code, so a machine compiles
@@ -25,7 +28,6 @@ import math
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,7 @@ _NICE = 10  # how much lower the compiling thread's priority is
 class Kernel:
     """One compiled kernel of this process: waiting, ready, or failed (with why).
 
-    ``state`` and the fields below are written by the compiling thread once, under
+    ``state`` and the fields below are written by the loading thread once, under
     ``_lock``; readers see either the old or the new state.
     """
 
@@ -65,7 +67,6 @@ class Kernel:
         self.reason: str | None = None
         self.compiled = False  # whether loading it compiled (else it came from disk)
         self.seconds = 0.0
-        self.ready_at: float | None = None
         self.ready = threading.Event()
 
     def _done(self, loaded: Loaded | None, reason: str | None) -> None:
@@ -75,7 +76,6 @@ class Kernel:
                 self.compiled = loaded.compiled
                 self.seconds = loaded.seconds
                 self.state = "ready"
-                self.ready_at = time.monotonic()
             else:
                 self.reason = reason
                 self.state = "failed"
@@ -134,7 +134,7 @@ def _compile_loop() -> None:
 
 
 class CompiledSlot:
-    """A fused reduction's compiled form: its source, and its kernel once started.
+    """A fused operator's compiled form: its source, and its kernel once started.
 
     Counts the blocks each path ran (``counts``: kernel, waiting, sent back), under a
     lock: blocks run on several threads.
@@ -171,12 +171,6 @@ class CompiledSlot:
         thread; blocks use it as soon as it is ready."""
         self._folder = Path(folder)
         self._kernel = _request(self.source, self._folder)
-
-    def attach(self) -> None:
-        """Use the kernel if this process has it, without asking for a compile."""
-        kernel = _known(self.source)
-        if kernel is not None and kernel.state == "ready":
-            self._kernel = kernel
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the kernel is ready or failed (tests and benchmarks); whether it is
