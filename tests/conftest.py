@@ -80,6 +80,7 @@ def ray_runtime() -> Iterator[Any]:
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     # address="local": a runtime of its own, not one another test session (or a
     # `ray start`) left on the machine, which ray.init() would join.
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(
         address="local",
         num_cpus=2,
@@ -87,6 +88,12 @@ def ray_runtime() -> Iterator[Any]:
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
+    # ray.init installs its own SIGTERM handlers in this process (a Python one and
+    # abseil's native one), and a child forked later inherits them: a fork pool's
+    # terminate() then ran Ray's handlers in its workers, and one hung there (a lock
+    # held at the fork), so the pool's join waited until the test timed out. The test
+    # process needs neither; the runtime's own processes keep theirs.
+    signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
     try:
         yield ray
     finally:

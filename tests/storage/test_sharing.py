@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 from multiprocessing.reduction import ForkingPickler
@@ -164,6 +165,20 @@ def test_pool_map_sends_blocks_by_path_and_results_come_back_by_path(method: str
     assert spill.spill_file_of(echoed) is None
     x[-1] = 5.0
     assert echoed[0] == 5.0
+
+
+def test_a_fork_pool_ends_on_terminate_with_ray_running_in_the_process(ray_runtime: Any) -> None:
+    """A forked child inherits its parent's signal handlers: with Ray's SIGTERM handlers
+    in the test process, a fork pool's terminate() ran them in its workers, and one hung
+    there (the pool's join then waited for the test's timeout). The session's Ray runtime
+    leaves SIGTERM as it was, so a worker ends as SIGTERM ends a process."""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    pool = mp.get_context("fork").Pool(2)
+    assert pool.map(abs, [-1, -2]) == [1, 2]
+    workers = list(pool._pool)  # type: ignore[attr-defined]
+    pool.terminate()
+    # Ended by the pool's sentinel or by SIGTERM's default action, never by a handler.
+    assert {w.exitcode for w in workers} <= {0, -signal.SIGTERM}
 
 
 def test_memory_array_on_disk_crosses_by_path() -> None:
