@@ -97,3 +97,14 @@ def test_arg_reductions_after_a_mask_are_not_compiled() -> None:
     op = reduction("argmax", np.float32, (4,), axis=0)
     with pytest.raises(Unsupported, match="argmax after a mask"):
         masked_source(x, ["float32"], [(4,)], call(np.greater, x, 0), [(0, 0)], op)
+
+
+def test_kernels_of_other_dtypes_have_other_keys() -> None:
+    """The key covers every argument's type (warm() names them), so a kernel never
+    meets arguments it was not compiled for, which would compile it in this process."""
+    keys = set()
+    for dtype in ("int8", "int16", "float32"):
+        op = reduction("sum", np.dtype(dtype), (4,), axis=0)
+        mask = call(np.greater, x, 3)
+        keys.add(masked_source(x, [dtype], [(4,)], mask, [(0, 1)], op).key)
+    assert len(keys) == 3

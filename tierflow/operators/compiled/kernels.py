@@ -107,7 +107,7 @@ def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".k{source.key}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
-                f.write(source.text + _warm_source(source))
+                f.write(source.text)
             os.replace(temp, path)
         except BaseException:
             Path(temp).unlink(missing_ok=True)
@@ -144,37 +144,6 @@ class CompileError(RuntimeError):
 def _cached(path: Path) -> bool:
     """Whether numba's cache holds machine code for the module at ``path``."""
     return any((path.parent / "__pycache__").glob(f"{path.stem}.kernel-*.nbi"))
-
-
-def _warm_source(source: KernelSource) -> str:
-    """``warm()``: the kernel called on no elements with arguments of its own types,
-    which compiles it, or loads it from the cache (strided inputs too for a column)."""
-
-    def arguments(strided: bool) -> str:
-        args = ["0"]
-        if source.pilot:
-            args.append(f"np.zeros({source.lanes})")
-        for d in source.input_dtypes:
-            args.append(
-                f"np.empty(4, np.{d.name})[::2]" if strided else f"np.empty(0, np.{d.name})"
-            )
-        for c in source.consts:
-            dtype = np.asarray(c).dtype
-            args.append(f"np.zeros(1, np.{dtype.name})" if np.ndim(c) else f"np.{dtype.name}(0)")
-        args += [f"np.zeros({source.lanes}, np.{d.name})" for d, _, _ in source.lane_inits]
-        if source.out_dtype is not None:
-            args.append(f"np.empty(0, np.{source.out_dtype.name})")
-        if source.masked:
-            args.append("np.zeros(1, np.int64)")
-        if source.edges_dtype is not None:
-            args += [f"np.zeros(2, np.{source.edges_dtype.name})", "np.zeros(1, np.intp)"]
-        return ", ".join(args)
-
-    lines = ["", "", "def warm():", f"    kernel({arguments(False)})"]
-    if source.row_elements == 1:
-        # A column of a wider block (x[:, 0]) comes strided: that layout too.
-        lines.append(f"    kernel({arguments(True)})")
-    return "\n".join(lines) + "\n"
 
 
 class _Server:

@@ -110,8 +110,42 @@ class KernelSource:
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
+        # The module ends with warm(), which names every argument's type: two kernels
+        # that differ in a constant's dtype only have different keys.
+        object.__setattr__(self, "text", self.text + _warm_source(self))
         digest = hashlib.sha256(f"{SOURCE_VERSION}\n{self.text}".encode()).hexdigest()
         object.__setattr__(self, "key", digest[:32])
+
+
+def _warm_source(source: KernelSource) -> str:
+    """``warm()``: the kernel called on no elements with arguments of its own types,
+    which compiles it, or loads it from numba's cache (strided inputs too for a column:
+    ``x[:, 0]`` of a wider block comes strided)."""
+
+    def arguments(strided: bool) -> str:
+        args = ["0"]
+        if source.pilot:
+            args.append(f"np.zeros({source.lanes})")
+        for d in source.input_dtypes:
+            args.append(
+                f"np.empty(4, np.{d.name})[::2]" if strided else f"np.empty(0, np.{d.name})"
+            )
+        for c in source.consts:
+            dtype = np.asarray(c).dtype
+            args.append(f"np.zeros(1, np.{dtype.name})" if np.ndim(c) else f"np.{dtype.name}(0)")
+        args += [f"np.zeros({source.lanes}, np.{d.name})" for d, _, _ in source.lane_inits]
+        if source.out_dtype is not None:
+            args.append(f"np.empty(0, np.{source.out_dtype.name})")
+        if source.masked:
+            args.append("np.zeros(1, np.int64)")
+        if source.edges_dtype is not None:
+            args += [f"np.zeros(2, np.{source.edges_dtype.name})", "np.zeros(1, np.intp)"]
+        return ", ".join(args)
+
+    lines = ["", "", "def warm():", f"    kernel({arguments(False)})"]
+    if source.row_elements == 1:
+        lines.append(f"    kernel({arguments(True)})")
+    return "\n".join(lines) + "\n"
 
 
 def lanes_for(row_elements: int) -> int:
