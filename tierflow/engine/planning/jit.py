@@ -1,9 +1,13 @@
-"""Which fused reductions of a program get a compiled kernel, and when it is asked for.
+"""Which operators of a program get a compiled kernel, and when it is asked for.
 
-Lowering (pure) gives every :class:`~tierflow.operators.fused.FusedReduction` of a pass,
-every built-in row reduction of an array itself and every fused elementwise kernel
-without an epilogue (:class:`~tierflow.operators.fused.FusedKernel`) its kernel's
-source, or the reason it has none (:func:`attach`); nothing compiles then.
+Lowering (pure) gives every :class:`~tierflow.operators.fused.FusedReduction` of a pass
+(a built-in row reduction or a histogram of an elementwise expression), every built-in
+row reduction of an array itself, every such reduction of the rows a mask keeps where
+the mask is an expression of single values of those rows (then it reads the unfiltered
+blocks: :class:`~tierflow.operators.compiled.tiered.MaskedKernelChunker`), and every
+fused elementwise kernel without an epilogue
+(:class:`~tierflow.operators.fused.FusedKernel`) its kernel's source, or the reason it
+has none (:func:`attach`); nothing compiles then.
 When the compute starts (:func:`start`, from :meth:`Plan.open
 <tierflow.engine.planning.plan.Plan.open>` and from a pass lowered while it runs), a
 reduction over at least ``jit_min_bytes`` of input asks the background thread for its
