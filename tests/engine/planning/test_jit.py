@@ -260,3 +260,14 @@ def test_a_sink_takes_the_jit_option(tmp_path: Path) -> None:
     assert "0 waiting, 0 sent back" in report
     on, off = np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy")
     assert on.tobytes() == off.tobytes() == ((x - m) * 2).tobytes()
+
+
+def test_a_process_with_a_small_budget_runs_the_numpy_path_and_says_why() -> None:
+    config.set(ram_budget="512MB")
+    x, a = _column_sum()
+    with tw.profile() as p:
+        (got,) = tw.compute((a * 5 - 2).sum(axis=0), jit="eager")
+    (report,) = _kernels(p)
+    assert "not loaded: the memory budget (512.0 MB) is under 1.0 GB" in report, report
+    assert "0 kernel" in report
+    np.testing.assert_allclose(got, (x * np.float32(5) - 2).sum(0, dtype=np.float64), rtol=1e-6)

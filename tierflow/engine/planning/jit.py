@@ -33,15 +33,35 @@ import numpy as np
 from ... import config
 from ...operators import elementwise as ew
 from ...operators import fused, selection
-from ...operators.compiled import Unsupported, elementwise_source, reduction_source
+from ...operators.compiled import Unsupported, elementwise_source, reduction_source, tiered
 from ...operators.compiled.source import histogram_source, masked_source
 from ...operators.compiled.tiered import CompiledSlot, KernelChunker, MaskedKernelChunker
 from ...operators.reductions import Histogram, RowReduction
+from ...system import budget as budget_module
 from ..graph import Chunked
 from ..program.program import Program
 from ..program.steps import FilterStep, KernelStep, UnfilteredStep
 
-__all__ = ["JitSettings", "attach", "settings", "start"]
+__all__ = ["MIN_BUDGET", "JitSettings", "attach", "room_for_kernels", "settings", "start"]
+
+# A process loads kernels only with a memory budget of at least this (bytes): numba and
+# llvmlite add about 100 MB to a process, which a small worker (a Dask worker of 300 MB)
+# does not have. Such a process runs the NumPy path, and its profile line says why.
+MIN_BUDGET = 1 << 30
+
+
+def room_for_kernels() -> str | None:
+    """None where this process's budget leaves room for numba, else why not."""
+    budget = budget_module.budget_bytes()
+    if budget < MIN_BUDGET:
+        return (
+            f"the memory budget ({config.format_bytes(budget)}) is under "
+            f"{config.format_bytes(MIN_BUDGET)}, too small to load numba"
+        )
+    return None
+
+
+tiered.set_policy(room_for_kernels)  # worker processes follow it too: they import this
 
 
 @dataclass(frozen=True)

@@ -159,10 +159,13 @@ class _Server:
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:
+                # Its errors come back as answers; numba's own messages stay out of
+                # the user's terminal.
                 proc = self._proc = subprocess.Popen(
                     [sys.executable, "-m", "tierflow.operators.compiled.server"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
                     text=True,
                     bufsize=1,
                 )

@@ -14,6 +14,7 @@ machine code from the cache, which compiles nothing. It ends when its input clos
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .kernels import import_kernel
@@ -37,8 +38,11 @@ def main() -> None:
             answer = f"error: {type(exc).__name__}: {exc}".replace("\n", " ")
         else:
             answer = "ok"
-        sys.stdout.write(answer + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(answer + "\n")
+            sys.stdout.flush()
+        except OSError:  # the asking process is gone (a broken pipe): nothing to say
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,27 @@ from .kernels import (
 )
 from .source import KernelSource
 
-__all__ = ["CompiledSlot", "Kernel", "KernelChunker", "MaskedKernelChunker", "kernels"]
+__all__ = [
+    "CompiledSlot",
+    "Kernel",
+    "KernelChunker",
+    "MaskedKernelChunker",
+    "kernels",
+    "set_policy",
+]
 
 _NICE = 10  # how much lower the compiling thread's priority is
+
+# Whether this process may load kernels now, or why not (the engine sets the rule: a
+# process whose memory budget leaves no room for numba runs the NumPy path).
+_policy: Callable[[], str | None] = lambda: None  # noqa: E731
+
+
+def set_policy(policy: Callable[[], str | None]) -> None:
+    """Set the rule :meth:`CompiledSlot.start` follows: ``policy()`` gives None where
+    this process may load kernels, else why not."""
+    global _policy
+    _policy = policy
 
 
 class Kernel:
@@ -146,6 +164,7 @@ class CompiledSlot:
         self._folder: Path | None = None
         self._kernel: Kernel | None = None
         self._runner: Any = None
+        self._refused: str | None = None  # why this process did not load the kernel
         self._count_lock = threading.Lock()
         self.counts = {"kernel": 0, "waiting": 0, "sent back": 0}
 
@@ -168,9 +187,12 @@ class CompiledSlot:
 
     def start(self, folder: str | os.PathLike[str]) -> None:
         """Ask for the kernel (compiled, or read from ``folder``) on the background
-        thread; blocks use it as soon as it is ready."""
+        thread; blocks use it as soon as it is ready. Where the process's rule says no
+        (:func:`set_policy`), nothing is asked and ``describe`` says why."""
         self._folder = Path(folder)
-        self._kernel = _request(self.source, self._folder)
+        self._refused = _policy()
+        if self._refused is None:
+            self._kernel = _request(self.source, self._folder)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the kernel is ready or failed (tests and benchmarks); whether it is
@@ -194,6 +216,8 @@ class CompiledSlot:
         ``compiled in 0.42 s``, ``read from disk in 0.1 s``, ``not ready ...``,
         ``failed: ...``."""
         kernel = self._kernel
+        if self._refused is not None:
+            return f"not loaded: {self._refused}"
         if kernel is None:
             return "not asked for (a small compute)"
         if kernel.state == "failed":
