@@ -176,3 +176,15 @@ def test_random_expressions_compiled_match_the_numpy_path_bitwise(
         return
     assert done, f"{expr!r}: sent back a block NumPy computes without a warning"
     np.testing.assert_array_equal(_bits(out), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16"])
+def test_integer_clip_bounds_outside_the_dtype_act_as_its_ends(dtype: str, tmp_path: Path) -> None:
+    """np.clip(uint8, -1, 3) leaves 0 and 1 alone: a bound cast to uint8 would be 255."""
+    block = np.array([[0, 1, 5, 100], [127, 2, 3, 4]], dtype)
+    for lo, hi in [(-1, 3), (-300, 300), (2, 1000)]:
+        expr = clip(x, lo, hi)
+        compiled = _compiled(expr, [dtype], (4,), tmp_path)
+        out = np.empty((2, 4), dtype)
+        assert compiled.apply([block], 2, out)
+        np.testing.assert_array_equal(out, np.clip(block, lo, hi))

@@ -15,6 +15,8 @@ new numba never reads old code.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -169,6 +171,7 @@ class _Server:
                     text=True,
                     bufsize=1,
                 )
+                atexit.register(self.close)
             assert proc.stdin is not None and proc.stdout is not None
             try:
                 proc.stdin.write(f"{path}\n")
@@ -180,6 +183,21 @@ class _Server:
                 answer = f"error: the compiling process ended (exit {proc.poll()})"
         if answer != "ok":
             raise CompileError(answer.removeprefix("error: "))
+
+    def close(self) -> None:
+        """End the compiling process (its input closes; killed after a second)."""
+        proc = self._proc
+        if proc is None:
+            return
+        for pipe in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
+        try:
+            proc.wait(1)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 _servers: list[_Server] = []

@@ -77,7 +77,7 @@ __all__ = [
     "reduction_source",
 ]
 
-SOURCE_VERSION = 1  # part of every key: bump when the generated code changes meaning
+SOURCE_VERSION = 2  # part of every key: bump when the generated code changes meaning
 LANE_ELEMENTS = 128  # lanes of the inner loop for narrow rows (a multiple of the vector width)
 _MAX_FOLD_ELEMENTS = 1024  # rows at least this wide get one lane per element of a row
 
@@ -388,6 +388,22 @@ class _Writer:
         self.const_types.append(dtype.name)
         return name
 
+    def _bound(self, node: Expr | None, out: np.dtype) -> str | None:
+        """A clip bound as a value of ``out``. NumPy clips an integer array by a Python
+        integer outside its dtype's range as by the range's end (``np.clip(uint8, -1,
+        3)`` leaves 0 and 1 alone), where a cast would wrap -1 to 255."""
+        if node is None:
+            return None
+        value = self.values[id(node)]
+        if out.kind in "iu" and type(value) is int and not self.varying(node):
+            info = np.iinfo(out)
+            clamped = min(max(value, int(info.min)), int(info.max))
+            name = f"{self.prefix}c{len(self.consts)}"
+            self.consts.append(("scalar", clamped, out))
+            self.const_types.append(out.name)
+            return name
+        return self._operand(node, out, "clip")
+
     def _emit(self, node: Expr, code: str, raises: bool = False) -> None:
         name = f"{self.prefix}v{len(self.names)}"
         self.names[id(node)] = name
@@ -424,8 +440,8 @@ class _Writer:
 
     def _clip(self, node: Clip, out: np.dtype) -> None:
         a = self._operand(node.a, out, "clip")
-        lo = self._operand(node.lo, out, "clip") if node.lo is not None else None
-        hi = self._operand(node.hi, out, "clip") if node.hi is not None else None
+        lo = self._bound(node.lo, out)
+        hi = self._bound(node.hi, out)
         if out.kind == "f":
             if lo is not None and hi is not None:
                 # NumPy's loop for two scalar bounds (stride 0) breaks ties the other way
