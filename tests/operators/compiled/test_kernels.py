@@ -362,3 +362,49 @@ def test_random_expressions_reduced_match_the_numpy_path(
         np.testing.assert_allclose(
             got, want, rtol=1e-5 if np.asarray(want).dtype.itemsize < 8 else 1e-9
         )
+
+
+_ASK_AND_EXIT = """
+import sys
+import numpy as np
+from tierflow.operators.compiled import load, reduction_source
+from tierflow.operators.compiled.tiered import CompiledSlot
+from tierflow.operators.elementwise import Const, Input
+from tierflow.operators.fused import FusedKernel
+from tierflow.operators.reductions import reduction
+
+expr = Input(0) * Const(np.float32(3)) + Const(np.float32(1))
+op = reduction("sum", FusedKernel(expr, [np.float32], [(4,)]).out_dtype, (4,), axis=0)
+source = reduction_source(expr, [np.float32], [(4,)], op)
+print(source.key)
+if sys.argv[2] == "ask":  # then end at once: the kernel is still to compile
+    CompiledSlot(source, op).start(sys.argv[1])
+else:
+    from tierflow.operators.compiled.kernels import kernel_folder
+    print(load(source, kernel_folder(sys.argv[1])).compiled)
+"""
+
+
+def test_a_kernel_asked_for_by_a_process_that_ends_at_once_is_compiled_for_the_next(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from tierflow.operators.compiled.kernels import _cached, kernel_folder
+
+    def run(mode: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", _ASK_AND_EXIT, str(tmp_path), mode],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        return done.stdout.split()
+
+    (key,) = run("ask")
+    module = kernel_folder(tmp_path) / f"k{key}.py"
+    deadline = time.monotonic() + 60
+    while not _cached(module) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cached(module), "the kernel was not compiled after its process ended"
+    assert run("load") == [key, "False"]  # read from disk: nothing compiled

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -46,6 +47,9 @@ __all__ = [
     "compiler_missing",
     "kernel_folder",
     "load",
+    "numba_installed",
+    "on_exit_compile",
+    "write_module",
 ]
 
 _PILOT_ELEMENTS = 16384  # values of a block's first rows that set the var/std shift
@@ -78,11 +82,10 @@ def compiler_missing() -> str | None:
 
 
 def kernel_folder(root: str | os.PathLike[str]) -> Path:
-    """The folder under ``root`` for this numba and Python (not created)."""
-    import numba
-
-    tag = f"numba-{numba.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(root) / tag
+    """The folder under ``root`` for this numba and Python (not created). Reads numba's
+    version from its installed metadata: importing numba is not needed for it."""
+    version = importlib.metadata.version("numba")
+    return Path(root) / f"numba-{version}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,27 @@ def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
     the compiling process (:mod:`.server`) compiles it first, so that numba never
     compiles in this process (see there why). Raises :class:`CompileError` with
     numba's reason for source it cannot compile.
+
+    numba is imported here only after the compile: the import holds the GIL for much
+    of half a second, which the computes running meanwhile need, and a compute shorter
+    than the compile is over before it starts.
     """
+    path = write_module(source, folder)
+    start = time.perf_counter()
+    compiled = not _cached(path)
+    if compiled:
+        _server().compile(path)
+    missing = compiler_missing()
+    if missing is not None:
+        raise CompileError(missing)
+    module = import_kernel(path)
+    module.warm()  # reads the machine code from the cache
+    return Loaded(module.kernel, compiled, time.perf_counter() - start)
+
+
+def write_module(source: KernelSource, folder: str | os.PathLike[str]) -> Path:
+    """The path of the module of ``source`` in ``folder``, written there (atomically)
+    where it is not yet."""
     path = Path(folder) / f"k{source.key}.py"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,13 +137,7 @@ def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
         except BaseException:
             Path(temp).unlink(missing_ok=True)
             raise
-    start = time.perf_counter()
-    compiled = not _cached(path)
-    if compiled:
-        _server().compile(path)
-    module = import_kernel(path)
-    module.warm()  # reads the machine code from the cache
-    return Loaded(module.kernel, compiled, time.perf_counter() - start)
+    return path
 
 
 def import_kernel(path: str | os.PathLike[str]) -> ModuleType:
@@ -153,12 +170,15 @@ class _Server:
     one compile at a time."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one compile at a time
+        self._input_lock = threading.Lock()  # one writer of its input at a time
         self._proc: subprocess.Popen[str] | None = None
+        self._closed = False
 
-    def compile(self, path: Path) -> None:
-        """Have the module at ``path`` compiled; CompileError with numba's reason."""
-        with self._lock:
+    def _started(self) -> subprocess.Popen[str]:
+        with self._input_lock:
+            if self._closed:
+                raise CompileError("this process is ending")
             proc = self._proc
             if proc is None or proc.poll() is not None:
                 # Its errors come back as answers; numba's own messages stay out of
@@ -171,33 +191,47 @@ class _Server:
                     text=True,
                     bufsize=1,
                 )
-                atexit.register(self.close)
-            assert proc.stdin is not None and proc.stdout is not None
+            return proc
+
+    def _send(self, proc: subprocess.Popen[str], paths: Sequence[Path]) -> None:
+        assert proc.stdin is not None
+        with self._input_lock:
+            proc.stdin.write("".join(f"{path}\n" for path in paths))
+            proc.stdin.flush()
+
+    def compile(self, path: Path) -> None:
+        """Have the module at ``path`` compiled; CompileError with numba's reason."""
+        with self._lock:
+            proc = self._started()
+            assert proc.stdout is not None
             try:
-                proc.stdin.write(f"{path}\n")
-                proc.stdin.flush()
+                self._send(proc, [path])
                 answer = proc.stdout.readline().strip()
-            except OSError as exc:  # a broken pipe: the process died
+            except (OSError, ValueError) as exc:  # a broken pipe, or closed at exit
                 answer = f"error: the compiling process ended ({exc})"
             if not answer:
                 answer = f"error: the compiling process ended (exit {proc.poll()})"
         if answer != "ok":
             raise CompileError(answer.removeprefix("error: "))
 
-    def close(self) -> None:
-        """End the compiling process (its input closes; killed after a second)."""
-        proc = self._proc
-        if proc is None:
-            return
-        for pipe in (proc.stdin, proc.stdout):
+    def close(self, paths: Sequence[Path] = ()) -> None:
+        """At exit: hand ``paths`` to the compiling process (started for them where it
+        is not running), then close its input. It is neither waited for nor killed: it
+        finishes the compile under way and those, so that their machine code reaches
+        the cache and the next process reads it from disk instead of compiling again
+        (a compute shorter than a compile would otherwise leave every run compiling);
+        then its input is at an end, and it ends. Its answers go nowhere."""
+        with contextlib.suppress(OSError, ValueError, CompileError):
+            if paths:
+                self._send(self._started(), paths)
+        with self._input_lock:
+            self._closed = True
+            proc = self._proc
+        # Only the input: closing the output would wait for the answer a compiling
+        # thread is reading (a reader holds the pipe's lock).
+        if proc is not None and proc.stdin is not None:
             with contextlib.suppress(OSError):
-                if pipe is not None:
-                    pipe.close()
-        try:
-            proc.wait(1)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+                proc.stdin.close()
 
 
 _servers: list[_Server] = []
@@ -208,6 +242,43 @@ def _server() -> _Server:
         if not _servers:
             _servers.append(_Server())
         return _servers[0]
+
+
+# Kernels this process asked for and had not compiled yet when it ended: each function
+# here lists them as (source, kernel folder root); see _at_exit.
+_unfinished: list[Callable[[], list[tuple[KernelSource, Path]]]] = []
+
+
+def on_exit_compile(unfinished: Callable[[], list[tuple[KernelSource, Path]]]) -> None:
+    """At this process's exit, have the kernels ``unfinished()`` lists compiled by the
+    compiling process, which outlives it (:meth:`_Server.close`)."""
+    _unfinished.append(unfinished)
+
+
+def numba_installed() -> bool:
+    """Whether numba can be imported, as far as this process knows without importing it."""
+    if _checked:
+        return _missing is None
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):  # sys.modules["numba"] set to None
+        return False
+
+
+def _at_exit() -> None:
+    paths: list[Path] = []
+    if numba_installed():
+        for unfinished in _unfinished:
+            for source, root in unfinished():
+                with contextlib.suppress(Exception):  # an unwritable folder: nothing to do
+                    path = write_module(source, kernel_folder(root))
+                    if not _cached(path):
+                        paths.append(path)
+    if paths or _servers:
+        _server().close(paths)
+
+
+atexit.register(_at_exit)
 
 
 def _flat(block: np.ndarray) -> np.ndarray | None:

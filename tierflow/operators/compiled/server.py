@@ -9,15 +9,20 @@ So a process that needs a kernel asks this one, started once per process with
 kernel's module from each line of its standard input, imports the module and calls its
 ``warm()`` (which compiles every signature and writes numba's cache beside the module),
 and answers ``ok`` or ``error: <why>`` on one line. The asking process then loads the
-machine code from the cache, which compiles nothing. It ends when its input closes.
+machine code from the cache, which compiles nothing. It ends when its input closes,
+after the compile under way, if any: the asking process may have ended meanwhile, and
+the kernel then waits on disk for the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 from .kernels import import_kernel
+
+NICE = 10  # how much lower this process's priority is
 
 __all__ = ["compile_module", "main"]
 
@@ -28,6 +33,9 @@ def compile_module(path: str) -> None:
 
 
 def main() -> None:
+    # Below the computes of the process that asked, as its compiling thread is.
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(NICE)
     for line in sys.stdin:
         path = line.strip()
         if not path:

@@ -9,7 +9,9 @@ it yet (:mod:`.kernels`, :mod:`.server`), then read from there. ``partial`` (``a
 ``masked_partial``) returns None until the kernel is ready, and for blocks the kernel
 sends back (a floating-point error, NaN in the data): the caller then runs the NumPy
 path. So no block ever waits for a compiler, and a compute that ends before its kernel
-is ready ran on the NumPy path throughout.
+is ready ran on the NumPy path throughout. A process that ends with kernels still to
+load hands them to the compiling process at exit (:func:`.kernels.on_exit_compile`),
+which finishes them for the next process without being waited for.
 
 Kernels are kept per process by key (:attr:`~.source.KernelSource.key`): every program
 with the same expression shape and dtypes shares one, compiled once. The thread runs at
@@ -45,6 +47,8 @@ from .kernels import (
     compiler_missing,
     kernel_folder,
     load,
+    numba_installed,
+    on_exit_compile,
 )
 from .source import KernelSource
 
@@ -104,6 +108,21 @@ _lock = threading.Lock()
 _kernels: dict[str, Kernel] = {}
 _queue: queue.Queue[tuple[KernelSource, Path, Kernel]] = queue.Queue()
 _thread: threading.Thread | None = None
+_current: list[tuple[KernelSource, Path, Kernel]] = []  # what the thread is loading now
+
+
+def _unfinished() -> list[tuple[KernelSource, Path]]:
+    """The kernels asked for and not loaded yet (at exit: see :func:`on_exit_compile`)."""
+    items = list(_current)
+    while True:
+        try:
+            items.append(_queue.get_nowait())
+        except queue.Empty:
+            break
+    return [(source, folder) for source, folder, kernel in items if kernel.state == "waiting"]
+
+
+on_exit_compile(_unfinished)
 
 
 def kernels() -> list[Kernel]:
@@ -138,17 +157,23 @@ def _compile_loop() -> None:
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
     while True:
-        source, folder, kernel = _queue.get()
-        missing = compiler_missing()
+        source, folder, kernel = item = _queue.get()
+        _current[:] = [item]
+        # numba is not imported here before the compile (see load): only looked for.
+        missing = None if numba_installed() else compiler_missing()
         if missing is not None:
             kernel._done(None, missing)
             continue
         try:
             loaded = load(source, kernel_folder(folder))
         except Exception as exc:  # numba's errors: the NumPy path runs instead
-            kernel._done(None, f"numba could not compile it ({type(exc).__name__}: {exc})")
+            missing = compiler_missing()
+            kernel._done(
+                None, missing or f"numba could not compile it ({type(exc).__name__}: {exc})"
+            )
         else:
             kernel._done(loaded, None)
+        _current.clear()
 
 
 class CompiledSlot:
