@@ -228,6 +228,23 @@ def test_readahead_of_a_ram_array_is_a_no_op(monkeypatch: pytest.MonkeyPatch) ->
     assert resident_bytes(untouched) == before
 
 
+def test_readahead_of_a_range_all_in_memory_asks_the_kernel_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = _memmap(tmp_path, 4 * MB)
+    assert float(x.sum()) >= 0  # read: every page is in memory
+
+    def asked(path: str | None) -> int:
+        raise AssertionError(f"readahead asked for pages already in memory ({path!r})")
+
+    monkeypatch.setattr(pages, "_readahead_window", asked)  # asked before any madvise
+    readahead(x[1:])
+    release(x, drop_cache=True)
+    monkeypatch.undo()
+    readahead(x)  # cold again: asked for
+    wait_for(lambda: resident_bytes(x) >= 0.98 * x.nbytes, what="the file in the cache")
+
+
 def test_readahead_window_comes_from_the_device(tmp_path: Path) -> None:
     window = pages._readahead_window(str(tmp_path))
     assert window >= PAGE and window % PAGE == 0

@@ -191,13 +191,19 @@ def readahead(x: np.ndarray) -> None:
     Returns once the reads are queued, which can take a while when the device queue
     is full (here: 23 ms for a cold 128 MB block, whose data arrived 190 ms later); the
     pages land in the page cache (``file_resident_bytes`` rises), to be mapped by the
-    next access. A no-op for an array in ordinary RAM (nothing to read) and for an
-    empty array.
+    next access. A no-op for an array in ordinary RAM (nothing to read), for an empty
+    array, and for a range whose pages are all in memory already (one ``mincore``, an
+    eighth of what asking the kernel for cached pages costs: 18 against 144 us for
+    32 MB, which the thread that schedules blocks would spend on every block of a
+    scan of a cached file).
     """
     if x.size == 0:
         return
     span = _span(x, "readahead", ram_ok=True)
     if span is None:
+        return
+    low, high = _address_range(x)
+    if _resident(low, high) >= high - low:
         return
     start, stop = _mm_pages(span)
     step = _readahead_window(span.path)

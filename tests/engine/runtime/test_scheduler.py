@@ -122,13 +122,32 @@ def test_critical_pressure_spills_held_blocks_and_deletes_them_after(
     assert len(spill.live_files()) == before + (1 if tw.memory.on_disk(result) else 0)
 
 
-def test_finished_source_blocks_leave_the_process(tmp_path: Path) -> None:
+def test_finished_blocks_of_a_file_over_half_the_budget_leave_the_process(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "x.npy"
     np.save(path, np.ones((1 << 20, 4), np.float32))  # 16 MB
+    tw.memory.budget("24MB")
     x = tw.from_npy(path, rows=1 << 17)
     assert x.sum().compute() == 4 << 20
     mapping = x._node.reader.source._mapping()  # type: ignore[attr-defined]
     assert pages.mapped_bytes(mapping) <= 2 * 4096 * x.nblocks  # page edges at most
+
+
+@pytest.mark.executors("threads", "serial")  # the mapping looked at is this process's
+def test_a_file_under_half_the_budget_stays_mapped_until_memory_runs_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "x.npy"
+    np.save(path, np.ones((1 << 20, 4), np.float32))  # 16 MB
+    tw.memory.budget("64MB")
+    x = tw.from_npy(path, rows=1 << 17)
+    assert x.sum().compute() == 4 << 20
+    mapping = x._node.reader.source._mapping()  # type: ignore[attr-defined]
+    assert pages.mapped_bytes(mapping) > 8 << 20  # a second scan finds its pages mapped
+    monkeypatch.setattr(pressure, "level_now", lambda: Level.MODERATE)
+    assert x.sum().compute() == 4 << 20
+    assert pages.mapped_bytes(mapping) <= 2 * 4096 * x.nblocks
 
 
 def test_depth_first_order_appends_a_block_before_reading_the_next() -> None:

@@ -90,7 +90,19 @@ class FileReader(Reader):
         self.source.readahead(a, b)
 
     def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
-        self.source.release(a, b, drop_cache=drop_cache, count=False)
+        """Drop rows ``a:b`` from this process, where the file is bigger than
+        ``1 / KEEP_MAPPED_SHARE`` of the RAM budget or memory pressure is above ``ok``
+        (``drop_cache``: high, and from the page cache too). A smaller file stays
+        mapped while memory is plentiful: its pages fit the budget, are the page
+        cache's own (shared, and counted as free by the pressure level), and dropping
+        them only to fault them back in on the next scan costs a tenth of a scan of a
+        cached file."""
+        if (
+            drop_cache
+            or self.source.nbytes > budget_module.budget_bytes() // KEEP_MAPPED_SHARE
+            or pressure.level_now() != Level.OK
+        ):
+            self.source.release(a, b, drop_cache=drop_cache, count=False)
 
     def check(self) -> None:
         check_identity(self.path, self.stat, "tw." + self.label.split("(")[0])
@@ -111,6 +123,7 @@ _MAGIC = b"\x93NUMPY"
 _ALIGN = 64
 _MAX_ROWS = 10**19 - 1  # the widest row count a header may need to hold (19 digits)
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
+KEEP_MAPPED_SHARE = 2  # a file up to budget / 2 stays mapped after a scan (FileReader)
 KICK_SHARE = 8  # start write-back once budget / 8 bytes are dirty ...
 KICK_MIN = 64 << 20  # ... but not in pieces smaller than 64 MB
 _TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})

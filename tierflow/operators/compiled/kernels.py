@@ -48,9 +48,27 @@ __all__ = [
     "kernel_folder",
     "load",
     "numba_installed",
+    "on_disk",
     "on_exit_compile",
     "write_module",
 ]
+
+_NICE = 10  # how much lower the compiling process's priority is
+
+# How the compiling process (:mod:`.server`) starts: its priority is lowered first,
+# before its imports (tierflow and NumPy take 0.3 s of CPU), and numba's import and
+# compiles run below the compute too. Not SCHED_IDLE: a compute that keeps both cores
+# busy starves it (a 5 s compute on the NumPy path got its kernel after 5.4 s and took
+# 6.1 s; at nice 10 the kernel was there after 2.5 s and the compute took 3.8 s).
+SERVER_COMMAND = (
+    "import os\n"
+    "try:\n"
+    f"    os.nice({_NICE})\n"
+    "except (AttributeError, OSError):\n"
+    "    pass\n"
+    "from tierflow.operators.compiled.server import main\n"
+    "main()\n"
+)
 
 _PILOT_ELEMENTS = 16384  # values of a block's first rows that set the var/std shift
 
@@ -123,6 +141,12 @@ def load(source: KernelSource, folder: str | os.PathLike[str]) -> Loaded:
     return Loaded(module.kernel, compiled, time.perf_counter() - start)
 
 
+def on_disk(source: KernelSource, folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds the machine code of ``source``'s kernel (then
+    :func:`load` compiles nothing)."""
+    return _cached(Path(folder) / f"k{source.key}.py")
+
+
 def write_module(source: KernelSource, folder: str | os.PathLike[str]) -> Path:
     """The path of the module of ``source`` in ``folder``, written there (atomically)
     where it is not yet."""
@@ -184,7 +208,7 @@ class _Server:
                 # Its errors come back as answers; numba's own messages stay out of
                 # the user's terminal.
                 proc = self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "tierflow.operators.compiled.server"],
+                    [sys.executable, "-c", SERVER_COMMAND],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
@@ -291,6 +315,51 @@ def _flat(block: np.ndarray) -> np.ndarray | None:
     return None
 
 
+def _flats(source: KernelSource, blocks: Sequence[np.ndarray]) -> list[np.ndarray] | None:
+    """The blocks the kernel reads, as :func:`_flat` gives them; None where one is
+    neither contiguous nor a column."""
+    flats = [_flat(blocks[i]) for i in source.inputs]
+    return None if any(f is None for f in flats) else flats  # type: ignore[return-value]
+
+
+_LINE = 64  # bytes of a cache line
+
+
+def _lanes(
+    source: KernelSource, shift: np.ndarray | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The tiled var/std ``shift`` (a list of one array, or none) and the arrays a
+    kernel folds into (``source.lane_inits``, each at its initial value), side by side
+    in one buffer of whole cache lines of its own. Small arrays of their own ran the
+    kernel at 0.7-0.8x on two threads: NumPy hands both threads' small allocations out
+    of one cache, so the lanes one thread adds into every few nanoseconds can share a
+    cache line with the other thread's, and arrays a page apart alias in the load-store
+    unit."""
+    specs = [(np.dtype(np.float64), 0.0)] if shift is not None else []
+    specs += [(np.dtype(dtype), init) for dtype, init, _ in source.lane_inits]
+    sizes = [-(-dtype.itemsize * source.lanes // _LINE) * _LINE for dtype, _ in specs]
+    buffer = np.empty(sum(sizes) + 3 * _LINE, np.uint8)
+    start = _LINE - buffer.ctypes.data % _LINE
+    arrays = []
+    for (dtype, init), size in zip(specs, sizes, strict=True):
+        array = buffer[start : start + dtype.itemsize * source.lanes].view(dtype)
+        array.fill(init)
+        arrays.append(array)
+        start += size
+    if shift is None:
+        return [], arrays
+    arrays[0][:] = np.tile(shift, source.lanes // source.row_elements)
+    return arrays[:1], arrays[1:]
+
+
+def _shift(evaluate: Callable[[int], np.ndarray], head: int) -> np.ndarray:
+    """The var/std shift: the mean of the expression's values on a block's first
+    ``head`` rows, per element of a row."""
+    with np.errstate(all="ignore"):
+        values = np.asarray(evaluate(head), dtype=np.float64)
+    return values.reshape(head, -1).mean(axis=0)
+
+
 class CompiledReduction:
     """A fused reduction's partial of a block from its compiled kernel.
 
@@ -318,25 +387,12 @@ class CompiledReduction:
         source = self.source
         if np.geterr()["under"] != "ignore":
             return None  # the kernel cannot see an underflow; NumPy's path can
-        flats = []
-        for i in source.inputs:
-            flat = _flat(blocks[i])
-            if flat is None:
-                return None
-            flats.append(flat)
-        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
-        args: list[Any] = [rows * source.row_elements]
-        shift = None
-        if source.pilot:
-            head = min(rows, self._pilot_rows)
-            with np.errstate(all="ignore"):
-                values = np.asarray(evaluate(head), dtype=np.float64)
-            shift = values.reshape(head, -1).mean(axis=0)
-            args.append(np.tile(shift, source.lanes // source.row_elements))
-        args += flats
-        args += source.consts
-        args += lanes
-        self.function(*args)
+        flats = _flats(source, blocks)
+        if flats is None:
+            return None
+        shift = _shift(evaluate, min(rows, self._pilot_rows)) if source.pilot else None
+        pilot, lanes = _lanes(source, shift)
+        self.function(rows * source.row_elements, *pilot, *flats, *source.consts, *lanes)
         for lane, (_, _, checked) in zip(lanes, source.lane_inits, strict=True):
             if checked and not np.isfinite(lane).all():
                 # A floating-point error, NaN or infinity in the data, or a float64 sum
@@ -364,13 +420,10 @@ class CompiledElementwise:
         source = self.source
         if np.geterr()["under"] != "ignore" or not out.flags.c_contiguous:
             return False
-        flats = []
-        for i in source.inputs:
-            flat = _flat(blocks[i])
-            if flat is None:
-                return False
-            flats.append(flat)
-        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
+        flats = _flats(source, blocks)
+        if flats is None:
+            return False
+        _, lanes = _lanes(source)
         self.function(rows * source.row_elements, *flats, *source.consts, *lanes, out.reshape(-1))
         return all(np.isfinite(lane).all() for lane in lanes)
 
@@ -398,23 +451,13 @@ class CompiledMaskedReduction:
         source = self.source
         if np.geterr()["under"] != "ignore":
             return False, None
-        flats = []
-        for i in source.inputs:
-            flat = _flat(blocks[i])
-            if flat is None:
-                return False, None
-            flats.append(flat)
-        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
-        args: list[Any] = [rows]
-        shift = None
-        if source.pilot:
-            head = min(rows, self._pilot_rows)
-            with np.errstate(all="ignore"):
-                values = np.asarray(evaluate(head), dtype=np.float64)
-            shift = values.reshape(head, -1).mean(axis=0)
-            args.append(np.tile(shift, source.lanes // source.row_elements))
+        flats = _flats(source, blocks)
+        if flats is None:
+            return False, None
+        shift = _shift(evaluate, min(rows, self._pilot_rows)) if source.pilot else None
+        pilot, lanes = _lanes(source, shift)
         kept = np.zeros(1, np.int64)
-        self.function(*args, *flats, *source.consts, *lanes, kept)
+        self.function(rows, *pilot, *flats, *source.consts, *lanes, kept)
         for lane, (_, _, checked) in zip(lanes, source.lane_inits, strict=True):
             if checked and not np.isfinite(lane).all():
                 return False, None
@@ -444,13 +487,10 @@ class CompiledHistogram:
         source = self.source
         if np.geterr()["under"] != "ignore":
             return None
-        flats = []
-        for i in source.inputs:
-            flat = _flat(blocks[i])
-            if flat is None:
-                return None
-            flats.append(flat)
-        lanes = [np.full(source.lanes, init, dtype) for dtype, init, _ in source.lane_inits]
+        flats = _flats(source, blocks)
+        if flats is None:
+            return None
+        _, lanes = _lanes(source)
         counts = np.zeros(self.bins, np.intp)
         n = rows * source.row_elements
         self.function(n, *flats, *source.consts, *lanes, self.edges, counts)

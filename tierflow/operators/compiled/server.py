@@ -4,11 +4,11 @@ numba's type inference runs under ``warnings.catch_warnings(record=True)``, whic
 state for the whole process: a compile on a background thread would catch the warnings
 the user's own threads raise meanwhile (NumPy's "invalid value encountered", a
 ``pytest.warns``), and its exit would put back a state another thread had changed.
-So a process that needs a kernel asks this one, started once per process with
-``python -m tierflow.operators.compiled.server``, to compile it: it reads the path of a
-kernel's module from each line of its standard input, imports the module and calls its
-``warm()`` (which compiles every signature and writes numba's cache beside the module),
-and answers ``ok`` or ``error: <why>`` on one line. The asking process then loads the
+So a process that needs a kernel asks this one, started once per process (by
+:data:`~tierflow.operators.compiled.kernels.SERVER_COMMAND`, at a lower priority), to
+compile it: it reads the path of a kernel's module from each line of its standard input,
+imports the module and calls its ``warm()`` (which compiles every signature and writes
+numba's cache beside the module), and answers ``ok`` or ``error: <why>`` on one line. The asking process then loads the
 machine code from the cache, which compiles nothing. It ends when its input closes,
 after the compile under way, if any: the asking process may have ended meanwhile, and
 the kernel then waits on disk for the next one.
@@ -16,13 +16,10 @@ the kernel then waits on disk for the next one.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
 from .kernels import import_kernel
-
-NICE = 10  # how much lower this process's priority is
 
 __all__ = ["compile_module", "main"]
 
@@ -33,9 +30,8 @@ def compile_module(path: str) -> None:
 
 
 def main() -> None:
-    # Below the computes of the process that asked, as its compiling thread is.
-    with contextlib.suppress(AttributeError, OSError):
-        os.nice(NICE)
+    """Compile the module at each path read from standard input, answering on standard
+    output."""
     for line in sys.stdin:
         path = line.strip()
         if not path:

@@ -30,6 +30,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from .kernels import (
     kernel_folder,
     load,
     numba_installed,
+    on_disk,
     on_exit_compile,
 )
 from .source import KernelSource
@@ -62,6 +64,10 @@ __all__ = [
 ]
 
 _NICE = 10  # how much lower the compiling thread's priority is
+# Seconds between asking for a kernel no folder holds and the compile: the compiling
+# process, even at the lowest priority, takes 15-20 ms of CPU from the compute that
+# asked (a first compute of 60 ms over 320 MB took 1.25-1.35x as long).
+COMPILE_DELAY = 0.3
 
 # Whether this process may load kernels now, or why not (the engine sets the rule: a
 # process whose memory budget leaves no room for numba runs the NumPy path).
@@ -165,6 +171,11 @@ def _compile_loop() -> None:
             kernel._done(None, missing)
             continue
         try:
+            if not on_disk(source, kernel_folder(folder)):
+                # A compute that ends within the delay could not have used the kernel,
+                # and does not share the cores with the compile (exit hands the kernel
+                # over: on_exit_compile).
+                time.sleep(COMPILE_DELAY)
             loaded = load(source, kernel_folder(folder))
         except Exception as exc:  # numba's errors: the NumPy path runs instead
             missing = compiler_missing()
