@@ -29,13 +29,16 @@ the sign of a zero compared where the function decides it.
 
 **Sampling.** The corpus has about 4,000 points and the table about 270 entries, so
 each entry gets :data:`SAMPLES` pairs of a point and one of its calls: 8 on the threads
-executor, 4 others on the processes executor and one more on each of Dask and Ray (the
-``dask_client`` / ``ray_runtime`` session clusters), drawn by a random generator seeded
+executor, 4 others on the processes executor, one more on each of Dask and Ray (the
+``dask_client`` / ``ray_runtime`` session clusters) and 2 on threads with
+``jit="eager"`` (every program that has a compiled kernel runs it, whatever its size:
+the compiled path against NumPy), drawn by a random generator seeded
 by the entry's name: the same tests in every run and in CI, and a new entry's samples
 never move another's. A test id names the executor, the entry, the call and the point
 (``threads-np.median-axis=0-float32-swapped-23x3-b7-mask_some-edges``); the point alone
-rebuilds the input's values. The whole module takes about 60 s on a 2-core machine,
-half of it on the clusters.
+rebuilds the input's values. The whole module takes about 110 s on a 2-core machine:
+half of it on the clusters, and 45 s on the compiled path (mostly numba compiling each
+kernel once).
 
 **make fuzz** (``HYPOTHESIS_PROFILE=fuzz``, ``-m conformance``) draws 20 times as many
 samples per entry, from a fresh seed each run (printed in the first line of a failure;
@@ -86,7 +89,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__.rpartition(".")[0] + "
 
 # Samples per entry: 20 times as many under make fuzz. Worker processes cost about five
 # times what threads do per compute, clusters ten times.
-SAMPLES = {"threads": examples(8), "processes": examples(4), "clusters": examples(1)}
+SAMPLES = {
+    "threads": examples(8),
+    "processes": examples(4),
+    "clusters": examples(1),
+    "jit": examples(2),  # on threads, every kernel compiled and waited for (jit="eager")
+}
 _FUZZ = os.environ.get("HYPOTHESIS_PROFILE") == "fuzz"
 SEED = os.environ.get("TIERFLOW_CONFORMANCE_SEED") or (
     str(random.SystemRandom().randrange(2**32)) if _FUZZ else "ci"
@@ -296,7 +304,12 @@ def test_every_known_failure_names_sampled_cases() -> None:
     everything = [
         s for salt, n in SAMPLES.items() for entry in CASES for s in samples(entry, n, salt)
     ]
-    executors = {"threads": ["threads"], "processes": ["processes"], "clusters": ["dask", "ray"]}
+    executors = {
+        "threads": ["threads"],
+        "processes": ["processes"],
+        "clusters": ["dask", "ray"],
+        "jit": ["jit"],
+    }
     drawn = {f"{e}:{s.id}" for s in everything for e in executors[s.salt]}
     stale = sorted(case for k in KNOWN for case in k.cases if case not in drawn)
     assert not stale, f"KNOWN names samples that are not drawn (delete them): {stale}"
@@ -324,3 +337,15 @@ def test_an_entry_on_a_cluster_gives_numpys_answer(
     sample: Sample, executor_name: str, request: pytest.FixtureRequest
 ) -> None:
     check(sample, executor_name, request)
+
+
+@pytest.mark.executors("threads")
+@pytest.mark.parametrize("sample", params(SAMPLES["jit"], "jit"))
+def test_an_entry_with_compiled_kernels_gives_numpys_answer(
+    sample: Sample, request: pytest.FixtureRequest
+) -> None:
+    # Every program that has a kernel runs it, whatever its size: the compiled path
+    # against NumPy (the samples above mostly run the NumPy path: they are small).
+    pytest.importorskip("numba")
+    with tw.config.set(jit="eager"):
+        check(sample, "jit", request)

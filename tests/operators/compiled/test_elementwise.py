@@ -64,6 +64,10 @@ EXPRESSIONS = {
     "cast": (lambda: astype(x, np.float32) + astype(y, np.float32), ["float64", "int32"]),
     "compare": (lambda: call(np.less_equal, x, y), ["float32", "float32"]),
     "mixed ints": (lambda: x * y - 7, ["int16", "uint8"]),
+    "int predicates": (
+        lambda: call(np.logical_xor, call(np.isfinite, x), call(np.isnan, y)),
+        ["int16", "uint8"],
+    ),
     "doubled": (lambda: x * 2 - Const(np.float32(2)) * y, ["float32", "float32"]),
     "doubled float64": (lambda: 2.0 * x + x * Const(np.float32(2)), ["float64"]),
 }

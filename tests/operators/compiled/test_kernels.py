@@ -4,6 +4,9 @@ and the NumPy path wherever NumPy would warn."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from tierflow.operators.compiled import (
     load,
     reduction_source,
 )
+from tierflow.operators.compiled.kernels import kernel_folder, on_disk
 from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, walk, where
 from tierflow.operators.fused import FusedKernel, FusedReduction
 from tierflow.operators.reductions import reduction
@@ -394,12 +398,6 @@ else:
 def test_a_kernel_asked_for_by_a_process_that_ends_at_once_is_compiled_for_the_next(
     tmp_path: Path,
 ) -> None:
-    import subprocess
-    import sys
-    import time
-
-    from tierflow.operators.compiled.kernels import _cached, kernel_folder
-
     def run(mode: str) -> list[str]:
         done = subprocess.run(
             [sys.executable, "-c", _ASK_AND_EXIT, str(tmp_path), mode],
@@ -407,10 +405,12 @@ def test_a_kernel_asked_for_by_a_process_that_ends_at_once_is_compiled_for_the_n
         )  # fmt: skip
         return done.stdout.split()
 
-    (key,) = run("ask")
-    module = kernel_folder(tmp_path) / f"k{key}.py"
+    expr = x * Const(np.float32(3)) + Const(np.float32(1))
+    op = reduction("sum", FusedKernel(expr, [np.float32], [(4,)]).out_dtype, (4,), axis=0)
+    source = reduction_source(expr, [np.float32], [(4,)], op)
+    assert run("ask") == [source.key]
     deadline = time.monotonic() + 60
-    while not _cached(module) and time.monotonic() < deadline:
+    while not on_disk(source, kernel_folder(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _cached(module), "the kernel was not compiled after its process ended"
-    assert run("load") == [key, "False"]  # read from disk: nothing compiled
+    assert on_disk(source, kernel_folder(tmp_path)), "not compiled after its process ended"
+    assert run("load") == [source.key, "False"]  # read from disk: nothing compiled

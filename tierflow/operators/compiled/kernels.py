@@ -70,6 +70,7 @@ SERVER_COMMAND = (
     "main()\n"
 )
 
+_IDLE_EXIT_S = 2.0  # how long exit waits for an idle compiling process to end
 _PILOT_ELEMENTS = 16384  # values of a block's first rows that set the var/std shift
 
 _lock = threading.Lock()
@@ -244,18 +245,30 @@ class _Server:
         finishes the compile under way and those, so that their machine code reaches
         the cache and the next process reads it from disk instead of compiling again
         (a compute shorter than a compile would otherwise leave every run compiling);
-        then its input is at an end, and it ends. Its answers go nowhere."""
+        then its input is at an end, and it ends. Its answers go nowhere. An idle one
+        (nothing handed over, no compile under way) ends at once: it is waited for, so
+        that nothing of it is left to warn about at exit."""
         with contextlib.suppress(OSError, ValueError, CompileError):
             if paths:
                 self._send(self._started(), paths)
         with self._input_lock:
             self._closed = True
             proc = self._proc
+        if proc is None or proc.stdin is None:
+            return
         # Only the input: closing the output would wait for the answer a compiling
         # thread is reading (a reader holds the pipe's lock).
-        if proc is not None and proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        if paths or not self._lock.acquire(blocking=False):
+            return
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                proc.wait(_IDLE_EXIT_S)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+        finally:
+            self._lock.release()
 
 
 _servers: list[_Server] = []

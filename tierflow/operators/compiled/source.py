@@ -500,7 +500,9 @@ class _Writer:
         if name in _COMPARE and len(ops) == 2 and kind in "fiub":
             self._emit(node, f"({a} {_COMPARE[name]} {b})")
         elif name in _PREDICATES and kind in "fiub":
-            self._emit(node, _PREDICATES[name].format(a=a) if kind == "f" else "False")
+            # an integer or a bool is finite, and neither NaN nor infinite
+            whole = "True" if name == "isfinite" else "False"
+            self._emit(node, _PREDICATES[name].format(a=a) if kind == "f" else whole)
         elif name in _LOGICAL and kind in "fiu":
             self._emit(node, _LOGICAL[name].format(a=a, b=b))
         elif name == "logical_not" and kind in "fiub":
