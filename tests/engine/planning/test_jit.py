@@ -271,3 +271,34 @@ def test_a_process_with_a_small_budget_runs_the_numpy_path_and_says_why() -> Non
     assert "not loaded: the memory budget (512.0 MB) is under 1.0 GB" in report, report
     assert "0 kernel" in report
     np.testing.assert_allclose(got, (x * np.float32(5) - 2).sum(0, dtype=np.float64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint8", "bool", ">i8"])
+def test_bincount_of_an_integer_array_counts_in_one_compiled_pass(dtype: str) -> None:
+    values = np.random.default_rng(5).integers(0, 3000, 50_000).astype(dtype)
+    a = tw.from_array(values, rows=8192)
+    with tw.profile() as p:
+        got = np.bincount(a, minlength=4000).compute(jit="eager")
+    (report,) = _kernels(p)
+    want = np.bincount(values.astype(np.intp), minlength=4000)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == want.dtype
+    if dtype == ">i8":  # brought to native order before the kernel, or the NumPy path
+        return
+    # values past the first counts (1024): the NumPy path counts that block, and later
+    # blocks get room (uint8 and bool values never outgrow them)
+    outgrow = int(values[:8192].astype(np.intp).max() >= 1024)
+    assert f"{7 - outgrow} kernel, 0 waiting, {outgrow} sent back" in report
+
+
+def test_bincount_refuses_as_numpy_does_and_says_what_is_not_compiled() -> None:
+    values = np.arange(20_000) % 7
+    values[15_000] = -1
+    with pytest.raises(ValueError, match="no negative elements"):
+        np.bincount(tw.from_array(values, rows=4096)).compute(jit="eager")
+    weights = np.ones(20_000)
+    a, w = tw.from_array(np.arange(20_000) % 7, rows=4096), tw.from_array(weights, rows=4096)
+    with tw.profile() as p:
+        got = np.bincount(a, weights=w).compute(jit="eager")
+    np.testing.assert_array_equal(got, np.bincount(np.arange(20_000) % 7, weights=weights))
+    assert _kernels(p) == ["bincount(weights): NumPy path: a bincount with weights is not compiled"]

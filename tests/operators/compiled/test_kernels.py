@@ -25,7 +25,8 @@ from tierflow.operators.compiled import (
     load,
     reduction_source,
 )
-from tierflow.operators.compiled.kernels import kernel_folder, on_disk
+from tierflow.operators.compiled.kernels import CompiledBincount, kernel_folder, on_disk
+from tierflow.operators.compiled.source import bincount_source
 from tierflow.operators.elementwise import Const, Expr, Input, astype, call, clip, walk, where
 from tierflow.operators.fused import FusedKernel, FusedReduction
 from tierflow.operators.reductions import reduction
@@ -414,3 +415,40 @@ def test_a_kernel_asked_for_by_a_process_that_ends_at_once_is_compiled_for_the_n
         time.sleep(0.1)
     assert on_disk(source, kernel_folder(tmp_path)), "not compiled after its process ended"
     assert run("load") == [source.key, "False"]  # read from disk: nothing compiled
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint16", "int32", "uint32", "int64"])
+def test_a_compiled_bincount_counts_what_numpy_does_and_grows_its_counts(
+    dtype: str, folder: Path
+) -> None:
+    source = bincount_source(dtype)
+    compiled = CompiledBincount(source, load(source, folder).function)
+    rng = np.random.default_rng(11)
+    top = 2 if dtype == "bool" else min(5000, int(np.iinfo(dtype).max) + 1)
+    small = rng.integers(0, min(top, 1000), 3001).astype(dtype)
+    big = rng.integers(0, top, 3001).astype(dtype)
+    np.testing.assert_array_equal(compiled.partial([small], 3001, _no_pilot), np.bincount(small))
+    first = compiled.partial([big], 3001, _no_pilot)
+    if int(big.max()) >= 1024:  # past the first counts: the NumPy path, and room later
+        assert first is None
+        first = compiled.partial([big], 3001, _no_pilot)
+    np.testing.assert_array_equal(first, np.bincount(big))
+    assert first.dtype == np.intp
+
+
+def test_a_compiled_bincount_sends_back_what_numpy_refuses_or_it_cannot_read(
+    folder: Path,
+) -> None:
+    source = bincount_source("int64")
+    compiled = CompiledBincount(source, load(source, folder).function)
+    assert compiled.partial([np.array([3, -1, 2])], 3, _no_pilot) is None  # NumPy raises
+    assert compiled.partial([np.array([3, 1, 2], ">i8")], 3, _no_pilot) is None  # byte order
+    assert compiled.partial([np.array([1 << 40])], 1, _no_pilot) is None  # past 32 MB of counts
+    assert compiled.capacity == 1024
+    for dtype in ("uint64", "float32", "complex64"):
+        with pytest.raises(Unsupported, match=f"a bincount of {dtype} values is not compiled"):
+            bincount_source(dtype)
+
+
+def _no_pilot(rows: int) -> np.ndarray:
+    raise AssertionError("a bincount takes no pilot")

@@ -2,7 +2,7 @@
 
 Lowering (pure) gives every :class:`~tierflow.operators.fused.FusedReduction` of a pass
 (a built-in row reduction or a histogram of an elementwise expression), every built-in
-row reduction of an array itself, every such reduction of the rows a mask keeps where
+row reduction of an array itself and its unweighted ``np.bincount``, every such reduction of the rows a mask keeps where
 the mask is an expression of single values of those rows (then it reads the unfiltered
 blocks: :class:`~tierflow.operators.compiled.tiered.MaskedKernelChunker`), and every
 fused elementwise kernel without an epilogue
@@ -34,13 +34,14 @@ from ... import config
 from ...operators import elementwise as ew
 from ...operators import fused, selection
 from ...operators.compiled import Unsupported, elementwise_source, reduction_source, tiered
-from ...operators.compiled.source import histogram_source, masked_source
+from ...operators.compiled.source import bincount_source, histogram_source, masked_source
 from ...operators.compiled.tiered import CompiledSlot, KernelChunker, MaskedKernelChunker
 from ...operators.reductions import Histogram, RowReduction
 from ...system import budget as budget_module
 from ..graph import Chunked
 from ..program.program import Program
 from ..program.steps import FilterStep, KernelStep, UnfilteredStep
+from ..rowwide.frequencies import Bincount
 
 __all__ = ["MIN_BUDGET", "JitSettings", "attach", "room_for_kernels", "settings", "start"]
 
@@ -107,6 +108,9 @@ def attach(program: Program, enabled: bool) -> None:
         elif enabled and chunker is root.op and isinstance(chunker, RowReduction):
             op = chunker
             expr, dtypes, shapes = ew.Input(0), [op.in_dtype], [op.in_row_shape]
+        elif enabled and chunker is root.op and isinstance(chunker, Bincount):
+            _attach_bincount(root)
+            continue
         else:
             continue
         slot: CompiledSlot | None = None
@@ -117,6 +121,22 @@ def attach(program: Program, enabled: bool) -> None:
             chunker.compiled, chunker.not_compiled = slot, why
         else:
             root.chunker = KernelChunker(op, slot, why)
+
+
+def _attach_bincount(root: Any) -> None:
+    """``np.bincount`` of an integer array itself (unweighted): one compiled pass that
+    counts, where NumPy's finds the smallest and the largest value first."""
+    op = root.op
+    why: str | None = None
+    slot: CompiledSlot | None = None
+    if op.weighted:
+        why = "a bincount with weights is not compiled"
+    else:
+        try:
+            slot = CompiledSlot(bincount_source(root.inputs[0].node.dtype), op)
+        except Unsupported as exc:
+            why = str(exc)
+    root.chunker = KernelChunker(op, slot, why)
 
 
 def _attach_elementwise(step: KernelStep, enabled: bool) -> None:

@@ -39,6 +39,7 @@ from .source import KernelSource
 
 __all__ = [
     "CompileError",
+    "CompiledBincount",
     "CompiledElementwise",
     "CompiledHistogram",
     "CompiledMaskedReduction",
@@ -71,6 +72,8 @@ SERVER_COMMAND = (
 )
 
 _IDLE_EXIT_S = 2.0  # how long exit waits for an idle compiling process to end
+_MIN_COUNTS = 1024  # a compiled bincount's first counts ...
+_MAX_COUNTS = 1 << 22  # ... and its most (32 MB): larger values count on the NumPy path
 _PILOT_ELEMENTS = 16384  # values of a block's first rows that set the var/std shift
 
 _lock = threading.Lock()
@@ -330,9 +333,12 @@ def _flat(block: np.ndarray) -> np.ndarray | None:
 
 def _flats(source: KernelSource, blocks: Sequence[np.ndarray]) -> list[np.ndarray] | None:
     """The blocks the kernel reads, as :func:`_flat` gives them; None where one is
-    neither contiguous nor a column."""
+    neither contiguous nor a column, or is not of the dtype the kernel was compiled for
+    (a block in the other byte order: numba would read it wrong, or compile again)."""
     flats = [_flat(blocks[i]) for i in source.inputs]
-    return None if any(f is None for f in flats) else flats  # type: ignore[return-value]
+    if any(f is None or f.dtype != d for f, d in zip(flats, source.input_dtypes, strict=True)):
+        return None
+    return flats  # type: ignore[return-value]
 
 
 _LINE = 64  # bytes of a cache line
@@ -477,6 +483,42 @@ class CompiledMaskedReduction:
         if not kept[0]:
             return True, None
         return True, self.op.partial_of_lanes(lanes, int(kept[0]), shift)
+
+
+class CompiledBincount:
+    """``np.bincount``'s counts of a block from its compiled kernel
+    (:func:`~.source.bincount_source`): one pass, into counts of a capacity that grows
+    to the largest value seen (up to :data:`_MAX_COUNTS`). Returns None where the block
+    must run on the NumPy path: a negative value (NumPy's error), a value past the
+    counts (then later blocks get room for it), a block of another dtype."""
+
+    def __init__(self, source: KernelSource, function: Callable[..., Any]) -> None:
+        self.source = source
+        self.function = function
+        self.capacity = _MIN_COUNTS
+
+    def partial(
+        self,
+        blocks: Sequence[np.ndarray],
+        rows: int,
+        evaluate: Callable[[int], np.ndarray],
+        row_offset: int = 0,
+    ) -> Partial | None:
+        flats = _flats(self.source, blocks)
+        if flats is None or rows == 0:
+            return None
+        capacity = self.capacity  # read once: another thread may grow it meanwhile
+        counts = np.zeros(capacity, np.intp)
+        seen = np.zeros(2, np.int64)
+        self.function(rows, *flats, counts, seen)
+        high, low = int(seen[0]), int(seen[1])
+        if low < 0:
+            return None
+        if high >= capacity:
+            if high < _MAX_COUNTS:
+                self.capacity = max(self.capacity, 1 << high.bit_length())
+            return None
+        return counts[: high + 1]
 
 
 class CompiledHistogram:

@@ -70,6 +70,7 @@ __all__ = [
     "SOURCE_VERSION",
     "KernelSource",
     "Unsupported",
+    "bincount_source",
     "elementwise_source",
     "histogram_source",
     "lanes_for",
@@ -108,6 +109,7 @@ class KernelSource:
     out_dtype: np.dtype | None = None  # an elementwise kernel's output (its last argument)
     masked: bool = False  # a reduction of the rows a mask keeps (masked_source)
     edges_dtype: np.dtype | None = None  # a histogram's (histogram_source): edges, counts last
+    counts: bool = False  # a bincount's (bincount_source): counts, then what it saw, last
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +143,8 @@ def _warm_source(source: KernelSource) -> str:
             args.append("np.zeros(1, np.int64)")
         if source.edges_dtype is not None:
             args += [f"np.zeros(2, np.{source.edges_dtype.name})", "np.zeros(1, np.intp)"]
+        if source.counts:
+            args += ["np.zeros(1, np.intp)", "np.zeros(2, np.int64)"]
         return ", ".join(args)
 
     lines = ["", "", "def warm():", f"    kernel({arguments(False)})"]
@@ -912,6 +916,49 @@ def histogram_source(
     )
 
 
+def bincount_source(input_dtype: Any) -> KernelSource:
+    """The kernel that counts the values of a 1-D integer (or bool) block into its
+    ``counts`` argument, as ``np.bincount`` does, in one pass: values from 0 to
+    ``len(counts) - 1`` are counted, and the largest and the smallest value seen go
+    into ``seen`` (the caller sends the block to the NumPy path for a negative value,
+    which NumPy refuses, and for one past the counts). Raises :class:`Unsupported` for
+    other dtypes (NumPy casts the values to intp safely: uint64 and floats it refuses)."""
+    dtype = np.dtype(input_dtype)
+    if dtype.kind not in "biu" or dtype == np.uint64:
+        raise Unsupported(f"a bincount of {dtype} values is not compiled")
+    writer = _Writer(Input(0), [dtype], [()])
+    lanes = lanes_for(1)
+    fold = [f"values[l] = np.int64({writer.result})"]
+    count = [
+        "v = values[l]",
+        "if v > high:",
+        "    high = v",
+        "if v < low:",
+        "    low = v",
+        "if v >= 0 and v < capacity:",
+        "    counts[v] += 1",
+    ]
+    text = _module(
+        writer,
+        [0],
+        [dtype],
+        lanes,
+        fold,
+        0,
+        f"bincount of {dtype.name} values",
+        trailing=["counts", "seen"],
+        setup=[
+            f"values = np.empty({lanes}, np.int64)",
+            "capacity = counts.shape[0]",
+            "high = np.int64(-1)",
+            "low = np.int64(0)",
+        ],
+        then=count,
+        finish=["seen[0] = high", "seen[1] = low"],
+    )
+    return KernelSource(text, (), (0,), (dtype,), lanes, 1, (), False, counts=True)
+
+
 def _literal(value: Any) -> str:
     """A number as exact source text (``repr`` of a float round-trips)."""
     number = value.item() if isinstance(value, np.generic) else value
@@ -1030,10 +1077,11 @@ def _module(  # noqa: PLR0913 -- the parts of one generated module
     *,
     setup: Sequence[str] = (),
     then: Sequence[str] = (),
+    finish: Sequence[str] = (),
 ) -> str:
     """The module of a kernel over ``n`` elements in runs of ``lanes``: ``setup`` once,
     then per run the expression and ``fold`` for each lane, then ``then`` for each
-    lane (a second loop)."""
+    lane (a second loop), and ``finish`` once at the end."""
     args = [*leading, *(f"i{i}" for i in inputs)]
     args += [f"c{k}" for k in range(len(writer.consts))]
     args += [f"lanes{k}" for k in range(n_lanes)]
@@ -1063,6 +1111,7 @@ def _module(  # noqa: PLR0913 -- the parts of one generated module
         "    for e in range(whole, n):",
         "        l = e - whole",
         *(f"        {line}" for line in (*body, *then)),
+        *(f"    {line}" for line in finish),
         "",
     ]
     return "\n".join(out)

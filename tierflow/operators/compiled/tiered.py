@@ -40,6 +40,7 @@ import numpy as np
 from .._blocks import check_blocks
 from ..types import Partial
 from .kernels import (
+    CompiledBincount,
     CompiledElementwise,
     CompiledHistogram,
     CompiledMaskedReduction,
@@ -284,6 +285,8 @@ class CompiledSlot:
             runner = CompiledElementwise(self.source, function)
         elif self.source.edges_dtype is not None:
             runner = CompiledHistogram(self.source, function, self.op)
+        elif self.source.counts:
+            runner = CompiledBincount(self.source, function)
         elif self.source.masked:
             runner = CompiledMaskedReduction(self.source, function, self.op)
         else:
@@ -330,9 +333,9 @@ class CompiledSlot:
 
 
 class KernelChunker:
-    """A built-in row reduction of its input itself (no expression), with its compiled
-    kernel beside it: ``chunk`` takes the kernel's partial when it gives one, else the
-    reduction's own. ``compiled`` is the :class:`CompiledSlot` (None where there is
+    """A built-in row reduction (or ``np.bincount``) of its input itself (no
+    expression), with its compiled kernel beside it: ``chunk`` takes the kernel's
+    partial when it gives one, else the reduction's own. ``compiled`` is the :class:`CompiledSlot` (None where there is
     none, then ``not_compiled`` says why); the rest is the reduction's."""
 
     row_independent = False
@@ -354,7 +357,10 @@ class KernelChunker:
         compiled = self.compiled
         if compiled is not None:
             op = self.reduction
-            rows = check_blocks(blocks, [op.in_dtype], [op.in_row_shape], op.kind)
+            if hasattr(op, "in_row_shape"):  # a row reduction: its checks first
+                rows = check_blocks(blocks, [op.in_dtype], [op.in_row_shape], op.kind)
+            else:  # np.bincount: the kernel runs on its own dtype only
+                rows = blocks[0].shape[0]
             if rows:
                 block = blocks[0]
                 found = compiled.partial(blocks, rows, lambda n: block[:n], int(row_offset))
