@@ -3,13 +3,18 @@ and every file it cannot read that way loaded by ``np.load`` itself."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierflow.engine.io.files import FileRows, FilesReader
 from tierflow.errors import BlockError
+
+from common import examples
 
 ROW = (3, 4)
 
@@ -89,3 +94,34 @@ def test_several_rows_per_file_are_read_straight_in_too(tmp_path: Path) -> None:
     np.save(paths[1], values[:2])  # two rows where three are expected
     with pytest.raises(BlockError, match=r"shape \(2, 3, 4\) for file 1 of 4"):
         r.read(0, 12)
+
+
+LAYOUTS = st.sampled_from(["<f4", ">f4", "<f8", "<i2", "fortran", "v2"])
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    layouts=st.lists(LAYOUTS, min_size=1, max_size=9),
+    per_block=st.integers(1, 4),
+    span=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+)
+def test_any_mix_of_npy_layouts_reads_as_np_load_does(
+    layouts: list[str], per_block: int, span: tuple[int, int]
+) -> None:
+    values = np.round(rows(len(layouts)) * 100)  # integral: every layout holds them exactly
+    with tempfile.TemporaryDirectory() as folder:
+        paths = []
+        for i, (layout, v) in enumerate(zip(layouts, values, strict=True)):
+            path = f"{folder}/{i}.npy"
+            if layout == "v2":
+                with open(path, "wb") as f:
+                    np.lib.format.write_array(f, v, version=(2, 0))
+            else:
+                np.save(path, np.asfortranarray(v) if layout == "fortran" else v.astype(layout))
+            paths.append(path)
+        r = FilesReader(paths, np.load, FileRows(1, np.dtype(np.float32), ROW), per_block)
+        want = np.stack([np.load(p).astype(np.float32) for p in paths])
+        got = np.concatenate([r.read_block(j) for j in range(r.nblocks)])
+        np.testing.assert_array_equal(got, want)
+        a, b = sorted(v % (len(paths) + 1) for v in span)
+        np.testing.assert_array_equal(r.read(a, b), want[a:b])
