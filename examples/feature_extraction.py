@@ -7,12 +7,13 @@ It writes ``--files`` small ``.npy`` files to a temporary folder (removed at the
 each one sample of shape (3, 32, 32), say a tiny image. Then:
 
 1. ``tw.from_files(paths, np.load)``: a lazy array with one row per file; the files are
-   loaded in the workers, a block of files at a time, never all at once;
+   loaded in the workers, a block of files at a time, never all at once (with
+   ``np.load``, each file's data is read straight into its row of the block);
 2. ``map_blocks(embed, device="auto")``: a small ``torch.nn.Sequential`` (random weights,
    seeded) turns each block of samples into a block of 64-number embeddings. With
    ``device="auto"`` the blocks arrive as torch tensors on the GPU with the most free
-   memory, or on the CPU where there is none; a block too big for the GPU is retried
-   in halves;
+   memory, or on the CPU where there is none, in batches of about 1 MB (85 samples)
+   there; a block too big for the GPU is retried in halves;
 3. ``to_npy`` writes the embeddings, one row per file, in the order of ``paths``.
 
 The first rows are compared with running the model directly on the same files.

@@ -16,7 +16,10 @@ Figures, one FIGURE line each, with their targets (a missed target is reported, 
 failed): the host-to-device copy bandwidth from pinned memory; a fused expression plus
 a sum over data in RAM on the GPU and on the CPU, as GB/s, as a ratio, and against the
 copy bandwidth (target >= 0.8x); copies overlapped with compute (double buffering)
-against serial copies.
+against serial copies; feature extraction over 20,000 small ``.npy`` files with tierflow
+against a hand-written DataLoader loop, both on the GPU
+(``tests/benchmarks/bench_features.py --device cuda``: the loop's time over tierflow's,
+target >= 1.0x; the outputs must agree, or the check fails).
 
 Prints SKIP and exits 0 where torch is missing or sees no CUDA device. Not collected by
 pytest (no ``test_`` prefix): ``tests/engine/gpu/test_gpu_ops.py`` runs the same code paths
@@ -201,6 +204,26 @@ def _figures(torch: Any) -> list[Callable[[], None]]:
     return [_measure]
 
 
+def _features_check() -> Callable[[], None]:
+    @check("feature extraction on the GPU: tierflow against a DataLoader loop")
+    def _features() -> None:
+        bench = ROOT / "tests" / "benchmarks" / "bench_features.py"
+        done = subprocess.run(
+            [sys.executable, str(bench), "--files", "20000", "--rounds", "3", "--device", "cuda"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+        print(done.stdout[-3000:])
+        assert done.returncode == 0, done.stderr[-2000:]
+        ratio = next(line for line in done.stdout.splitlines() if "the DataLoader loop" in line)
+        figure(f"feature extraction, 20,000 files on the GPU: {ratio.strip()}")
+        assert "outputs agree: True" in done.stdout, "the two outputs differ"
+
+    return _features
+
+
 def _halving_check(torch: Any) -> Callable[[], None]:
     import tierflow as tw
     from tierflow.engine.program import halving
@@ -284,6 +307,7 @@ def main() -> int:
         *_correctness_checks(torch),
         _example_check(),
         *_figures(torch),
+        _features_check(),
         _halving_check(torch),
         _persist_check(torch),
     ]

@@ -169,3 +169,38 @@ def test_a_function_gets_file_blocks_as_plain_array_views(tmp_path: Path) -> Non
     x = tw.from_npy(tmp_path / "a.npy", rows=25)
     got = x.map_blocks(_kind_of, dtype=np.float64, row_shape=(1,)).compute()
     assert got.min() == 1.0
+
+
+@pytest.mark.torch
+@pytest.mark.executors("threads", "serial")  # observes calls in this process
+def test_torch_on_the_cpu_is_called_in_batches_of_cpu_batch_bytes(
+    a: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    from tierflow.engine.graph import block_operators
+    from tierflow.system.devices import FakeGpus, use_provider
+
+    monkeypatch.setattr(block_operators, "CPU_BATCH_BYTES", 40 * 6 * 4)  # 40 rows
+    sizes: list[int] = []
+
+    def model(t: object) -> object:
+        assert isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        sizes.append(len(t))
+        return (t * 2).double()  # cast back to the declared float32
+
+    with use_provider(FakeGpus([])):
+        y = tw.from_array(a, rows=256).map_blocks(
+            model, dtype=np.float32, row_shape=(6,), device="auto"
+        )
+        np.testing.assert_array_equal(y.compute(), a * 2)
+    assert max(sizes) == 40 and sum(sizes) == 1000
+    assert sorted(set(sizes)) == [16, 32, 40]  # blocks of 256 = 6 x 40 + 16, 232 = 5 x 40 + 32
+
+
+def test_batch_rows_make_cpu_batch_bytes_of_input_and_at_least_one() -> None:
+    from tierflow.engine.graph.block_operators import CPU_BATCH_BYTES, batch_rows
+
+    images = np.zeros((10, 3, 32, 32), np.float32)  # 12 KB a row
+    assert batch_rows([images]) == CPU_BATCH_BYTES // 12288
+    assert batch_rows([images, np.zeros(10)]) == CPU_BATCH_BYTES // (12288 + 8)
+    assert batch_rows([np.zeros((2, CPU_BATCH_BYTES), np.uint16)]) == 1
