@@ -15,9 +15,12 @@ beside it.
 process writes ``((x - m) / s).to_npy(out)`` (``m`` and ``s`` computed first, apart,
 as a user would: ``tw.compute(x.mean(0), x.std(0))``), then ``fsync`` of the output;
 against a process that writes the same number of bytes from one 64 MB buffer with
-``write``, then ``fsync`` (the disk's sequential write speed). Each starts its clock
-after an ``os.sync()``, so that no other file's dirty pages are in its figure. Alternating, each output
-removed before the next run. The figure is the plain write's time over tierflow's.
+``write``, then ``fsync`` (``plain``: the whole write-back waits for the ``fsync``), and
+one that also starts each piece's write-back as it goes (``streaming``:
+``sync_file_range``, as tierflow's ``to_npy`` does; the disk's sequential write speed).
+Each starts its clock after an ``os.sync()``, so that no other file's dirty pages are in
+its figure. Alternating, each output
+removed before the next run. The figures are each writer's time over tierflow's.
 
 ``python tests/benchmarks/bench_disk.py [--gb 30] [--write-gb 4] [--rounds 2]
 [--dir /tmp] [--only cold,write] [--json f]``; run it under
@@ -79,16 +82,21 @@ print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 _CHILD_WRITE = r"""
-import json, os, sys, time
+import ctypes, json, os, sys, time
 import numpy as np
-size, piece = int(sys.argv[2]), int(sys.argv[3])
+size, piece, streaming = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "streaming"
 buffer = np.random.default_rng(0).random(piece // 4, dtype=np.float32).tobytes()
+sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
+sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 os.sync()  # nothing else's dirty pages in the figure
 start = time.perf_counter()
 with open(sys.argv[1], "wb", buffering=0) as f:
-    left = size
-    while left:
-        left -= f.write(memoryview(buffer)[: min(piece, left)])
+    done = 0
+    while done < size:
+        n = f.write(memoryview(buffer)[: min(piece, size - done)])
+        if streaming:  # start this piece's write-back now (SYNC_FILE_RANGE_WRITE)
+            sync_file_range(f.fileno(), done, n, 2)
+        done += n
     os.fsync(f.fileno())
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
@@ -131,11 +139,15 @@ def write(folder: str, gb: float, rounds: int) -> dict[str, Any]:
     rows = int(gb * 1e9) // (4 * WIDTH)
     path = str(make_npy(os.path.join(folder, "in.npy"), rows, WIDTH))
     out = os.path.join(folder, "out.npy")
-    found: dict[str, Any] = {"bytes": os.path.getsize(path), "plain": [], "tierflow": []}
+    found: dict[str, Any] = {
+        "bytes": os.path.getsize(path), "plain": [], "streaming": [], "tierflow": []
+    }  # fmt: skip
     for _ in range(rounds):
-        ensure_warm(path)
-        found["plain"].append(_child(_CHILD_WRITE, out, str(found["bytes"]), str(PIECE))["seconds"])
-        os.unlink(out)
+        for how in ("plain", "streaming"):
+            ensure_warm(path)
+            args = (out, str(found["bytes"]), str(PIECE), how)
+            found[how].append(_child(_CHILD_WRITE, *args)["seconds"])
+            os.unlink(out)
         ensure_warm(path)
         found["tierflow"].append(_child(_CHILD_STANDARDISE, path, out)["seconds"])
         got = np.load(out, mmap_mode="r")
@@ -176,14 +188,16 @@ def describe(report: dict[str, Any]) -> list[str]:
         )
     if "write" in report:
         w = report["write"]
-        r = _ratios(w["plain"], w["tierflow"])
         gb = w["bytes"] / 1e9
-        lines.append(
-            f"standardise {gb:.1f} GB to_npy: {statistics.median(r):.2f}x a plain write's speed "
-            f"({', '.join(f'{x:.2f}' for x in r)}; plain {gb / statistics.median(w['plain']):.2f}"
-            f" GB/s, tierflow {gb / statistics.median(w['tierflow']):.2f} GB/s; target 0.9x); "
-            f"output checked: {w['checked']}"
-        )
+        for how in ("plain", "streaming"):
+            r = _ratios(w[how], w["tierflow"])
+            lines.append(
+                f"standardise {gb:.1f} GB to_npy: {statistics.median(r):.2f}x a {how} write's "
+                f"speed ({', '.join(f'{x:.2f}' for x in r)}; {how} "
+                f"{gb / statistics.median(w[how]):.2f} GB/s, tierflow "
+                f"{gb / statistics.median(w['tierflow']):.2f} GB/s; target 0.9x)"
+            )
+        lines.append(f"  output checked: {w['checked']}")
     return lines
 
 
