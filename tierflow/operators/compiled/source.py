@@ -37,14 +37,15 @@ same values, whenever a lane ends up NaN or infinite. That catches every error w
 NaN or infinity reaches the reduced value: through a sum, product, mean or variance,
 and through operations that surely pass a NaN or an infinity on (``+ - *``, the
 dividend of ``/``, sqrt, log, ...: ``_PROPAGATES``). A result that may not reach it
-(an operand of a comparison, of ``where``, of ``exp`` or of a min) adds ``v - v`` to a
+(an operand of a comparison, of ``where`` or of a min) adds ``v - v`` to a
 witness lane: 0 for a finite value, NaN otherwise. Data holding NaN or infinity take
 the NumPy path too (slower, never wrong).
 
 What it does not compile gets :class:`Unsupported` with the reason (shown by
-``describe()``): float16 and complex values, float to integer casts (NumPy's result for
-NaN or an out-of-range value is the machine's), integer division, remainders, powers and
-shifts, ufunc keywords, rounding, broadcasting between inputs of different row shapes,
+``describe()``): transcendental functions (``exp``, ``log``, ``sin``, ``power``, ...:
+numba calls libm for each element, where NumPy's loops are vectorised and faster),
+float16 and complex values, float to integer casts (NumPy's result for NaN or an
+out-of-range value is the machine's), integer division, remainders, powers and shifts, ufunc keywords, rounding, broadcasting between inputs of different row shapes,
 and reductions over trailing axes for var/std, argmin and argmax.
 
 Constants do not enter the source: each is an argument (``c0``, ...), cast to the dtype
