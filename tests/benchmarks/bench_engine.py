@@ -16,6 +16,9 @@ of the cost (``dask.array.from_array`` copies the memmap into RAM and hashes the
    ``.sum(axis=0, dtype=np.float64)`` is shown too: NumPy's float32 ``sum(axis=0)``
    accumulates row by row in float32 and drifts on long columns, tierflow does not.
 2. ``np.sqrt(x * 2 + 1).sum(axis=0)``: >= 3x a NumPy loop over 1M-row blocks, >= 6x dask.
+   Benchmarks 1 and 2 also run Cubed where it is installed (``pip install cubed``; not a
+   dependency): ``cubed.from_array(memmap, chunks=(1_000_000, 8))`` with a ``Spec`` of
+   threads and 2 GB of allowed memory; its ratios are shown without a target.
 3. ``((x - m) / s).to_npy(out)`` with ``m, s = tw.compute(x.mean(axis=0),
    x.std(axis=0))`` (one pass; its time is shown apart): the standardise-and-write part
    >= 1.5x ``dask.array.store`` into an ``np.lib.format.open_memmap`` (``lock=False``,
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -95,8 +99,17 @@ TIMEOUT_S = 1800.0
 SIZE_GB = float(os.environ.get("TIERFLOW_BENCH_ENGINE_SIZE_GB", "0.064"))
 BLOCKS = int(os.environ.get("TIERFLOW_BENCH_ENGINE_BLOCKS", str(TINY_BLOCKS)))
 
-SUM_KINDS = ("tw-sum", "flat-sum", "np-sum", "np-sum-f64", "dask-sum")
-CHAIN_KINDS = ("tw-chain", "np-chain", "dask-chain")
+# Cubed runs where it is installed (pip install cubed): not a dependency of the suite.
+_CUBED = ("cubed",) if importlib.util.find_spec("cubed") is not None else ()
+SUM_KINDS = (
+    "tw-sum",
+    "flat-sum",
+    "np-sum",
+    "np-sum-f64",
+    "dask-sum",
+    *(f"{c}-sum" for c in _CUBED),
+)
+CHAIN_KINDS = ("tw-chain", "np-chain", "dask-chain", *(f"{c}-chain" for c in _CUBED))
 STD_KINDS = ("tw-std", "dask-std")
 CGROUP_KINDS = ("tw-sum", "tw-chain", "tw-std", "dask-sum")
 BENCHMARKS = ("sum", "chain", "standardise", "overhead", "cgroup")
@@ -248,6 +261,37 @@ def _dask_chain(path: str, out: str, m: Measure) -> dict[str, Any]:
     d = _dask_array(da, path)
     result = np.sqrt(d * 2 + 1).sum(axis=0).compute(scheduler="threads")
     m.stop()
+    return {"result": result, "dtype": str(result.dtype)}
+
+
+@contextlib.contextmanager
+def _cubed(out: str) -> Iterator[tuple[Any, Any]]:
+    """``cubed`` and its spec (threads, 2 GB of allowed memory: a quarter of this
+    machine's budget, ample for 32 MB chunks), its work folder removed after."""
+    import cubed
+
+    work = tempfile.mkdtemp(prefix="cubed-", dir=os.path.dirname(out) or None)
+    try:
+        yield cubed, cubed.Spec(work_dir=work, allowed_mem="2GB", executor_name="threads")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _cubed_sum(path: str, out: str, m: Measure) -> dict[str, Any]:
+    with _cubed(out) as (cubed, spec):
+        m.start()
+        x = cubed.from_array(_memmap(path), chunks=(BLOCK_ROWS, WIDTH), spec=spec)
+        result = cubed.sum(x, axis=0).compute()
+        m.stop()
+    return {"result": result, "dtype": str(result.dtype)}
+
+
+def _cubed_chain(path: str, out: str, m: Measure) -> dict[str, Any]:
+    with _cubed(out) as (cubed, spec):
+        m.start()
+        x = cubed.from_array(_memmap(path), chunks=(BLOCK_ROWS, WIDTH), spec=spec)
+        result = cubed.sum(cubed.sqrt(x * 2 + 1), axis=0).compute()
+        m.stop()
     return {"result": result, "dtype": str(result.dtype)}
 
 
@@ -414,6 +458,8 @@ KINDS: dict[str, Workload] = {
     "tw-chain": _tw_chain,
     "np-chain": _np_chain,
     "dask-chain": _dask_chain,
+    "cubed-sum": _cubed_sum,
+    "cubed-chain": _cubed_chain,
     "tw-std": _tw_std,
     "dask-std": _dask_std,
     "overhead": _overhead,
@@ -429,6 +475,8 @@ LABELS = {
     "tw-chain": "tierflow np.sqrt(x * 2 + 1).sum(axis=0)",
     "np-chain": "NumPy loop over 1M-row blocks",
     "dask-chain": "dask.array, threads",
+    "cubed-sum": "cubed sum(axis=0), threads, from_array(memmap)",
+    "cubed-chain": "cubed, threads",
     "tw-std": "tierflow ((x - m) / s).to_npy",
     "dask-std": "dask.array.store into open_memmap",
 }
@@ -632,12 +680,14 @@ def targets(report: dict[str, Any]) -> list[Target]:
             ("np-sum", 3.0, 'vs np.load(mmap_mode="r").sum(axis=0)'),
             ("np-sum-f64", None, "vs the same with dtype=float64"),
             ("dask-sum", 10.0, "vs dask.array"),
+            *((("cubed-sum", None, "vs cubed"),) if "cubed-sum" in runs else ()),
         ):
             rows.append(Target("1 x.sum(axis=0)", what, _ratio(runs, base, "tw-sum"), target))
     if runs := report.get("chain"):
         for base, target, what in (
             ("np-chain", 3.0, "vs a NumPy loop over 1M-row blocks"),
             ("dask-chain", 6.0, "vs dask.array"),
+            *((("cubed-chain", None, "vs cubed"),) if "cubed-chain" in runs else ()),
         ):
             rows.append(Target("2 sqrt(x*2+1).sum", what, _ratio(runs, base, "tw-chain"), target))
     if runs := report.get("standardise"):
