@@ -335,8 +335,9 @@ class CompiledSlot:
 class KernelChunker:
     """A built-in row reduction (or ``np.bincount``) of its input itself (no
     expression), with its compiled kernel beside it: ``chunk`` takes the kernel's
-    partial when it gives one, else the reduction's own. ``compiled`` is the :class:`CompiledSlot` (None where there is
-    none, then ``not_compiled`` says why); the rest is the reduction's."""
+    partial when it gives one, else the reduction's own. ``compiled`` is the
+    :class:`CompiledSlot` (None where there is none, then ``not_compiled`` says why);
+    the rest is the reduction's."""
 
     row_independent = False
     n_inputs = 1
