@@ -202,8 +202,7 @@ def readahead(x: np.ndarray) -> None:
     span = _span(x, "readahead", ram_ok=True)
     if span is None:
         return
-    low, high = _address_range(x)
-    if _resident(low, high) >= high - low:
+    if _resident(span.low, span.high) >= span.high - span.low:
         return
     start, stop = _mm_pages(span)
     step = _readahead_window(span.path)

@@ -122,15 +122,20 @@ def test_critical_pressure_spills_held_blocks_and_deletes_them_after(
     assert len(spill.live_files()) == before + (1 if tw.memory.on_disk(result) else 0)
 
 
+def _summed_16_mb(tmp_path: Path, budget: str) -> tuple[tw.Array, np.ndarray]:
+    """A 16 MB file's lazy array, summed once under ``budget``, and its mapping."""
+    path = tmp_path / "x.npy"
+    np.save(path, np.ones((1 << 20, 4), np.float32))
+    tw.memory.budget(budget)
+    x = tw.from_npy(path, rows=1 << 17)
+    assert x.sum().compute() == 4 << 20
+    return x, x._node.reader.source._mapping()  # type: ignore[attr-defined]
+
+
 def test_finished_blocks_of_a_file_over_half_the_budget_leave_the_process(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "x.npy"
-    np.save(path, np.ones((1 << 20, 4), np.float32))  # 16 MB
-    tw.memory.budget("24MB")
-    x = tw.from_npy(path, rows=1 << 17)
-    assert x.sum().compute() == 4 << 20
-    mapping = x._node.reader.source._mapping()  # type: ignore[attr-defined]
+    x, mapping = _summed_16_mb(tmp_path, "24MB")
     assert pages.mapped_bytes(mapping) <= 2 * 4096 * x.nblocks  # page edges at most
 
 
@@ -138,12 +143,7 @@ def test_finished_blocks_of_a_file_over_half_the_budget_leave_the_process(
 def test_a_file_under_half_the_budget_stays_mapped_until_memory_runs_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "x.npy"
-    np.save(path, np.ones((1 << 20, 4), np.float32))  # 16 MB
-    tw.memory.budget("64MB")
-    x = tw.from_npy(path, rows=1 << 17)
-    assert x.sum().compute() == 4 << 20
-    mapping = x._node.reader.source._mapping()  # type: ignore[attr-defined]
+    x, mapping = _summed_16_mb(tmp_path, "64MB")
     assert pages.mapped_bytes(mapping) > 8 << 20  # a second scan finds its pages mapped
     monkeypatch.setattr(pressure, "level_now", lambda: Level.MODERATE)
     assert x.sum().compute() == 4 << 20
