@@ -291,6 +291,40 @@ def test_bincount_of_an_integer_array_counts_in_one_compiled_pass(dtype: str) ->
     assert f"{7 - outgrow} kernel, 0 waiting, {outgrow} sent back" in report
 
 
+@pytest.mark.parametrize("jit", ["eager", False])
+def test_bincount_of_an_expression_is_fused_and_counts_in_one_compiled_pass(jit: object) -> None:
+    rng = np.random.default_rng(8)
+    x = rng.integers(-3000, 3000, (60_000, 3)).astype(np.int32)
+    f = rng.random(60_000, dtype=np.float32)
+    a, b = tw.from_array(x, rows=8192), tw.from_array(f, rows=8192)
+    cases = [
+        (
+            np.bincount(np.clip(a[:, 1], 0, 100) + a[:, 2] // 1000 + 3),
+            np.clip(x[:, 1], 0, 100) + x[:, 2] // 1000 + 3,
+        ),
+        (np.bincount(a[:, 0] % 7, minlength=10), x[:, 0] % 7),
+        (np.bincount(np.sqrt(b) > 0.5), np.sqrt(f) > 0.5),
+    ]
+    for lazy, values in cases:
+        with tw.profile() as p:
+            got = lazy.compute(jit=jit)
+        want = np.bincount(values, minlength=10 if lazy is cases[1][0] else 0)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype
+        (report,) = _kernels(p)
+        assert ("8 kernel, 0 waiting, 0 sent back" in report) == (jit == "eager"), report
+
+
+def test_a_bincount_whose_float_steps_warn_counts_those_blocks_on_the_numpy_path() -> None:
+    f = np.random.default_rng(9).random(40_000, dtype=np.float32)
+    f[30_000] = -1  # sqrt warns in this block only
+    with tw.profile() as p, pytest.warns(RuntimeWarning, match="invalid value encountered in sqrt"):
+        got = np.bincount(np.sqrt(tw.from_array(f, rows=8192)) > 0.5).compute(jit="eager")
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(got, np.bincount(np.sqrt(f) > 0.5))
+    assert "4 kernel, 0 waiting, 1 sent back" in _kernels(p)[0]
+
+
 def test_bincount_refuses_as_numpy_does_and_says_what_is_not_compiled() -> None:
     values = np.arange(20_000) % 7
     values[15_000] = -1

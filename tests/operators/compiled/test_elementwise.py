@@ -69,6 +69,9 @@ EXPRESSIONS = {
         ["int16", "uint8"],
     ),
     "doubled": (lambda: x * 2 - Const(np.float32(2)) * y, ["float32", "float32"]),
+    "int divided": (lambda: x // 7 + x % -3 - y // Const(np.uint8(5)), ["int16", "uint8"]),
+    "int64 divided": (lambda: x // -2 + x % 1000, ["int64"]),
+    "uint64 divided": (lambda: x // 3 + x % Const(np.uint64(1 << 40)), ["uint64"]),
     "doubled float64": (lambda: 2.0 * x + x * Const(np.float32(2)), ["float64"]),
 }
 
@@ -92,7 +95,8 @@ def test_the_kernel_writes_numpys_values_bit_for_bit(
         values = rng.choice(np.array(pool, np.float64), size=(rows, 4))
         if np.dtype(d).kind in "iu":
             info = np.iinfo(d)
-            blocks.append(np.clip(values * 1000, info.min, info.max).astype(d))
+            low, high = max(int(info.min), -(2**53)), min(int(info.max), 2**53)  # exact
+            blocks.append(np.clip(values * 1000, low, high).astype(d))
         else:
             blocks.append(values.astype(d))
     kernel = FusedKernel(expr, dtypes, [(4,)] * len(dtypes))
@@ -126,7 +130,9 @@ def test_nan_in_the_data_or_an_overflow_goes_back(tmp_path: Path) -> None:
     [
         (lambda: call(np.exp, x), ["float32"], "exp of float32: NumPy's vectorised loop"),
         (lambda: call(np.fmin, x, 1), ["float32"], "fmin of floats"),
-        (lambda: x // 2, ["int32"], "floor_divide on int32 is not compiled"),
+        (lambda: x // y, ["int32", "int32"], "floor_divide on int32 is compiled by a constant"),
+        (lambda: x % -1, ["int32"], "remainder on int32 is compiled by a constant divisor"),
+        (lambda: x // 0, ["int8"], "divisor other than 0 and -1 only"),
         (lambda: astype(x, np.int32), ["float32"], "casts float32 to int32"),
         (lambda: x * 2, ["float16"], "float16, which the compiler does not handle"),
         (lambda: x * 2, ["complex64"], "complex64, which the compiler does not handle"),
@@ -135,7 +141,7 @@ def test_nan_in_the_data_or_an_overflow_goes_back(tmp_path: Path) -> None:
 )
 def test_what_is_not_compiled_says_why(expr: Any, dtypes: list[str], reason: str) -> None:
     with pytest.raises(Unsupported, match=reason):
-        elementwise_source(expr(), dtypes, [(4,)])
+        elementwise_source(expr(), dtypes, [(4,)] * len(dtypes))
 
 
 @settings(max_examples=examples(150), deadline=None)

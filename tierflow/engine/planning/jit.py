@@ -127,15 +127,8 @@ def _attach_bincount(root: Any) -> None:
     """``np.bincount`` of an integer array itself (unweighted): one compiled pass that
     counts, where NumPy's finds the smallest and the largest value first."""
     op = root.op
-    why: str | None = None
-    slot: CompiledSlot | None = None
-    if op.weighted:
-        why = "a bincount with weights is not compiled"
-    else:
-        try:
-            slot = CompiledSlot(bincount_source(root.inputs[0].node.dtype), op)
-        except Unsupported as exc:
-            why = str(exc)
+    dtype = root.inputs[0].node.dtype
+    slot, why = _slot(ew.Input(0), [dtype], [()], op)
     root.chunker = KernelChunker(op, slot, why)
 
 
@@ -227,11 +220,16 @@ def _slot(
 ) -> tuple[CompiledSlot | None, str | None]:
     """The compiled slot of ``op`` over ``expr``, or why there is none."""
     histogram = getattr(op, "histogram", None)
-    if not isinstance(op, RowReduction) and not isinstance(histogram, Histogram):
+    counting = isinstance(op, Bincount)
+    if not isinstance(op, RowReduction) and not isinstance(histogram, Histogram) and not counting:
         return None, f"{type(op).__name__} is not compiled"
+    if counting and op.weighted:
+        return None, "a bincount with weights is not compiled"
     try:
         if histogram is not None:
             source = histogram_source(expr, dtypes, shapes, histogram)
+        elif counting:
+            source = bincount_source(expr, dtypes, shapes)
         else:
             source = reduction_source(expr, dtypes, shapes, op)
     except Unsupported as exc:

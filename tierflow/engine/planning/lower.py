@@ -14,7 +14,8 @@
       sqrt(x * 2 + 1).sum(0)   ->   ReduceRoot(FusedReduction(sqrt(add(multiply))))
                                       SourceStep(x)
 
-* A reduction over the rows of an elementwise tree becomes a
+* A reduction over the rows of an elementwise tree (a built-in row reduction, a
+  histogram, an unweighted ``np.bincount``) becomes a
   :class:`~tierflow.operators.fused.FusedReduction`: no block-sized intermediate at all.
   A trailing-axis reduction, ``@ w`` or a trailing index after an elementwise tree is the
   kernel's epilogue.
@@ -61,6 +62,7 @@ from ..program.steps import (
     TakeStep,
 )
 from ..rowwide import external_sort
+from ..rowwide.frequencies import Bincount
 from . import jit as jit_module
 
 __all__ = ["Lowering", "attach_device", "lower_pass", "share_partials"]
@@ -340,7 +342,11 @@ class Lowering:
         )
         acc = acc_for(node, op)
         source = chunked[0]
-        builtin = isinstance(op, reductions.RowReduction) or type(op).__name__ == "HistogramCounts"
+        builtin = (
+            isinstance(op, reductions.RowReduction)
+            or type(op).__name__ == "HistogramCounts"
+            or (isinstance(op, Bincount) and not op.weighted)
+        )
         inputs: list[Chunked] = chunked
         chunker = None  # the reduction itself
         if len(chunked) == 1 and builtin and self._fusable(source):

@@ -490,7 +490,8 @@ class CompiledBincount:
     (:func:`~.source.bincount_source`): one pass, into counts of a capacity that grows
     to the largest value seen (up to :data:`_MAX_COUNTS`). Returns None where the block
     must run on the NumPy path: a negative value (NumPy's error), a value past the
-    counts (then later blocks get room for it), a block of another dtype."""
+    counts (then later blocks get room for it), a block of another dtype, a
+    floating-point error in the expression's float steps."""
 
     def __init__(self, source: KernelSource, function: Callable[..., Any]) -> None:
         self.source = source
@@ -504,13 +505,19 @@ class CompiledBincount:
         evaluate: Callable[[int], np.ndarray],
         row_offset: int = 0,
     ) -> Partial | None:
-        flats = _flats(self.source, blocks)
+        source = self.source
+        if source.lane_inits and np.geterr()["under"] != "ignore":
+            return None
+        flats = _flats(source, blocks)
         if flats is None or rows == 0:
             return None
+        _, lanes = _lanes(source)
         capacity = self.capacity  # read once: another thread may grow it meanwhile
         counts = np.zeros(capacity, np.intp)
         seen = np.zeros(2, np.int64)
-        self.function(rows, *flats, counts, seen)
+        self.function(rows, *flats, *source.consts, *lanes, counts, seen)
+        if any(not np.isfinite(lane).all() for lane in lanes):
+            return None
         high, low = int(seen[0]), int(seen[1])
         if low < 0:
             return None

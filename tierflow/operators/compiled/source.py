@@ -45,8 +45,10 @@ What it does not compile gets :class:`Unsupported` with the reason (shown by
 ``describe()``): transcendental functions (``exp``, ``log``, ``sin``, ``power``, ...:
 numba calls libm for each element, where NumPy's loops are vectorised and faster),
 float16 and complex values, float to integer casts (NumPy's result for NaN or an
-out-of-range value is the machine's), integer division, remainders, powers and shifts, ufunc keywords, rounding, broadcasting between inputs of different row shapes,
-and reductions over trailing axes for var/std, argmin and argmax.
+out-of-range value is the machine's), integer division and remainders other than by a
+constant that is neither 0 nor -1 (NumPy warns, or the smallest value overflows), powers
+and shifts, ufunc keywords, rounding, broadcasting between inputs of different row
+shapes, and reductions over trailing axes for var/std, argmin and argmax.
 
 Constants do not enter the source: each is an argument (``c0``, ...), cast to the dtype
 its operation reads it in and, for arrays, tiled over the lanes. So the source, and the
@@ -303,6 +305,7 @@ _INT_EXACT = {  # integer operations whose result fits the 64-bit intermediate
     "fmax": "({a} if {a} > {b} else {b})",
 }
 _INT_WRAPPING = {"add": "+", "subtract": "-", "multiply": "*"}
+_INT_DIVIDING = {"floor_divide": "//", "remainder": "%"}
 _BOOL = {
     "logical_and": "({a} & {b})",
     "logical_or": "({a} | {b})",
@@ -598,9 +601,27 @@ class _Writer:
             )
         elif name == "square":
             code = f"np.uint64({a}) * np.uint64({a})" if wide else f"np.int64({a}) * np.int64({a})"
+        elif name in _INT_DIVIDING and self._plain_divisor(node.args[1], result):
+            # floored, as NumPy's and Python's: the same for any divisor but 0 (NumPy
+            # warns) and -1 (the smallest value overflows)
+            t = "np.uint64" if result == np.uint64 else "np.int64"
+            code = f"{t}({a}) {_INT_DIVIDING[name]} {t}({b})"
+        elif name in _INT_DIVIDING:
+            raise Unsupported(
+                f"{name} on {result} is compiled by a constant divisor other than 0 and -1 only"
+            )
         else:
             raise Unsupported(f"{name} on {result} is not compiled")
         self._emit(node, f"{ctor}({code})")
+
+    def _plain_divisor(self, node: Expr, dtype: np.dtype) -> bool:
+        """Whether ``node`` is one constant that, as a value of ``dtype``, is neither 0
+        nor -1."""
+        value = self.values[id(node)]
+        if self.varying(node) or np.size(value) != 1:
+            return False
+        divisor = int(np.asarray(value).reshape(-1)[0].astype(dtype))
+        return divisor not in (0, -1)
 
     def _given_dtype(self, node: Expr) -> Any:
         """What NumPy's type resolution sees for ``node``: a dtype, or the Python type
@@ -917,19 +938,31 @@ def histogram_source(
     )
 
 
-def bincount_source(input_dtype: Any) -> KernelSource:
-    """The kernel that counts the values of a 1-D integer (or bool) block into its
-    ``counts`` argument, as ``np.bincount`` does, in one pass: values from 0 to
-    ``len(counts) - 1`` are counted, and the largest and the smallest value seen go
-    into ``seen`` (the caller sends the block to the NumPy path for a negative value,
-    which NumPy refuses, and for one past the counts). Raises :class:`Unsupported` for
-    other dtypes (NumPy casts the values to intp safely: uint64 and floats it refuses)."""
-    dtype = np.dtype(input_dtype)
+def bincount_source(
+    expr: Expr, input_dtypes: Sequence[Any], input_row_shapes: Sequence[tuple[int, ...]]
+) -> KernelSource:
+    """The kernel that counts the values of ``expr`` (one integer or bool value per
+    row: a 1-D array itself, or an expression of one) into its ``counts`` argument, as
+    ``np.bincount`` does, in one pass: values from 0 to ``len(counts) - 1`` are
+    counted, and the largest and the smallest value seen go into ``seen`` (the caller
+    sends the block to the NumPy path for a negative value, which NumPy refuses, and
+    for one past the counts). Raises :class:`Unsupported` for values of other dtypes
+    (NumPy casts them to intp safely: floats it refuses; uint64 is left to NumPy)."""
+    dtypes = [np.dtype(d) for d in input_dtypes]
+    shapes = [tuple(int(n) for n in s) for s in input_row_shapes]
+    writer = _Writer(expr, dtypes, shapes)
+    dtype = writer.dtype
     if dtype.kind not in "biu" or dtype == np.uint64:
         raise Unsupported(f"a bincount of {dtype} values is not compiled")
-    writer = _Writer(Input(0), [dtype], [()])
+    if tuple(writer.values[id(expr)].shape[1:]) != () or any(s != () for s in shapes):
+        raise Unsupported("np.bincount counts one value per row")
     lanes = lanes_for(1)
     fold = [f"values[l] = np.int64({writer.result})"]
+    witnesses = writer.witnesses(expr, False)
+    inits: tuple[tuple[np.dtype, Any, bool], ...] = ()
+    if witnesses:  # float steps before a comparison or a cast: their errors
+        fold.append("lanes0[l] += " + " + ".join(f"({v} - {v})" for v in witnesses))
+        inits = ((np.dtype(np.float64), 0.0, True),)
     count = [
         "v = values[l]",
         "if v > high:",
@@ -939,13 +972,15 @@ def bincount_source(input_dtype: Any) -> KernelSource:
         "if v >= 0 and v < capacity:",
         "    counts[v] += 1",
     ]
+    consts = _arguments(writer, 1, lanes)
+    used = sorted(writer.inputs)
     text = _module(
         writer,
-        [0],
-        [dtype],
+        used,
+        dtypes,
         lanes,
         fold,
-        0,
+        len(inits),
         f"bincount of {dtype.name} values",
         trailing=["counts", "seen"],
         setup=[
@@ -957,7 +992,17 @@ def bincount_source(input_dtype: Any) -> KernelSource:
         then=count,
         finish=["seen[0] = high", "seen[1] = low"],
     )
-    return KernelSource(text, (), (0,), (dtype,), lanes, 1, (), False, counts=True)
+    return KernelSource(
+        text,
+        consts,
+        tuple(used),
+        tuple(dtypes[i] for i in used),
+        lanes,
+        1,
+        inits,
+        False,
+        counts=True,
+    )
 
 
 def _literal(value: Any) -> str:
