@@ -10,7 +10,7 @@ from __future__ import annotations
 from . import config, errors, memory
 from .engine.api import linalg
 from .engine.api.array import Array
-from .engine.api.compute import compute, persist, to_npy
+from .engine.api.compute import compute, persist, store, to_npy
 from .engine.api.creation import (
     from_array,
     from_files,
@@ -23,6 +23,7 @@ from .engine.api.creation import (
 from .engine.api.dask import from_dask
 from .engine.api.frequencies import value_counts
 from .engine.api.functions import concatenate, stack, where
+from .engine.api.scans import bfill, cumreduction, ffill
 from .engine.api.sort import sort_rows, topk
 from .engine.io.cache import cache_clear, cache_info
 from .engine.observe.profile import Profile, last_profile, profile
@@ -41,12 +42,15 @@ __all__ = [
     "RayExecutor",
     "TierflowError",
     "__version__",
+    "bfill",
     "cache_clear",
     "cache_info",
     "compute",
     "concatenate",
     "config",
+    "cumreduction",
     "errors",
+    "ffill",
     "from_array",
     "from_dask",
     "from_files",
@@ -62,6 +66,7 @@ __all__ = [
     "profile",
     "sort_rows",
     "stack",
+    "store",
     "to_npy",
     "topk",
     "use_executor",

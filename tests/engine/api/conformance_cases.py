@@ -534,11 +534,20 @@ def _topk(p: Point, o: Operands) -> list[Call]:
 # -- along a trailing axis -----------------------------------------------------------------
 
 
-def _along(fn: Callable[..., Any], **extra: Any) -> Calls:
+def _along(fn: Callable[..., Any], rows: Rule) -> Calls:
+    """A cum-function: along a trailing axis one block at a time (exact), along the
+    rows in two passes, each block from the total before it (``rows``: within
+    rounding; docs/engine.md)."""
+
     def calls(p: Point, o: Operands) -> list[Call]:
-        out = [Call(f"axis={a}", lambda o, a=a: fn(o.x, axis=a, **extra)) for a in trailing(p)]
-        # Along the rows these need every row at once (docs/engine.md).
-        out.append(Call("axis=0", lambda o: fn(o.x, axis=0, **extra), refused=ValueError))
+        out = [Call(f"axis={a}", lambda o, a=a: fn(o.x, axis=a)) for a in trailing(p)]
+        out.append(Call("axis=0", lambda o: fn(o.x, axis=0), rule=rows))
+        out.append(
+            Call("axis=0, dtype=float64", lambda o: fn(o.x, axis=0, dtype=np.float64), rule=rows)
+        )
+        # The flattened array runs along the rows across the trailing axes.
+        flat = ValueError if p.ndim > 1 else None
+        out.append(Call("axis=None", lambda o: fn(o.x), rule=rows, refused=flat))
         if p.ndim == 2:
             out.append(Call("axis=1, dtype=float64", lambda o: fn(o.x, axis=1, dtype=np.float64)))
         return out
@@ -547,9 +556,65 @@ def _along(fn: Callable[..., Any], **extra: Any) -> Calls:
 
 
 for _name in ("cumsum", "cumprod", "nancumsum", "nancumprod"):
-    CASES[f"np.{_name}"] = Case(_along(getattr(np, _name)))
-CASES["Array.cumsum"] = Case(_along(_method("cumsum")))
-CASES["Array.cumprod"] = Case(_along(_method("cumprod")))
+    _rows = PRODUCT if "prod" in _name else ROUNDED
+    CASES[f"np.{_name}"] = Case(_along(getattr(np, _name), _rows))
+CASES["Array.cumsum"] = Case(_along(_method("cumsum"), ROUNDED))
+CASES["Array.cumprod"] = Case(_along(_method("cumprod"), PRODUCT))
+
+
+@case("tw.cumreduction", rule=ROUNDED)
+def _cumreduction(p: Point, o: Operands) -> list[Call]:
+    return [
+        Call(
+            "np.cumsum, np.add, 0",
+            lambda o: tw.cumreduction(np.cumsum, np.add, 0, o.x, axis=0),
+            oracle=lambda o: np.cumsum(o.x, axis=0),
+        ),
+        Call(
+            "np.cumsum, np.add, 0, preop=np.sum",
+            lambda o: tw.cumreduction(np.cumsum, np.add, 0, o.x, axis=0, preop=np.sum),
+            oracle=lambda o: np.cumsum(o.x, axis=0),
+        ),
+        Call(
+            "axis=1",
+            lambda o: tw.cumreduction(np.cumsum, np.add, 0, o.x, axis=1),
+            oracle=lambda o: np.cumsum(o.x, axis=1),
+            refused=ValueError,
+        ),
+    ]
+
+
+def _filled(x: np.ndarray, limit: int | None, backward: bool) -> np.ndarray:
+    """bottleneck's ``push`` along the rows, written out: each NaN takes the last
+    value above it (below, ``backward``) that is not NaN, at most ``limit`` rows away."""
+    out = np.array(x)
+    if out.dtype.kind not in "fc" or not out.shape[0]:
+        return out
+    flat = out.reshape(out.shape[0], -1)
+    rows = range(flat.shape[0] - 1, -1, -1) if backward else range(flat.shape[0])
+    for j in range(flat.shape[1]):
+        last, at = None, 0
+        for i in rows:
+            if not np.isnan(flat[i, j]):
+                last, at = flat[i, j], i
+            elif last is not None and (limit is None or abs(i - at) <= limit):
+                flat[i, j] = last
+    return out
+
+
+@case("tw.ffill", "tw.bfill")
+def _fills(p: Point, o: Operands) -> list[Call]:
+    out = []
+    for backward, fill in ((False, tw.ffill), (True, tw.bfill)):
+        for limit in (None, 0, 2):
+            out.append(
+                Call(
+                    f"{fill.__name__}(limit={limit})",
+                    lambda o, f=fill, k=limit: f(o.x, limit=k),
+                    oracle=lambda o, b=backward, k=limit: _filled(o.x, k, b),
+                )
+            )
+    return out
 
 
 @case("np.diff")
@@ -588,6 +653,14 @@ def _along_method(p: Point, o: Operands) -> list[Call]:
             lambda o: o.x.along("sort", 0),
             oracle=lambda o: np.sort(o.x, axis=0),
             refused=sortable_rows(p),
+        )
+    )
+    out.append(
+        Call(
+            "cumsum, axis=0",
+            lambda o: o.x.along("cumsum", 0),
+            oracle=lambda o: np.cumsum(o.x, axis=0),
+            rule=ROUNDED,
         )
     )
     return out
@@ -1147,6 +1220,51 @@ def _map_blocks(p: Point, o: Operands) -> list[Call]:
             oracle=lambda o: first_values(o.x)[:, None],
         ),
     ]
+
+
+def _shifted(x: np.ndarray) -> np.ndarray:
+    """Each row replaced by the row above it (the first kept)."""
+    return np.concatenate([x[:1], x[:-1]])
+
+
+@case("Array.map_overlap", rule=SIGNED)
+def _map_overlap(p: Point, o: Operands) -> list[Call]:
+    return [
+        Call(
+            "np.roll by 1, depth 1, periodic",
+            lambda o: o.x.map_overlap(
+                lambda b: np.roll(b, 1, axis=0), depth=1, boundary="periodic"
+            ),
+            oracle=lambda o: np.roll(o.x, 1, axis=0),
+        ),
+        Call(
+            "the row above, depth (1, 0), nearest",
+            lambda o: o.x.map_overlap(_shifted, depth=(1, 0), boundary="nearest"),
+            oracle=lambda o: _shifted(o.x),
+        ),
+        Call(
+            "with y, depth 2, reflect",
+            lambda o: o.x.map_overlap(
+                lambda b, c: np.roll(b, -2, axis=0) + np.roll(c, 2, axis=0),
+                o.y,
+                depth=2,
+                boundary="reflect",
+            ),
+            oracle=_rolled_reflected,
+        ),
+    ]
+
+
+def _rolled_reflected(o: Operands) -> np.ndarray:
+    """Rows 2 below in x plus rows 2 above in y, each mirrored past its ends (no rows:
+    none, where np.pad refuses to mirror)."""
+    if o.n == 0:
+        return o.x + o.y
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, [(2, 2)] + [(0, 0)] * (a.ndim - 1), "symmetric")
+
+    return (np.roll(pad(o.x), -2, 0) + np.roll(pad(o.y), 2, 0))[2 : 2 + o.n]
 
 
 @case("Array.reduction")

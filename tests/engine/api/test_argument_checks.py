@@ -92,6 +92,7 @@ CASES: dict[str, Case] = {
     "diff order negative": Case(np.diff, lambda x: np.diff(x, n=-1, axis=1)),
     "diff axis": Case(np.diff, lambda x: np.diff(x, axis=2)),
     "size axis": Case(np.size, lambda x: np.size(x, 5)),
+    "result_type of no dtype": Case(np.result_type, lambda x: np.result_type(x, "bogus")),
     "astype dtype unknown": Case(getattr(np, "astype", None), lambda x: np.astype(x, "foo")),
     "quantile q above one": Case(np.quantile, lambda x: np.quantile(x, 1.5, axis=0)),
     "quantile method unknown": Case(

@@ -116,6 +116,9 @@ NOT_COMPARED: dict[str, str] = {
     "Array.key": "tierflow's cache key, no NumPy counterpart (tests/engine/io/test_cache_keys.py)",
     "Array.blocks": "tierflow's row blocks, no NumPy counterpart (tests/engine/api/test_array.py)",
     "Array.nblocks": "tierflow's row blocks, no NumPy counterpart (tests/engine/api/test_array.py)",
+    "Array.chunks": "the row blocks as dask's chunks, no NumPy counterpart (test_methods.py)",
+    "np.result_type": "a dtype from dtypes, no values (tests/engine/api/test_functions.py)",
+    "tw.store": "writes into the caller's targets, no value (tests/engine/io/test_indexed.py)",
     "Array.cache": "marks a node for the cache, no value (tests/engine/io/test_cache.py)",
     "Array.visualize": "draws the graph, no value (tests/engine/planning/test_plan.py)",
     **{

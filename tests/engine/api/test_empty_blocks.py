@@ -129,6 +129,7 @@ CALLS: dict[Any, Callable[[Any], Any]] = {
     np.diff: lambda a: np.diff(a, axis=1),
     np.shape: lambda a: np.shape(a)[1:],
     np.ndim: np.ndim,
+    np.result_type: lambda a: np.result_type(a, np.float32),
     np.size: lambda a: np.size(a, 1),
     np.quantile: lambda a: np.quantile(a, 0.3, axis=0),
     np.percentile: lambda a: np.percentile(a, [10, 90]),

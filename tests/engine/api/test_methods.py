@@ -146,6 +146,27 @@ def test_rechunk_cuts_new_blocks_lazily(a: np.ndarray, x: tw.Array, tmp_path: Pa
         x.rechunk(0)
 
 
+def test_rechunk_takes_dasks_chunks_and_chunks_reads_as_dasks(a: np.ndarray, x: tw.Array) -> None:
+    assert x.chunks == ((8, 8, 8, 8, 8, 8, 2), (4,))
+    assert x.rechunk(((20, 30), (4,))).chunks == ((20, 30), (4,))
+    assert x.rechunk((25, -1)).chunks == ((25, 25), (4,))
+    assert x.rechunk({0: 30}).chunks == ((30, 20), (4,))
+    assert x.rechunk(((10, 40), None)).chunks == ((10, 40), (4,))
+    assert x.rechunk(-1).chunks == ((50,), (4,))
+    irregular = (x * 2).rechunk(((5, 45), (4,)))
+    assert "rechunk(2 blocks)" in repr(irregular)
+    np.testing.assert_array_equal(irregular.compute(), a * 2)
+    assert x.sum(axis=0).chunks == ((4,),)
+    assert x[x[:, 0] > 0].chunks[0][0] != x[x[:, 0] > 0].chunks[0][0]  # NaN: unknown
+    with pytest.raises(ValueError, match=r"axis 1 \(of length 4\) is whole in every block"):
+        x.rechunk((10, 2))
+    with pytest.raises(ValueError, match="add up to 40, but the array has 50 rows"):
+        x.rechunk(((20, 20), (4,)))
+    one = tw.from_array(a[:, 0], rows=10)
+    assert one.rechunk((10, 15, 25)).chunks == ((10, 15, 25),)  # each block's rows
+    assert one.rechunk((25,)).chunks == ((25, 25),)  # one entry per axis
+
+
 def test_rechunk_after_a_mask_counts_the_rows_first(a: np.ndarray, x: tw.Array) -> None:
     masked = x[x[:, 0] > 0].rechunk(5)
     kept = a[a[:, 0] > 0]

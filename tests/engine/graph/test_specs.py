@@ -27,7 +27,7 @@ from tierflow.engine.api import blockwise, linalg, products
 from tierflow.engine.graph import specs
 from tierflow.engine.graph.keyed import Keyed, key_parts
 from tierflow.engine.planning import counting
-from tierflow.engine.rowwide import external_sort, frequencies, quantiles, topk
+from tierflow.engine.rowwide import external_sort, frequencies, overlap, quantiles, scans, topk
 from tierflow.operators import reductions
 from tierflow.operators.order_stats import Limits
 from tierflow.storage import identity
@@ -145,6 +145,16 @@ def _samples() -> dict[type, tuple[Any, Any]]:
             external_sort.RunsSpec(sorting_other, external_sort.RunFiles("runs")),
         ),
         (sorting, sorting_other),
+        (scans.Scanning("cumsum", "<f8"), scans.Scanning("ffill", "<f4", 3)),
+        (
+            scans.UserScan(np.cumsum, np.add, 0, None, "<f8"),
+            scans.UserScan(np.cumprod, np.multiply, 1, _first, "<f4"),
+        ),
+        (
+            scans.CarriesSpec(scans.Scanning("cumsum", "<f8")),
+            scans.CarriesSpec(scans.Scanning("bfill", "<f4", 2)),
+        ),
+        (overlap.Halo(1, 2), overlap.Halo(3, 4, "constant", 0.5)),
         (
             graph.ElemOp("ufunc", ufunc=np.add),
             graph.ElemOp(

@@ -20,8 +20,10 @@ from . import (
     linalg,
     methods,
     nanfunctions,
+    overlap,
     products,
     quantiles,
+    scans,
     sort,
     stacking,
 )
@@ -33,8 +35,10 @@ __all__ = [
     "linalg",
     "methods",
     "nanfunctions",
+    "overlap",
     "products",
     "quantiles",
+    "scans",
     "sort",
     "stacking",
 ]

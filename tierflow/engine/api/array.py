@@ -193,6 +193,20 @@ class Array:
         return None
 
     @property
+    def chunks(self) -> tuple[tuple[float, ...], ...]:
+        """dask's ``chunks``: the rows of every block along axis 0, and each trailing
+        axis whole (``((r1, r2, ...), (k,), ...)``). Before the rows are counted (after a
+        mask), NaN for each block, as dask has it; an in-memory result is one chunk."""
+        node = self._node
+        if isinstance(node, Chunked):
+            if node.bounds is not None:
+                rows: tuple[float, ...] = tuple(b - a for a, b in node.block_pairs())
+            else:
+                rows = (math.nan,) * node.nblocks
+            return (rows, *((int(n),) for n in node.row_shape))
+        return tuple((int(n),) for n in node.shape)  # type: ignore[arg-type]
+
+    @property
     def nblocks(self) -> int:
         """Number of row blocks (1 for in-memory results)."""
         node = self._node
@@ -515,9 +529,26 @@ class Array:
     def __rmatmul__(self, other: Any) -> Array:
         return dispatch.call_method("matmul", other, self)
 
-    def astype(self, dtype: Any) -> Array:
-        """Cast to ``dtype`` (``casting="unsafe"``, as ``ndarray.astype``)."""
+    def astype(
+        self,
+        dtype: Any,
+        order: str = "K",
+        casting: str = "unsafe",
+        subok: bool = True,
+        copy: bool = True,
+    ) -> Array:
+        """Cast to ``dtype``, as ``ndarray.astype``: ``casting`` checked as NumPy does
+        (TypeError for a cast it does not allow); ``order`` and ``copy`` change nothing
+        (a lazy array is computed in C order, and never changes, so it is never
+        shared with another)."""
         dt = np.dtype(dtype)
+        if order not in ("K", "A", "C", "F"):
+            raise ValueError(f"order must be one of 'C', 'F', 'A', or 'K' (got {order!r})")
+        if not np.can_cast(self.dtype, dt, casting=casting):  # type: ignore[arg-type]
+            raise TypeError(
+                f"Cannot cast array data from {self.dtype!r} to {dt!r} according to the "
+                f"rule {casting!r}"
+            )
         if dt == self.dtype:
             return self
         return build.elementwise(ElemOp("astype", dtype=dt), self)
@@ -745,6 +776,52 @@ class Array:
 
     # -- blockwise --------------------------------------------------------------------
 
+    def map_overlap(  # noqa: PLR0913 -- dask's signature
+        self,
+        fn: Callable[..., Any],
+        *others: Any,
+        depth: Any,
+        boundary: Any = None,
+        trim: bool = True,
+        dtype: Any = None,
+        row_shape: tuple[int, ...] | None = None,
+        **kwargs: Any,
+    ) -> Array:
+        """``fn(block, *other_blocks, **kwargs)`` on every row block with ``depth`` rows
+        of its neighbours above and below it (the halo), the halo trimmed from the
+        result: rolling windows, filters, differences along the rows. Lazy; dask's
+        ``map_overlap`` along axis 0.
+
+        ``depth``: rows on each side, a pair ``(before, after)``, or ``{0: rows}``
+        (trailing axes are whole in every block already). ``boundary``: what ``fn``
+        sees past the first and the last row: ``"none"`` (the default: fewer rows there),
+        ``"reflect"`` (mirrored, the edge row included), ``"nearest"`` (the edge row
+        repeated), ``"periodic"`` (the other end's rows) or a number. ``fn`` must return
+        one row per row it is given (halo and padding included); ``dtype`` and
+        ``row_shape`` default to those of ``fn`` on a probe block of zeros (called now;
+        give both to skip it). ``others``: arrays with the same rows, given the same
+        halo. Each block's rows are read once, the halo rows by two tasks; an
+        out-of-memory error halves the block, each half with its own halo. On the CPU
+        (NumPy blocks); ``trim=False`` is refused.
+
+        >>> import tierflow as tw
+        >>> x = tw.from_array(np.arange(10.0), rows=4)
+        >>> x.map_overlap(lambda b: np.convolve(b, np.ones(3), "same"), depth=1).compute()
+        array([ 1.,  3.,  6.,  9., 12., 15., 18., 21., 24., 17.])
+        """
+        return dispatch.call_method(
+            "map_overlap",
+            self,
+            fn,
+            *others,
+            depth=depth,
+            boundary=boundary,
+            trim=trim,
+            dtype=dtype,
+            row_shape=row_shape,
+            **kwargs,
+        )
+
     def map_blocks(
         self,
         fn: Callable[..., Any],
@@ -832,9 +909,11 @@ class Array:
         axis: lazy, one block at a time (also as ``np.sort(x, axis=1)`` and so on).
 
         ``sort`` and ``argsort`` along the rows (axis 0, or None for a 1-D array) are an
-        external merge sort (:mod:`tierflow.engine.rowwide.external_sort`). The others
-        need every row at once along axis 0, which a chunked array does not have: that
-        raises ValueError. ``out=`` is not supported."""
+        external merge sort (:mod:`tierflow.engine.rowwide.external_sort`); the
+        cum-functions along the rows (axis 0, or None for a 1-D array) two passes of
+        block totals, then each block from the ones before it
+        (:mod:`tierflow.engine.rowwide.scans`). ``diff`` along axis 0 raises ValueError.
+        ``out=`` is not supported."""
         function = block_operators.ALONG_AXIS.get(name)
         if function is None:
             raise ValueError(
@@ -848,7 +927,7 @@ class Array:
         if isinstance(node, Value):
             return build.value_apply(function, node, name=name, axis=axis, **kwargs)
         assert isinstance(node, Chunked)
-        if axis is None and name in ("sort", "argsort") and self.ndim == 1:
+        if axis is None and name != "diff" and self.ndim == 1:
             axis = 0  # the flattened array is the array
         if axis is None:
             raise ValueError(
@@ -861,6 +940,8 @@ class Array:
         k %= self.ndim
         if k == 0 and name in ("sort", "argsort"):
             return dispatch.call_method("sort_rows", node, name, kwargs)
+        if k == 0 and name != "diff":
+            return dispatch.call_method("scan_rows", node, name, kwargs)
         if k == 0:
             raise ValueError(
                 f"np.{name} along axis 0 needs every row at once, and a lazy array is cut "
@@ -1098,8 +1179,12 @@ class Array:
         """One element as a Python scalar, computed now."""
         return dispatch.call_method("item", self, *args)
 
-    def rechunk(self, rows: int) -> Array:
-        """The same rows in blocks of ``rows`` rows (lazy)."""
+    def rechunk(self, rows: Any = "auto") -> Array:
+        """The same rows in new blocks (lazy): ``rows`` rows each, ``"auto"``, or dask's
+        chunks, one entry per axis with the trailing axes whole: ``(r, -1)``,
+        ``((r1, r2, ...), (k,))`` for each block's rows, ``{0: r}``. A flat sequence of
+        another length than the axes gives each block's rows (``(3, 3, 4)`` of a 1-D
+        array, as dask)."""
         return dispatch.call_method("rechunk", self, rows)
 
     @property
@@ -1192,12 +1277,11 @@ class Array:
                 pairs = node.block_pairs()
                 sizes = sorted({b - a for a, b in pairs}, reverse=True)
                 text = f"{len(pairs)} of {sizes[0]} rows" if pairs else "none"
-                if len(sizes) > 1:
-                    text += (
-                        f" (last {pairs[-1][1] - pairs[-1][0]})"
-                        if len(sizes) == 2
-                        else " (varying)"
-                    )
+                last = pairs[-1][1] - pairs[-1][0] if pairs else 0
+                if len(sizes) == 2 and {b - a for a, b in pairs[:-1]} == {sizes[0]}:
+                    text += f" (last {last})"
+                elif len(sizes) > 1:
+                    text = f"{len(pairs)} of {sizes[-1]} to {sizes[0]} rows"
                 rows.append(("blocks", text))
             else:
                 rows.append(("blocks", f"{node.nblocks}, rows known once computed"))

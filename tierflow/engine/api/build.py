@@ -60,7 +60,7 @@ def is_array(value: Any) -> bool:
     return _ARRAY is not None and isinstance(value, _ARRAY)
 
 
-def array_node(a: np.ndarray, rows: int | None = None) -> Node:
+def array_node(a: np.ndarray, rows: Any = None) -> Node:
     """The node of an in-memory array: its rows in blocks of ``rows`` (default from the
     budget), or a constant for a 0-d array."""
     if a.ndim == 0:

@@ -11,6 +11,7 @@ cache stay there, which is what lets a compute that was stopped resume.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
 from typing import Any
@@ -21,6 +22,7 @@ from .. import graph
 from ..gpu.offload import check
 from ..graph import Chunked, blocksize
 from ..io.destination import check_npy, install_file, local_path, sweep_temps, temp_file
+from ..io.indexed import RegionSink
 from ..io.memory import ArrayReader, ArraySink
 from ..io.npy import NpySink
 from ..io.zarr import ZarrSink
@@ -30,7 +32,7 @@ from ..types import Executor
 from . import build
 from .creation import from_array
 
-__all__ = ["compute", "persist", "to_npy", "to_zarr"]
+__all__ = ["compute", "persist", "store", "to_npy", "to_zarr"]
 
 log = logging.getLogger("tierflow.engine")
 
@@ -226,3 +228,124 @@ def _save_atomic(value: np.ndarray, path: str, *, fsync: bool, overwrite: bool) 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def store(
+    sources: Any,
+    targets: Any,
+    regions: Any = None,
+    *,
+    lock: Any = None,
+    compute: bool = True,
+    **options: Any,
+) -> None:
+    """Write lazy arrays into objects that take rows by slice assignment, as
+    ``dask.array.store``: ``targets[i][regions[i]] = sources[i]``, one compute for all.
+
+    ``sources``: an Array or a list of them; ``targets``: as many objects with a
+    ``shape`` that take ``target[slices] = block`` (a Zarr, h5py or memory-mapped
+    array); ``regions``: for each target, None (the whole target) or a tuple of slices
+    saying where the source goes (step 1; the source's shape). Each block is written by
+    the task that computes it, in the workers (a target is pickled into a worker
+    process: a Zarr array or an ``np.memmap`` is; an open h5py file is not, use
+    threads). The blocks are cut on the target's chunks (shards), counted from the
+    region's first row, so no two tasks write parts of one stored chunk. ``lock``, when
+    given, is held around each write (a netCDF target's). Nothing outside the regions
+    is written; a failed compute leaves the rows written so far. ``compute=False`` is
+    refused (there is no delayed result to hand back). Options as :func:`compute`."""
+    _check_options("store", options)
+    if not compute:
+        raise ValueError(
+            "store(compute=False) is not supported: tierflow writes when called; call store "
+            "when the write should happen"
+        )
+    many = isinstance(sources, (list, tuple))
+    source_list = list(sources) if many else [sources]
+    target_list = list(targets) if isinstance(targets, (list, tuple)) else [targets]
+    one_region = regions is None or (
+        isinstance(regions, tuple) and all(isinstance(r, slice) for r in regions)
+    )  # None or one tuple of slices: for every source, as dask takes it
+    region_list = [regions] * len(source_list) if one_region else list(regions)
+    if not (len(source_list) == len(target_list) == len(region_list)):
+        raise ValueError(
+            f"store: {len(source_list)} sources, {len(target_list)} targets and "
+            f"{len(region_list)} regions: give one target (and region) per source"
+        )
+    if options.get("device") is not None:
+        options["device"] = check(options["device"])
+    found = []
+    for source, target, region in zip(source_list, target_list, region_list, strict=True):
+        node = from_array(source)._node
+        if not isinstance(node, Chunked):
+            value = np.asarray(from_array(source).compute())
+            target[region if region is not None else ...] = value
+            continue
+        if node.n_rows is None:
+            raise ValueError(
+                "store: the source's rows are unknown until counted (after a mask), so its "
+                "place in the target is too; write it with to_zarr or to_npy (which append), "
+                "or count it first: x = x.rechunk('auto'); len(x)"
+            )
+        row0, trailing = _region(node, target, region)
+        align = _stored_rows(target)
+        node = _cut_on(node, row0, align)
+        found.append(Target(node, RegionSink(node, target, row0, trailing, align, lock)))
+    if found:
+        run(found, RunOptions(**options))
+
+
+def _region(node: Chunked, target: Any, region: Any) -> tuple[int, tuple[slice, ...]]:
+    """The first row of ``region`` in ``target`` and its trailing slices, checked
+    against ``node``'s shape."""
+    shape = tuple(int(n) for n in target.shape)
+    if region is None:
+        region = ()
+    if not isinstance(region, tuple):
+        region = (region,)
+    if len(region) > len(shape):
+        raise ValueError(f"store: region {region} has more axes than the target's {shape}")
+    full = (*region, *(slice(None),) * (len(shape) - len(region)))
+    spans = []
+    for axis, (r, n) in enumerate(zip(full, shape, strict=True)):
+        if not isinstance(r, slice):
+            raise TypeError(f"store: region {region}: axis {axis} must be a slice, got {r!r}")
+        start, stop, step = r.indices(n)
+        if step != 1:
+            raise ValueError(f"store: region {region}: axis {axis} has step {step}; use step 1")
+        spans.append((start, max(start, stop)))
+    want = tuple(b - a for a, b in spans)
+    have = (node.n_rows, *node.row_shape)
+    if want != have:
+        raise ValueError(
+            f"store: the source has shape {have} but its region {full} of the target of shape "
+            f"{shape} has shape {want}"
+        )
+    return spans[0][0], tuple(slice(a, b) for a, b in spans[1:])
+
+
+def _stored_rows(target: Any) -> int:
+    """Rows of the target's stored objects along its first axis (a Zarr shard or
+    chunk, an HDF5 chunk); 1 for a target that stores rows separately."""
+    for name in ("shards", "chunks"):
+        found = getattr(target, name, None)
+        if isinstance(found, tuple) and found and all(isinstance(n, int) for n in found):
+            return max(1, int(found[0]))
+    return 1
+
+
+def _cut_on(node: Chunked, row0: int, align: int) -> Chunked:
+    """``node`` with its blocks cut on the target's stored objects: every block but the
+    first starts at a row where (``row0`` + row) is a multiple of ``align``."""
+    bounds = node.bounds
+    assert bounds is not None and node.n_rows is not None
+    if align <= 1 or all((row0 + b) % align == 0 for b in bounds[1:-1]):
+        return node
+    pairs = node.block_pairs()
+    typical = max((b - a for a, b in pairs), default=1)
+    step = max(align, typical // align * align)
+    first = (align - row0 % align) % align  # rows to the region's first chunk edge
+    cuts = [0, *range(first or step, node.n_rows, step), node.n_rows]
+    sizes = [b - a for a, b in itertools.pairwise(cuts) if b > a]
+    rechunked = build.wrap(node).rechunk(tuple(sizes))._node
+    assert isinstance(rechunked, Chunked)
+    return rechunked

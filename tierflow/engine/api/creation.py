@@ -22,6 +22,7 @@ from ...storage import stream
 from .. import graph
 from ..graph import blocksize
 from ..io.files import FileRows, FilesReader
+from ..io.indexed import IndexedReader
 from ..io.npy import FileReader
 from .build import array_node, is_array, wrap
 
@@ -166,15 +167,26 @@ def from_raw(
     return wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
 
 
-def from_array(a: Any, rows: int | None = None) -> Array:
-    """A lazy array over an in-memory array, ``np.memmap`` or ``memory.array`` (no copy).
+def from_array(a: Any, rows: int | Sequence[int] | None = None) -> Array:
+    """A lazy array over an in-memory array, ``np.memmap`` or ``memory.array`` (no copy),
+    or over any object that slices like an array (as ``dask.array.from_array`` takes it).
 
-    A 0-d array or scalar becomes a constant. ``rows`` defaults as in :func:`from_npy`.
-    The array must not change while lazy arrays built on it are in use: its key is a
-    digest of its contents, taken once.
+    A 0-d array or scalar becomes a constant. ``rows``: rows per block (defaults as in
+    :func:`from_npy`), or the rows of each block (dask's chunks along axis 0, adding up
+    to the array's rows). The array must not change while lazy arrays built on it are
+    in use: its key is a digest of its contents, taken once.
+
+    An object that is not a NumPy array but has a ``shape``, a NumPy ``dtype`` and
+    rows by slice (``obj[a:b]``: an h5py or zarr array, xarray's lazily indexed
+    variables) is read block by block when computed, in the workers, never whole; its
+    key is its own (nothing is shared with another object in the cache). Anything else
+    (lists, pandas objects) goes through ``np.asarray`` first.
     """
     if is_array(a):
         return a
+    if _sliceable(a):
+        reader = IndexedReader(a, f"from_array({type(a).__name__})")
+        return wrap(graph.Source(reader, blocksize.bounds(reader.n_rows, rows, reader.row_nbytes)))
     array = a if isinstance(a, np.ndarray) else np.asarray(a)
     if array.dtype.hasobject:
         raise TypeError(
@@ -182,6 +194,19 @@ def from_array(a: Any, rows: int | None = None) -> Array:
             "convert to a numeric dtype first"
         )
     return wrap(array_node(array, rows))
+
+
+def _sliceable(a: Any) -> bool:
+    """Whether ``a`` is read by row slices (see :func:`from_array`), not converted."""
+    if isinstance(a, np.ndarray) or type(a).__module__.split(".")[0] == "pandas":
+        return False
+    shape = getattr(a, "shape", None)
+    return (
+        isinstance(getattr(a, "dtype", None), np.dtype)
+        and isinstance(shape, tuple)
+        and len(shape) > 0
+        and hasattr(a, "__getitem__")
+    )
 
 
 def from_files(  # noqa: PLR0913 -- public: dtype and row_shape as map_blocks names them

@@ -510,6 +510,10 @@ for _name, _axis in (
 ):  # fmt: skip
     dispatch.implements(getattr(np, _name))(_along(_name, _axis))
 dispatch.implements(np.shape)(lambda a: from_array(a).shape)
+# Metadata: a lazy array takes part by its dtype (NumPy 2 promotes arrays by dtype alone).
+dispatch.implements(np.result_type)(
+    lambda *args: np.result_type(*(a.dtype if build.is_array(a) else a for a in args))
+)
 dispatch.implements(np.ndim)(lambda a: from_array(a).ndim)
 dispatch.implements(np.size)(lambda a, axis=None: _size(from_array(a), axis))
 if hasattr(np, "astype"):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...config import format_bytes
+from ...storage import identity
 from .. import graph
 from ..graph import Chunked, Value, blocksize
 from . import build, dispatch
@@ -57,50 +58,92 @@ def copy(x: Array, order: str = "C") -> Array:
 
 
 @dispatch.method("rechunk")
-def rechunk(x: Array, rows: int) -> Array:
-    """``x`` in blocks of ``rows`` rows (the last may be shorter): lazy, nothing is read.
+def rechunk(x: Array, rows: Any) -> Array:
+    """``x`` in new row blocks: lazy, nothing is read. ``rows``: rows per block (the
+    last may be shorter), ``"auto"`` (the default block size), the rows of each block
+    (a sequence adding up to the rows), or dask's chunks, one entry per axis
+    (``((r1, r2, ...), (k,))``, ``(r, -1)``, ``{0: r}``: trailing axes are whole in every
+    block, so they must be asked whole, as ``-1``, ``None``, ``"auto"`` or their length).
 
     The new blocks read their rows from ``x``'s by row ranges, as dask's ``rechunk``
     along axis 0; after a mask, once the rows are counted (a compute counts them
     first, as for every operation that needs the row count). Raises ValueError for an
     in-memory result."""
-    step = operator.index(rows)
-    if step < 1:
-        raise ValueError(f"rechunk needs rows >= 1, got {step}")
     node = x._node
     if not isinstance(node, Chunked):
         raise ValueError(
             "rechunk: this array is an in-memory result (a reduction's), it has no row "
             "blocks; use tw.from_array(x.compute(), rows=...) to cut its result"
         )
+    rows = _row_chunks(rows, node)
     if node.n_rows is None:
         meta = (node.dtype, node.row_shape)
-        return build.defer_method(node, "rechunk", (step,), meta, f"rechunk({step})")
+        return build.defer_method(node, "rechunk", (rows,), meta, f"rechunk({rows})")
     row_nbytes = np.dtype(node.dtype).itemsize * math.prod(node.row_shape)
-    bounds = blocksize.bounds(node.n_rows, step, row_nbytes)
+    bounds = blocksize.bounds(node.n_rows, None if rows == "auto" else rows, row_nbytes)
     if bounds == node.bounds:
         return x
     if isinstance(node, graph.Source):
         # As from_npy(path, rows=...): the same rows, read in other blocks, same key.
         return build.wrap(graph.Source(node.reader, bounds, key=node.key))
-    return build.wrap(Rechunk(node, step, bounds))
+    return build.wrap(Rechunk(node, bounds, rows if isinstance(rows, int) else None))
+
+
+def _row_chunks(rows: Any, node: Chunked) -> Any:
+    """``rows`` of :func:`rechunk` as rows per block (an int), ``"auto"``, or a tuple of
+    each block's rows; dask's per-axis chunks checked whole along the trailing axes."""
+    if isinstance(rows, dict):
+        extra = {k: v for k, v in rows.items() if int(k) % node.ndim != 0}
+        rows = [rows.get(0, rows.get(-node.ndim, "auto"))] + [
+            extra.get(k, extra.get(k - node.ndim)) for k in range(1, node.ndim)
+        ]
+    if isinstance(rows, (tuple, list)) and rows:
+        first = rows[0]
+        if isinstance(first, (tuple, list, str)) or first is None or len(rows) == node.ndim:
+            for axis, (want, have) in enumerate(zip(rows[1:], node.row_shape, strict=False), 1):
+                whole = want in (None, -1, "auto", have) or (
+                    isinstance(want, (tuple, list)) and tuple(want) == (have,)
+                )
+                if not whole:
+                    raise ValueError(
+                        f"rechunk: blocks are cut along axis 0 only, so axis {axis} (of "
+                        f"length {have}) is whole in every block; ask for it whole "
+                        f"(-1), not {want!r}"
+                    )
+            rows = first
+    if rows is None or rows == -1:
+        return (node.n_rows,) if node.n_rows is not None else "auto"
+    if isinstance(rows, str):
+        if rows != "auto":
+            raise ValueError(f"rechunk: rows={rows!r}: give a number of rows, or 'auto'")
+        return rows
+    if isinstance(rows, (tuple, list, np.ndarray)):
+        return tuple(int(operator.index(r)) for r in rows)
+    step = operator.index(rows)
+    if step < 1:
+        raise ValueError(f"rechunk needs rows >= 1, got {step}")
+    return step
 
 
 class Rechunk(graph.Concat):
     """``x.rechunk(rows)``: the rows of one input in new blocks, each read from the input
     by its row range (a concatenation of one input, cut anew)."""
 
-    def __init__(self, source: Chunked, rows: int, bounds: tuple[int, ...]) -> None:
+    def __init__(self, source: Chunked, bounds: tuple[int, ...], rows: int | None) -> None:
         super().__init__((source,))
-        self.rows = rows
+        self.rows = rows  # rows per block, when asked so; else each block's were given
         self.bounds = bounds
         self.nblocks = len(bounds) - 1
 
     def params(self) -> str:
-        return f"rows={self.rows}"
+        if self.rows is not None:
+            return f"rows={self.rows}"
+        return f"bounds={identity.digest(repr(self.bounds))}"
 
     def label(self) -> str:
-        return f"rechunk(rows={self.rows})"
+        if self.rows is not None:
+            return f"rechunk(rows={self.rows})"
+        return f"rechunk({self.nblocks} blocks)"
 
 
 def per_block(name: str, fn: Callable[..., Any], x: Array, **kwargs: Any) -> Array:

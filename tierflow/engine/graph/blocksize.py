@@ -33,6 +33,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from typing import Any
+
+import numpy as np
 
 from ...config import MB
 from ...operators import selection
@@ -80,11 +83,34 @@ def default_rows(row_nbytes: int, n_rows: int | None = None) -> int:
     return max(1, rows)
 
 
-def bounds(n_rows: int, rows: int | None, row_nbytes: int) -> tuple[int, ...]:
+def bounds(n_rows: int, rows: Any, row_nbytes: int) -> tuple[int, ...]:
     """Block boundaries ``(0, ..., n_rows)`` of an array: ``rows`` rows per block when
-    given (checked: an integer >= 1), else :func:`default_rows`."""
+    given (checked: an integer >= 1), the rows of each block when ``rows`` is a
+    sequence (dask's chunks along axis 0: they must add up to ``n_rows``; empty blocks
+    are left out), else :func:`default_rows`.
+
+    >>> bounds(10, (4, 0, 6), 8)
+    (0, 4, 10)
+    """
+    if isinstance(rows, (tuple, list, np.ndarray)):
+        return _given(n_rows, rows)
     step = stream.check_rows(rows) or default_rows(row_nbytes, n_rows)
     return (0, *(stop for _, stop in selection.block_bounds(n_rows, step)))
+
+
+def _given(n_rows: int, rows: Any) -> tuple[int, ...]:
+    sizes = []
+    for r in rows:
+        if isinstance(r, (bool, np.bool_)) or not hasattr(r, "__index__"):
+            raise TypeError(f"rows: each block's rows must be an integer, got {r!r}")
+        if int(r) < 0:
+            raise ValueError(f"rows: a block cannot have {int(r)} rows")
+        sizes.append(int(r))
+    if sum(sizes) != n_rows:
+        raise ValueError(
+            f"rows: the blocks' rows add up to {sum(sizes)}, but the array has {n_rows} rows"
+        )
+    return (0, *itertools.accumulate(s for s in sizes if s))
 
 
 def files_per_block(n_files: int, file_nbytes: int) -> int:

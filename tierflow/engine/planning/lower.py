@@ -61,7 +61,7 @@ from ..program.steps import (
     Step,
     TakeStep,
 )
-from ..rowwide import external_sort
+from ..rowwide import external_sort, overlap, scans
 from ..rowwide.frequencies import Bincount
 from . import jit as jit_module
 
@@ -289,6 +289,13 @@ class Lowering:
 
         if isinstance(node, external_sort.SortedRows):
             return external_sort.MergeStep(node, self.values[node.inputs[0].ident])
+        if isinstance(node, overlap.Overlapped):
+            chunked = [c for c in node.inputs if isinstance(c, Chunked)]
+            op = node.spec.build([c.dtype for c in chunked], [c.row_shape for c in chunked], [])
+            return overlap.OverlapStep(node, [self.step(c) for c in chunked], op)
+        if isinstance(node, scans.ScannedRows):
+            carries = self.values[node.inputs[1].ident]
+            return scans.ScanStep(node, self.step(node.inputs[0]), carries)
         raise TypeError(f"cannot lower {node!r}")
 
     def _fusable(self, node: Node) -> bool:

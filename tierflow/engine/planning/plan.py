@@ -67,6 +67,7 @@ from .. import graph
 from ..gpu import offload
 from ..graph import Chunked, Node
 from ..graph.block_operators import MapBlocks
+from ..io.indexed import RegionSink
 from ..io.memory import ArraySink
 from ..io.npy import NpySink
 from ..io.zarr import ZarrSink
@@ -102,7 +103,7 @@ class Target:
     """One result a compute asks for: ``node`` computed into ``sink`` (None for a value)."""
 
     node: Node
-    sink: ArraySink | NpySink | ZarrSink | None = None
+    sink: ArraySink | NpySink | ZarrSink | RegionSink | None = None
 
 
 @dataclass(frozen=True, slots=True)

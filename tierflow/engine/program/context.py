@@ -6,7 +6,7 @@ errors by block and records floating-point warnings at the user's line."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import BlockError, OutOfMemoryError
 from ...system.types import Level
@@ -98,8 +98,22 @@ def user_error(label: str, ctx: Context, req: Request, exc: Exception) -> BlockE
     )
 
 
+class Calling(Protocol):
+    """What :func:`operator_call` reads of a step that calls an operator: its ``node``
+    (the line that built it), its halving ``site`` (the operator's label) and whether
+    the operator is the user's function (``user``)."""
+
+    node: Any
+    site: Any
+    user: bool
+
+
 def operator_call(
-    step: KernelStep | ReduceRoot, ctx: Context, req: Request, op: Any, call: Callable[[], Any]
+    step: KernelStep | ReduceRoot | Calling,
+    ctx: Context,
+    req: Request,
+    op: Any,
+    call: Callable[[], Any],
 ) -> Any:
     """``call()``: a call of ``step``'s operator ``op`` on the rows of ``req`` (through
     :mod:`~tierflow.engine.program.halving`), its errors told as the user needs them.
