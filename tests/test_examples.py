@@ -112,6 +112,19 @@ CASES: dict[str, Case] = {
             r"^total: (RAM|SSD) 3\.0\d\d MB in 1 array$",
         ),
     ),
+    "xarray_climate.py": Case(
+        args=("--years", "1", "--lat", "8", "--lon", "16"),
+        expect=(
+            r"^wrote 365 days of tas and pr on a 8 x 16 grid",
+            r"^tas is a tierflow array in blocks of 365 days$",
+            r"^mean and std over time: [\d.]+ s$",
+            r"^anomalies written to Zarr: [\d.]+ s$",
+            r"^monthly climatology and monthly means: [\d.]+ s$",
+            r"^mean temperature where pr > 2: [\d.]+ s$",
+            r"^removed tierflow-xarray-\w+: True$",
+        ),
+        needs=("xarray", "zarr"),
+    ),
     "zarr_pipeline.py": Case(
         args=("--size", "32MB", "--budget", "8MB"),
         expect=(

@@ -1,0 +1,175 @@
+"""tierflow under xarray: the chunk manager found through its entry point, chunks along
+the first axis, and labelled workflows that match xarray over NumPy."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+xr = pytest.importorskip("xarray")
+
+import tierflow as tw  # noqa: E402
+from tierflow.xarray import TierflowManager  # noqa: E402
+
+
+def climate(days: int = 400, seed: int = 0) -> xr.Dataset:
+    """Two float32 variables on (time, lat, lon), daily steps from 2000-01-01."""
+    rng = np.random.default_rng(seed)
+    time = pd.date_range("2000-01-01", periods=days, freq="D")
+    shape = (days, 6, 8)
+    return xr.Dataset(
+        {
+            "tas": (("time", "lat", "lon"), rng.normal(280, 5, shape).astype("f4")),
+            "pr": (("time", "lat", "lon"), rng.gamma(2, 1, shape).astype("f4")),
+        },
+        coords={"time": time, "lat": np.linspace(-50, 50, 6), "lon": np.linspace(0, 350, 8)},
+    )
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> tuple[xr.Dataset, Path]:
+    ds = climate()
+    path = tmp_path / "climate.zarr"
+    encoding = {v: {"chunks": (50, 6, 8)} for v in ds.data_vars}
+    ds.to_zarr(path, encoding=encoding, consolidated=False)
+    return ds, path
+
+
+def open_tierflow(path: Path, **chunks: int) -> xr.Dataset:
+    return xr.open_zarr(
+        path, chunked_array_type="tierflow", chunks=chunks or {"time": 100}, consolidated=False
+    )
+
+
+def test_the_entry_point_is_found_by_xarray() -> None:
+    from xarray.namedarray.parallelcompat import list_chunkmanagers
+
+    found = list_chunkmanagers()
+    assert isinstance(found["tierflow"], TierflowManager)
+
+
+def test_chunks_run_along_the_first_axis_only() -> None:
+    manager = TierflowManager()
+    shape = (1000, 6, 8)
+    assert manager.normalize_chunks((100, -1, -1), shape) == ((100,) * 10, (6,), (8,))
+    assert manager.normalize_chunks({0: 300}, shape) == ((300, 300, 300, 100), (6,), (8,))
+    assert manager.normalize_chunks(((600, 400), 6, 8), shape) == ((600, 400), (6,), (8,))
+    # dimensions the user left out come with the stored chunks: merged without a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = manager.normalize_chunks((100, 3, 4), shape, previous_chunks=(50, 3, 4))
+    assert got == ((100,) * 10, (6,), (8,))
+    with pytest.warns(UserWarning, match="blocks along their first axis only"):
+        got = manager.normalize_chunks((100, 2, -1), shape, previous_chunks=(50, 3, 8))
+    assert got == ((100,) * 10, (6,), (8,))
+    auto = manager.normalize_chunks("auto", shape, dtype=np.float32, previous_chunks=(50, 6, 8))
+    assert sum(auto[0]) == 1000 and all(c % 50 == 0 for c in auto[0][:-1])
+    with pytest.raises(ValueError, match="add up to 900, not the 1000 rows"):
+        manager.normalize_chunks(((500, 400), -1, -1), shape)
+
+
+def test_a_zarr_dataset_opens_lazily_in_row_blocks(stored: tuple[xr.Dataset, Path]) -> None:
+    _, path = stored
+    ds = open_tierflow(path, time=100)
+    assert isinstance(ds.tas.data, tw.Array)
+    assert ds.tas.data.chunks == ((100, 100, 100, 100), (6,), (8,))
+    assert ds.chunks == {"time": (100, 100, 100, 100), "lat": (6,), "lon": (8,)}
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes"])
+def test_reductions_over_time_match_xarray_over_numpy(
+    stored: tuple[xr.Dataset, Path], executor: str
+) -> None:
+    ds, path = stored
+    lazy = open_tierflow(path)
+    with tw.use_executor(executor):
+        mean, std = xr.broadcast(lazy.tas.mean("time"), lazy.tas.std("time"))
+        got_mean, got_std = mean.compute(), std.compute()
+        masked = lazy.tas.where(lazy.pr > 2).mean("time").compute()
+    xr.testing.assert_allclose(got_mean, ds.tas.mean("time"), rtol=1e-6)
+    xr.testing.assert_allclose(got_std, ds.tas.std("time"), rtol=1e-5)
+    xr.testing.assert_allclose(masked, ds.tas.where(ds.pr > 2).mean("time"), rtol=1e-6)
+
+
+def test_anomalies_are_written_back_with_to_zarr(
+    stored: tuple[xr.Dataset, Path], tmp_path: Path
+) -> None:
+    ds, path = stored
+    lazy = open_tierflow(path)
+    out = tmp_path / "anomalies.zarr"
+    (lazy - lazy.mean("time")).to_zarr(out, consolidated=False)
+    back = xr.open_zarr(out, consolidated=False).load()
+    # tierflow sums float32 in float64 (docs/engine.md): the float64 answer is the yardstick
+    exact = ds.astype("f8") - ds.astype("f8").mean("time")
+    xr.testing.assert_allclose(back.astype("f8"), exact, atol=3e-5, rtol=0)
+    assert all(back[v].dtype == np.float32 for v in back.data_vars)
+
+
+def test_to_zarr_into_a_region_and_appending_along_time(
+    stored: tuple[xr.Dataset, Path], tmp_path: Path
+) -> None:
+    ds, path = stored
+    lazy = open_tierflow(path, time=70)  # blocks that cut the stored chunks of 50
+    out = tmp_path / "out.zarr"
+    first = lazy.isel(time=slice(0, 200))
+    encoding = {v: {"chunks": (50, 6, 8)} for v in ds.data_vars}
+    with pytest.raises(ValueError, match="overlap multiple Dask chunks"):  # xarray's check
+        first.to_zarr(out, consolidated=False, encoding=encoding)
+    # tierflow cuts its writes on the stored chunks itself: xarray's check can be off
+    first.to_zarr(out, consolidated=False, encoding=encoding, safe_chunks=False, mode="w")
+    lazy.isel(time=slice(200, 400)).to_zarr(
+        out, append_dim="time", consolidated=False, safe_chunks=False
+    )
+    xr.testing.assert_identical(xr.open_zarr(out, consolidated=False).load(), ds)
+    doubled = (lazy.isel(time=slice(100, 300)) * 2).drop_vars(["lat", "lon"])
+    doubled.to_zarr(out, region={"time": slice(100, 300)}, consolidated=False, safe_chunks=False)
+    back = xr.open_zarr(out, consolidated=False).load()
+    xr.testing.assert_allclose(back.isel(time=slice(100, 300)), ds.isel(time=slice(100, 300)) * 2)
+    xr.testing.assert_identical(back.isel(time=slice(0, 100)), ds.isel(time=slice(0, 100)))
+    xr.testing.assert_identical(back.isel(time=slice(300, 400)), ds.isel(time=slice(300, 400)))
+
+
+def test_chunk_with_chunked_array_type_and_apply_ufunc_parallelized() -> None:
+    ds = climate(days=120)
+    lazy = ds.chunk({"time": 32}, chunked_array_type="tierflow")
+    assert isinstance(lazy.pr.data, tw.Array)
+    assert lazy.pr.data.chunks[0] == (32, 32, 32, 24)
+
+    def clipped_log(a: np.ndarray) -> np.ndarray:
+        return np.log1p(np.clip(a, 0, 5))
+
+    got = xr.apply_ufunc(clipped_log, lazy.pr, dask="parallelized", output_dtypes=[np.float32])
+    assert isinstance(got.data, tw.Array)
+    xr.testing.assert_allclose(got.compute(), xr.apply_ufunc(clipped_log, ds.pr))
+
+    def lat_mean(a: np.ndarray) -> np.ndarray:  # a core dimension on a trailing axis
+        return a.mean(axis=-1)
+
+    got = xr.apply_ufunc(
+        lat_mean,
+        lazy.tas,
+        input_core_dims=[["lon"]],
+        dask="parallelized",
+        output_dtypes=[np.float32],
+    )
+    xr.testing.assert_allclose(got.compute(), ds.tas.mean("lon"), rtol=1e-6)
+    with pytest.raises(ValueError, match="consists of multiple chunks, but is also a core"):
+        xr.apply_ufunc(  # xarray's own check
+            lambda a: a.mean(axis=-1),
+            lazy.tas.isel(lat=0, lon=0),
+            input_core_dims=[["time"]],
+            dask="parallelized",
+            output_dtypes=[np.float32],
+        )
+    with pytest.raises(ValueError, match="first dimension must be a loop dimension"):
+        xr.apply_ufunc(
+            lambda a: a.mean(axis=-1),
+            lazy.tas.isel(lat=0, lon=0).chunk({"time": -1}, chunked_array_type="tierflow"),
+            input_core_dims=[["time"]],
+            dask="parallelized",
+            output_dtypes=[np.float32],
+        )
