@@ -173,3 +173,143 @@ def test_chunk_with_chunked_array_type_and_apply_ufunc_parallelized() -> None:
             dask="parallelized",
             output_dtypes=[np.float32],
         )
+
+
+def test_the_managers_operations_on_row_blocks() -> None:
+    manager = TierflowManager()
+    a = np.random.default_rng(3).random((90, 4))
+    x = manager.from_array(a, chunks=(20, -1))
+    assert manager.is_chunked_array(x) and not manager.is_chunked_array(a)
+    assert manager.chunks(x) == ((20, 20, 20, 20, 10), (4,))
+    (computed,) = manager.compute(x * 2)
+    np.testing.assert_array_equal(computed, a * 2)
+    (kept,) = manager.persist(x + 1)
+    np.testing.assert_array_equal(kept.compute(), a + 1)
+    # dask's reduction: chunk, combine on stacked partials, aggregate
+    total = manager.reduction(x, np.sum, np.sum, np.sum, axis=0, dtype=np.float64)
+    np.testing.assert_allclose(total.compute(), a.sum(axis=0))
+    first = manager.reduction(
+        x,
+        lambda b, axis, keepdims: b[:1],
+        lambda b, axis, keepdims: b[:1],
+        lambda b, axis, keepdims: b[0],
+        axis=0,
+    )
+    np.testing.assert_array_equal(first.compute(), a[0])
+    rows = manager.reduction(x, np.max, axis=1, dtype=np.float64)
+    np.testing.assert_array_equal(rows.compute(), a.max(axis=1))
+    # dask's cumreduction, as xarray's push would run it
+    scanned = manager.scan(np.cumsum, np.add, 0, x, axis=0, dtype=np.float64)
+    np.testing.assert_allclose(scanned.compute(), np.cumsum(a, axis=0))
+    mapped = manager.map_blocks(lambda b, k: b * k, x, 3, dtype=np.float64)
+    np.testing.assert_array_equal(mapped.compute(), a * 3)
+    sliced = manager.map_blocks(
+        lambda b: b[:, :2], x, dtype=np.float64, chunks=((20, 20, 20, 20, 10), (2,))
+    )
+    np.testing.assert_array_equal(sliced.compute(), a[:, :2])
+    with pytest.raises(ValueError, match="dropping or adding axis 0"):
+        manager.map_blocks(lambda b: b.sum(axis=0), x, drop_axis=0)
+    added = manager.blockwise(np.add, "ij", x, "ij", x, "ij", dtype=np.float64)
+    np.testing.assert_array_equal(added.compute(), a + a)
+    with pytest.raises(ValueError, match="does not keep the rows"):
+        manager.blockwise(np.transpose, "ji", x, "ij")
+    y = manager.from_array(a, chunks=(30, -1))
+    found, (ux, uy) = manager.unify_chunks(x, "ij", y, "ij")
+    assert ux.chunks == uy.chunks == ((20, 20, 20, 20, 10), (4,))
+    assert found == {"i": (20, 20, 20, 20, 10), "j": (4,)}
+    assert manager.get_auto_chunk_size() >= 1 << 20
+    with pytest.raises(TypeError, match="tierflow computes take"):
+        manager.compute(x, scheduler="threads")
+
+
+# -- xarray's own tests of a parallel backend (xarray/tests/test_parallelcompat.py),
+# -- adapted: tierflow's manager through its real entry point, not a registered dummy
+
+
+def test_the_manager_is_chosen_by_name_and_by_the_option() -> None:
+    from xarray.namedarray.parallelcompat import guess_chunkmanager
+
+    assert isinstance(guess_chunkmanager("tierflow"), TierflowManager)
+    with xr.set_options(chunk_manager="tierflow"):
+        assert isinstance(guess_chunkmanager(None), TierflowManager)
+    with pytest.raises(ValueError, match="unrecognized chunk manager 'foo'"):
+        guess_chunkmanager("foo")
+
+
+def test_tierflow_arrays_are_detected_and_in_memory_ones_ignored() -> None:
+    from xarray.namedarray.parallelcompat import get_chunked_array_type
+
+    lazy = tw.from_array(np.arange(3.0), rows=1)
+    assert isinstance(get_chunked_array_type(lazy), TierflowManager)
+    assert isinstance(get_chunked_array_type(lazy, 1.0, np.array([5, 6])), TierflowManager)
+    with pytest.raises(TypeError, match="Expected a chunked array"):
+        get_chunked_array_type(1.0, np.array([5, 6]))
+
+
+def test_mixing_tierflow_and_dask_arrays_is_refused_by_xarray() -> None:
+    da = pytest.importorskip("dask.array")
+    from xarray.namedarray.parallelcompat import get_chunked_array_type
+
+    lazy = tw.from_array(np.arange(3.0), rows=1)
+    with pytest.raises(TypeError, match="received multiple types"):
+        get_chunked_array_type(da.from_array(np.arange(3.0), chunks=(1,)), lazy)
+
+
+def test_a_broken_entry_point_is_a_warning_not_an_error() -> None:
+    from importlib.metadata import EntryPoint
+
+    from xarray.namedarray.parallelcompat import load_chunkmanagers
+
+    broken = EntryPoint("bogus", "tierflow.no_such_module", "xarray.chunkmanagers")
+    working = EntryPoint("tierflow", "tierflow.xarray:TierflowManager", "xarray.chunkmanagers")
+    with pytest.warns(UserWarning, match="Failed to load chunk manager"):
+        found = load_chunkmanagers([broken, working])
+    assert list(found) == ["tierflow"]
+
+
+def test_rolling_windows_and_the_monthly_groupings_match_xarray_over_numpy(
+    stored: tuple[xr.Dataset, Path],
+) -> None:
+    ds, path = stored
+    lazy = open_tierflow(path, time=64)
+    cases = [
+        lambda d: d.tas.rolling(time=7).mean(),
+        lambda d: d.tas.rolling(time=5, center=True, min_periods=2).sum(),
+        lambda d: d.groupby("time.month").mean(),
+        lambda d: d.resample(time="1MS").mean(),
+    ]
+    for make in cases:
+        got = make(lazy)
+        assert got.chunks, "the result is lazy: chunked"
+        xr.testing.assert_allclose(got.compute(), make(ds), rtol=1e-5)
+
+
+def test_quantiles_over_time_match_xarray_over_numpy(stored: tuple[xr.Dataset, Path]) -> None:
+    ds, path = stored
+    lazy = open_tierflow(path, time=64)
+    got = lazy.tas.quantile([0.1, 0.9], dim="time")
+    assert isinstance(got.data, tw.Array)
+    xr.testing.assert_allclose(got.compute(), ds.tas.quantile([0.1, 0.9], dim="time"))
+    median = lazy.median("time").compute()
+    xr.testing.assert_allclose(median, ds.median("time"))
+
+
+def test_fills_along_time_through_the_accessor() -> None:
+    ds = climate(days=150)
+    holes = np.random.default_rng(2).random(ds.tas.shape) > 0.4
+    ds["tas"] = ds.tas.where(holes)
+    lazy = ds.chunk({"time": 32}, chunked_array_type="tierflow")
+
+    def filled(values: np.ndarray, limit: int | None, backward: bool) -> np.ndarray:
+        flat = pd.DataFrame(values.reshape(len(values), -1))
+        flat = flat.bfill(limit=limit) if backward else flat.ffill(limit=limit)
+        return flat.to_numpy().reshape(values.shape)
+
+    for backward, limit in ((False, None), (False, 3), (True, None), (True, 1)):
+        fill = lazy.tierflow.bfill if backward else lazy.tierflow.ffill
+        got = fill("time", limit=limit)
+        assert isinstance(got.tas.data, tw.Array)
+        np.testing.assert_array_equal(got.tas.values, filled(ds.tas.values, limit, backward))
+        np.testing.assert_array_equal(got.pr.values, ds.pr.values)  # nothing to fill
+    with pytest.raises(ValueError, match=r"transpose\('lat', \.\.\.\) first"):
+        lazy.tierflow.ffill("lat")

@@ -437,3 +437,56 @@ def _row_sizes(asked: Any, n: int, row_bytes: int, stored: Any) -> tuple[int, ..
     if step < 1:
         raise ValueError(f"chunks along the first axis must be at least 1 row, got {step}")
     return tuple(min(step, n - a) for a in range(0, n, step))
+
+
+# -- the .tierflow accessor: what xarray does not hand to a chunk manager ------------------
+
+
+class _Accessor:
+    """``ds.tierflow`` / ``da.tierflow``: the fills along a dimension, lazily in two
+    passes (``tw.ffill`` / ``tw.bfill``), where xarray's own ``ffill`` calls bottleneck
+    on the whole array (it hands fills to dask alone)."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def ffill(self, dim: str, limit: int | None = None) -> Any:
+        """xarray's ``ffill(dim, limit)``: each NaN takes the last value before it
+        along ``dim`` (within ``limit`` steps), for variables chunked by tierflow."""
+        return self._fill(tw.ffill, "ffill", dim, limit)
+
+    def bfill(self, dim: str, limit: int | None = None) -> Any:
+        """xarray's ``bfill(dim, limit)``, as :meth:`ffill` the other way."""
+        return self._fill(tw.bfill, "bfill", dim, limit)
+
+    def _fill(self, fill: Callable[..., Any], name: str, dim: str, limit: int | None) -> Any:
+        import xarray as xr
+
+        def one(var: Any) -> Any:
+            if dim not in var.dims:
+                return var
+            if not isinstance(var.data, tw.Array):
+                return getattr(xr.DataArray(var), name)(dim, limit=limit).variable
+            if var.get_axis_num(dim) != 0:
+                raise ValueError(
+                    f"{name}({dim!r}): tierflow fills along a variable's first dimension, and "
+                    f"{dim!r} is not first in {var.dims}; transpose({dim!r}, ...) first"
+                )
+            return var.copy(data=fill(var.data, limit=limit))
+
+        obj = self._obj
+        if isinstance(obj, xr.DataArray):
+            return obj.copy(data=one(obj.variable).data)
+        return obj.copy(data={k: one(v).data for k, v in obj.data_vars.items()})
+
+
+def _register_accessors() -> None:
+    import xarray as xr
+
+    with warnings.catch_warnings():  # registering twice (a reload) only warns
+        warnings.simplefilter("ignore")
+        xr.register_dataset_accessor("tierflow")(_Accessor)
+        xr.register_dataarray_accessor("tierflow")(_Accessor)
+
+
+_register_accessors()

@@ -617,6 +617,77 @@ def _fills(p: Point, o: Operands) -> list[Call]:
     return out
 
 
+@case("np.pad")
+def _pad(p: Point, o: Operands) -> list[Call]:
+    trailing = [(0, 0)] * (p.ndim - 1)
+    out = [
+        Call("rows (2, 1), constant", lambda o: np.pad(o.x, [(2, 1), *trailing])),
+        Call(
+            "rows (1, 3), constant_values=5",
+            lambda o: np.pad(o.x, [(1, 3), *trailing], constant_values=5),
+        ),
+        Call("rows 0", lambda o: np.pad(o.x, 0)),
+    ]
+    for mode in ("edge", "symmetric", "wrap", "reflect"):
+        most = {"reflect": 1}.get(mode, 2)  # NumPy pads further; tierflow up to the rows
+        refused = None if p.rows > most else ValueError
+        if p.mask != "mask_none":
+            refused = lambda o, m=most: None if len(o.x) > m else ValueError  # noqa: E731
+        out.append(
+            Call(
+                f"rows (2, 1), {mode}",
+                lambda o, m=mode: np.pad(o.x, [(2, 1), *trailing], mode=m),
+                refused=refused,
+            )
+        )
+    if p.ndim == 2:
+        out.append(Call("trailing (1, 2)", lambda o: np.pad(o.x, [(0, 0), (1, 2)])))
+        out.append(
+            Call(
+                "both, edge",
+                lambda o: np.pad(o.x, 1, mode="edge"),
+                refused=None if p.rows > 1 else ValueError,
+            )
+        )
+    out.append(
+        Call("mean", lambda o: np.pad(o.x, [(1, 1), *trailing], mode="mean"), refused=ValueError)
+    )
+    return out
+
+
+@case("np.moveaxis", rule=ROUNDED)
+def _moveaxis(p: Point, o: Operands) -> list[Call]:
+    out = [Call("0 to 0", lambda o: np.moveaxis(o.x, 0, 0))]
+    if p.ndim == 2:
+        out.append(
+            Call(
+                "rows last, then summed over them",
+                lambda o: np.sum(np.moveaxis(o.x, 0, -1), axis=-1),
+                oracle=lambda o: np.sum(np.moveaxis(o.x, 0, -1), axis=-1),
+            )
+        )
+        out.append(
+            Call("rows last, then back", lambda o: np.moveaxis(np.moveaxis(o.x, 0, 1), 1, 0))
+        )
+    return out
+
+
+@case("np.lib.stride_tricks.sliding_window_view")
+def _windows(p: Point, o: Operands) -> list[Call]:
+    view = np.lib.stride_tricks.sliding_window_view
+    out = [Call("window 1 along the rows", lambda o: view(o.x, 1, axis=0))]
+    out.append(
+        Call(
+            "window 3 along the rows",
+            lambda o: view(o.x, 3, axis=0),
+            refused=lambda o: None if len(o.x) >= 3 else ValueError,
+        )
+    )
+    if p.ndim == 2:
+        out.append(Call("window 2 along axis 1", lambda o: view(o.x, 2, axis=1)))
+    return out
+
+
 @case("np.diff")
 def _diff(p: Point, o: Operands) -> list[Call]:
     out = [Call("axis=0", lambda o: np.diff(o.x, axis=0), refused=ValueError)]

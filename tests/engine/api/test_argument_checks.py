@@ -93,6 +93,13 @@ CASES: dict[str, Case] = {
     "diff axis": Case(np.diff, lambda x: np.diff(x, axis=2)),
     "size axis": Case(np.size, lambda x: np.size(x, 5)),
     "result_type of no dtype": Case(np.result_type, lambda x: np.result_type(x, "bogus")),
+    "pad widths negative": Case(np.pad, lambda x: np.pad(x, -1)),
+    "moveaxis source out of range": Case(np.moveaxis, lambda x: np.moveaxis(x, 5, 0)),
+    "pad mode unknown": Case(np.pad, lambda x: np.pad(x, 1, mode="bogus")),
+    "sliding_window_view window negative": Case(
+        np.lib.stride_tricks.sliding_window_view,
+        lambda x: np.lib.stride_tricks.sliding_window_view(x, -1, axis=1),
+    ),
     "astype dtype unknown": Case(getattr(np, "astype", None), lambda x: np.astype(x, "foo")),
     "quantile q above one": Case(np.quantile, lambda x: np.quantile(x, 1.5, axis=0)),
     "quantile method unknown": Case(

@@ -219,7 +219,8 @@ MISUSES: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
     "x.T < 0": (lambda x, y: x.T < 0, r"x.T <"),
     "-x.T": (lambda x, y: -x.T, r"neg\(x.T\)"),
     "x.T[0]": (lambda x, y: x.T[0], r"x\[:, 0\] for x.T\[0\]"),
-    "np.sum(x.T)": (lambda x, y: np.sum(x.T), r"np.sum\(x.T, \.\.\.\) is not"),
+    "np.cumsum(x.T)": (lambda x, y: np.cumsum(x.T), r"np.cumsum\(x.T, \.\.\.\) is not"),
+    "np.sum(x.T, axis=0)": (lambda x, y: np.sum(x.T, axis=0), r"keep its rows"),
     "np.exp(x.T)": (lambda x, y: np.exp(x.T), r"np.exp is not: apply it to x"),
     "np.add.reduce(x.T)": (lambda x, y: np.add.reduce(x.T), r"np.add.reduce"),
     "x.T.sum()": (lambda x, y: x.T.sum(), r"x.T.sum is not: use x.sum with the axes swapped"),
@@ -261,8 +262,22 @@ def test_transposes_that_are_not_x_T() -> None:
     assert x.transpose(0, 1, 2) is x
     total = x.sum(axis=0)  # an in-memory value transposes lazily
     np.testing.assert_array_equal(total.T.compute(), a.sum(axis=0).T)
-    with pytest.raises(TypeError, match=r"transposing the row axis of an array of shape"):
-        _ = x.T
+    moved = x.T  # the rows last: lazy in reductions over them, and transposed back
+    assert moved.shape == (2, 3, 4) and not hasattr(moved, "chunks")
+    assert moved.T is x and np.transpose(moved) is x
+    assert np.moveaxis(x.transpose(1, 2, 0), -1, 0) is x
+    np.testing.assert_array_equal(np.sum(moved, axis=-1).compute(), a.T.sum(axis=-1))
+    q = np.nanquantile(x.transpose(1, 2, 0), [0.1, 0.9], axis=(-1,))
+    np.testing.assert_array_equal(
+        q.compute(), np.nanquantile(a.transpose(1, 2, 0), [0.1, 0.9], axis=-1)
+    )
+    kept = np.mean(np.moveaxis(x, 0, 1), axis=1, keepdims=True)
+    np.testing.assert_allclose(kept.compute(), np.moveaxis(a, 0, 1).mean(axis=1, keepdims=True))
+    np.testing.assert_array_equal(np.moveaxis(x, 1, 2).compute(), np.moveaxis(a, 1, 2))
+    with pytest.raises(TypeError, match=r"np.sum over axes \(0,\) of the transpose"):
+        np.sum(moved, axis=0)
+    with pytest.raises(TypeError, match=r"x.T\[0\]"):
+        moved[0]
     with pytest.raises(ValueError, match="don't match"):
         x.transpose(0, 1)
 

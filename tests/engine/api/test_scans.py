@@ -198,7 +198,7 @@ def test_a_file_bigger_than_the_memory_limit_is_scanned_in_a_flat_budget(tmp_pat
         pytest.skip(f"the cgroup test helper is not importable: {exc}")
     if (reason := skip_reason()) is not None:
         pytest.skip(reason)
-    rows = (640 << 20) // 32  # 640 MB of float32 [rows, 8]
+    rows = (384 << 20) // 32  # 384 MB of float32 [rows, 8]
     src = tmp_path / "src.npy"
     data = np.lib.format.open_memmap(src, "w+", np.float32, (rows, 8))
     for start in range(0, rows, 1 << 20):
@@ -207,7 +207,7 @@ def test_a_file_bigger_than_the_memory_limit_is_scanned_in_a_flat_budget(tmp_pat
     data.flush()
     del data
     out = tmp_path / "out.npy"
-    limit = 320 << 20
+    limit = 192 << 20
     with memory_cgroup(limit) as cgroup:
         done = cgroup.run(
             [sys.executable, "-c", _CHILD, str(src), str(out)],
@@ -216,7 +216,8 @@ def test_a_file_bigger_than_the_memory_limit_is_scanned_in_a_flat_budget(tmp_pat
         )
         assert done.returncode == 0, (done.returncode, cgroup.oom_kills(), done.stderr[-2000:])
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert figures["peak"] < limit // 2, figures  # the file is 640 MB, the result too
+    # the file is 384 MB, the result too: the process held a fraction of either
+    assert figures["peak"] < min(limit, (rows * 32) // 3), figures
     got = np.load(out, mmap_mode="r")
     for start in (0, rows // 2, rows - 1000):
         k = np.arange(start, start + 1000) % 7  # each 7 rows add up to 0

@@ -26,6 +26,7 @@ from . import (
     scans,
     sort,
     stacking,
+    windows,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "scans",
     "sort",
     "stacking",
+    "windows",
 ]

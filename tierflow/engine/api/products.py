@@ -69,31 +69,57 @@ class CoMomentSpec(specs.ReduceSpec):
         return f"cov(rowvar=False, ddof={self.ddof})"
 
 
+class TransposeError(TypeError, AttributeError):
+    """A use of a transposed chunked array that is not lazy. An AttributeError too, so
+    that ``hasattr(x.T, name)`` is False, as duck-typing libraries (xarray) ask it."""
+
+
 def _refuse(what: str, instead: str) -> NoReturn:
-    raise TypeError(
+    raise TransposeError(
         f"x.T is only lazy as the left operand of @ (np.matmul, np.dot) with an array of the "
-        f"same rows, as in x.T @ y or x.T @ x; {what} is not: {instead}"
+        f"same rows, as in x.T @ y or x.T @ x, or reduced over the rows it moved (np.sum, "
+        f"np.nanquantile... with that axis); {what} is not: {instead}"
     )
 
 
+# Functions of one array that reduce over ``axis``: on a transpose that moved the rows,
+# run on the array itself over the same axes, the result's axes put in the transpose's
+# order (xarray's quantile moves the reduced dimension last, then reduces it).
+_REDUCING = frozenset(
+    getattr(np, name)
+    for name in (
+        "sum", "prod", "mean", "std", "var", "min", "max", "amin", "amax", "any", "all",
+        "nansum", "nanprod", "nanmean", "nanstd", "nanvar", "nanmin", "nanmax",
+        "median", "nanmedian", "quantile", "nanquantile", "percentile", "nanpercentile",
+        "count_nonzero", "argmin", "argmax", "nanargmin", "nanargmax",
+    )
+)  # fmt: skip
+
+
 class Transposed:
-    """``x.T`` of a chunked ``(N, k)`` array: valid only as ``x.T @ y`` (see the module
-    docstring). ``shape``, ``ndim`` and ``dtype`` are the transpose's; ``.T`` is ``x``."""
+    """A chunked array with its axes in another order where the row axis is not first:
+    ``x.T`` of an ``(N, k)`` array, or ``x.transpose(1, 2, 0)``. Lazy as ``x.T @ y``, in
+    a reduction over the axis the rows moved to (and any others:
+    ``np.nanquantile(x.transpose(1, 2, 0), q, axis=-1)`` is ``np.nanquantile(x, q,
+    axis=0)`` with its axes in the transpose's order), and transposed back; every other
+    use says what to write (see the module docstring). ``shape``, ``ndim`` and
+    ``dtype`` are the transpose's; ``.T`` of a 2-D one is ``x``."""
 
     __array_priority__ = 100
 
-    def __init__(self, array: Array) -> None:
+    def __init__(self, array: Array, order: tuple[int, ...] | None = None) -> None:
         self._array = array
+        self._order = tuple(reversed(range(array.ndim))) if order is None else tuple(order)
 
     @property
-    def T(self) -> Array:
-        """The array this is the transpose of."""
-        return self._array
+    def T(self) -> Any:
+        """The transpose of this (the array itself for a 2-D ``x.T``)."""
+        return self.transpose()
 
     @property
     def shape(self) -> tuple[int | None, ...]:
         """The transposed shape (``None`` for an unknown row count)."""
-        return tuple(reversed(self._array.shape))
+        return tuple(self._array.shape[k] for k in self._order)
 
     @property
     def ndim(self) -> int:
@@ -109,10 +135,48 @@ class Transposed:
         return f"<transpose of {self._array!r}: lazy only as x.T @ y>"
 
     def transpose(self, *axes: Any) -> Any:
-        """``x.T.transpose()`` is ``x``."""
-        if axes in ((), (None,), ((1, 0),), (1, 0)):
-            return self._array
-        _refuse(f"x.T.transpose{axes}", "transpose x itself")
+        """The axes in another order: the array itself, or a transpose of it."""
+        if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
+            axes = () if axes[0] is None else tuple(axes[0])
+        if not axes:
+            axes = tuple(reversed(range(self.ndim)))
+        np.transpose(np.empty((0,) * self.ndim), axes)  # NumPy's errors for the axes
+        order = tuple(self._order[operator.index(a) % self.ndim] for a in axes)
+        return transpose(self._array, order)
+
+    def _reduce(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """``func`` reducing this transpose: on the array, then the result's axes put
+        in this transpose's order (see the class docstring)."""
+        import inspect
+
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        first = next(iter(bound.arguments))
+        axis = bound.arguments.get("axis")
+        ndim = self.ndim
+        given: tuple[Any, ...] = (
+            tuple(range(ndim)) if axis is None else ((axis,) if np.isscalar(axis) else tuple(axis))
+        )
+        axes = tuple(operator.index(a) % ndim for a in given)
+        mine = tuple(self._order[a] for a in axes)
+        if 0 not in mine:
+            _refuse(
+                f"np.{func.__name__} over axes {axes} of the transpose, which keep its rows",
+                "reduce x over those axes, then transpose",
+            )
+        bound.arguments[first] = self._array
+        if axis is not None:
+            bound.arguments["axis"] = mine if not np.isscalar(axis) else mine[0]
+        result = func(*bound.args, **bound.kwargs)
+        if axis is None and not bound.arguments.get("keepdims", False):
+            return result
+        if bound.arguments.get("keepdims", False):
+            kept = list(self._order)
+        else:
+            rest = [k for k in range(ndim) if k not in mine]
+            kept = [rest.index(self._order[v]) for v in range(ndim) if v not in axes]
+        extra = np.ndim(result) - len(kept)  # a quantile's axis, first
+        order = (*range(extra), *(extra + k for k in kept))
+        return np.transpose(result, order) if order != tuple(range(len(order))) else result
 
     # -- the one valid use ----------------------------------------------------------
 
@@ -147,6 +211,10 @@ class Transposed:
             self.__rmatmul__(args[0])
         if func is np.transpose:
             return self.transpose(*(a for a in args[1:] if a is not None), *kwargs.values())
+        if func is np.moveaxis:
+            return self.transpose(_moved(self.ndim, *args[1:], **kwargs))
+        if func in _REDUCING:
+            return self._reduce(func, args, kwargs)
         _refuse(
             f"np.{name}(x.T, ...)",
             "call it on x with the axes swapped (x.T's axis 0 is x's axis 1), or compute() first",
@@ -236,13 +304,22 @@ def transpose(array: Array, axes: Any = None) -> Any:
             row_shape=row_shape,
             axes=(0, *(a + 1 for a in row_order)),
         )
-    if ndim == 2:
-        return Transposed(array)
-    raise TypeError(
-        f"transposing the row axis of an array of shape {build.describe_shape(array.shape)} is not "
-        "lazy (only a 2-D x.T, as the left operand of @, is); keep axis 0 first, or compute() "
-        "first"
-    )
+    return Transposed(array, order)
+
+
+def _moved(ndim: int, source: Any, destination: Any) -> tuple[int, ...]:
+    """The axes order of ``np.moveaxis(a, source, destination)`` for ``a`` of ``ndim``
+    axes: NumPy's own (and its errors), on a stand-in whose axis ``k`` has length
+    ``k + 2`` and no values."""
+    standin = np.broadcast_to(np.empty(()), tuple(range(2, ndim + 2)))
+    return tuple(n - 2 for n in np.moveaxis(standin, source, destination).shape)
+
+
+@dispatch.implements(np.moveaxis)
+def moveaxis(a: Any, source: Any, destination: Any) -> Any:
+    """``np.moveaxis``: lazy as the transpose it is (``x.transpose(order)``)."""
+    array = from_array(a)
+    return transpose(array, _moved(array.ndim, source, destination))
 
 
 def _refuse_other_rows(x: Chunked, y: Chunked) -> None:
