@@ -13,9 +13,8 @@ give datasets whose variables are lazy tierflow arrays, and ``.compute()``,
 **Blocks along the first axis only.** tierflow cuts arrays into row blocks; trailing
 axes are whole in every block. :meth:`TierflowManager.normalize_chunks` keeps the
 chunks asked along each variable's first axis and makes every other axis one chunk;
-a request to chunk a trailing axis is merged, with one warning that says why. A
-variable whose chunked dimension is not its first axis is refused by xarray's own
-``transpose`` advice: the error names the variable and the transpose to write.
+a request to chunk a trailing axis (a dimension that is not the variable's first) is
+merged, with one warning that says why and to transpose that dimension to the front.
 
 See docs/xarray.md for the workflows and what is refused.
 """
