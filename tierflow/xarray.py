@@ -232,7 +232,7 @@ class TierflowManager(ChunkManagerEntrypoint[Any]):
         if not arrays:
             return func(*args, **kwargs)
         first = arrays[0]
-        core = len(ins[args.index(first)])
+        core = len(ins[next(k for k, a in enumerate(args) if a is first)])
         if first.ndim - core < 1:
             raise ValueError(
                 f"apply_gufunc: {signature}: the core dimensions take every axis of an "
