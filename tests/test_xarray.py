@@ -3,8 +3,10 @@ the first axis, and labelled workflows that match xarray over NumPy."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -28,6 +30,14 @@ def climate(days: int = 400, seed: int = 0) -> xr.Dataset:
         },
         coords={"time": time, "lat": np.linspace(-50, 50, 6), "lon": np.linspace(0, 350, 8)},
     )
+
+
+def filled(values: np.ndarray, limit: int | None = None, backward: bool = False) -> np.ndarray:
+    """Forward (or backward) fills along the first axis by pandas: xarray's own needs
+    bottleneck or numbagg."""
+    flat = pd.DataFrame(values.reshape(len(values), -1))
+    flat = flat.bfill(limit=limit) if backward else flat.ffill(limit=limit)
+    return flat.to_numpy().reshape(values.shape)
 
 
 @pytest.fixture
@@ -72,6 +82,32 @@ def test_chunks_run_along_the_first_axis_only() -> None:
         manager.normalize_chunks(((500, 400), -1, -1), shape)
 
 
+def test_chunking_a_dimension_that_is_not_first_is_refused_with_the_transpose(
+    tmp_path: Path,
+) -> None:
+    ds = climate(days=60)
+    ds["tl"] = ds.tas.transpose("lat", "time", "lon")  # time second
+    with pytest.raises(ValueError) as refused:
+        ds.chunk({"time": 10}, chunked_array_type="tierflow")
+    text = str(refused.value)
+    assert "variable 'tl' ('lat', 'time', 'lon')" in text
+    assert "ds['tl'].transpose('time', ...)" in text
+    with pytest.raises(ValueError, match=r"da\.transpose\('time', \.\.\.\)"):
+        ds.tl.chunk({"time": 10}, chunked_array_type="tierflow")
+    # the transpose written as the error says runs, and matches
+    fixed = ds.transpose("time", ...).chunk({"time": 10}, chunked_array_type="tierflow")
+    assert fixed.tl.data.chunks[0] == (10,) * 6
+    np.testing.assert_allclose(fixed.tl.mean("time").values, ds.tl.mean("time").values, 1e-6)
+    # stored chunks along lat and time: asking time (second) only is refused as well
+    path = tmp_path / "lat-first.zarr"
+    ds[["tl"]].to_zarr(path, encoding={"tl": {"chunks": (3, 20, 8)}}, consolidated=False)
+    with pytest.raises(ValueError, match="variable 'tl'"):
+        open_tierflow(path, time=30)
+    opened = xr.open_zarr(path, chunked_array_type="tierflow", chunks={}, consolidated=False)
+    assert opened.tl.data.chunks[0] == (3, 3)  # in blocks of its first axis, as stored
+    np.testing.assert_allclose(opened.tl.mean("time").values, ds.tl.mean("time").values, 1e-6)
+
+
 def test_a_zarr_dataset_opens_lazily_in_row_blocks(stored: tuple[xr.Dataset, Path]) -> None:
     _, path = stored
     ds = open_tierflow(path, time=100)
@@ -80,19 +116,62 @@ def test_a_zarr_dataset_opens_lazily_in_row_blocks(stored: tuple[xr.Dataset, Pat
     assert ds.chunks == {"time": (100, 100, 100, 100), "lat": (6,), "lon": (8,)}
 
 
-@pytest.mark.parametrize("executor", ["threads", "processes"])
-def test_reductions_over_time_match_xarray_over_numpy(
-    stored: tuple[xr.Dataset, Path], executor: str
+def _workflows(lazy: xr.Dataset, out: Path) -> dict[str, tuple[xr.DataArray | xr.Dataset, Any]]:
+    """Each workflow of docs/xarray.md on ``lazy``: its result, and how to make the
+    yardstick from the same dataset in memory."""
+
+    def log1p(a: np.ndarray) -> np.ndarray:
+        return np.log1p(np.clip(a, 0, 5))
+
+    (lazy - lazy.mean("time")).to_zarr(out, consolidated=False)
+    return {
+        "mean": (lazy.tas.mean("time"), lambda d: d.tas.mean("time")),
+        "std": (lazy.tas.std("time"), lambda d: d.tas.std("time")),
+        "quantile": (
+            lazy.tas.quantile([0.1, 0.9], dim="time"),
+            lambda d: d.tas.quantile([0.1, 0.9], dim="time"),
+        ),
+        "anomalies": (
+            xr.open_zarr(out, consolidated=False),
+            lambda d: (d.astype("f8") - d.astype("f8").mean("time")).astype("f4"),
+        ),
+        "monthly": (lazy.groupby("time.month").mean(), lambda d: d.groupby("time.month").mean()),
+        "resample": (lazy.resample(time="1MS").mean(), lambda d: d.resample(time="1MS").mean()),
+        "rolling": (lazy.tas.rolling(time=7).mean(), lambda d: d.tas.rolling(time=7).mean()),
+        "ffill": (
+            lazy.tas.where(lazy.pr > 1).tierflow.ffill("time"),
+            lambda d: d.tas.where(d.pr > 1).copy(data=filled(d.tas.where(d.pr > 1).values)),
+        ),
+        "apply_ufunc": (
+            xr.apply_ufunc(log1p, lazy.pr, dask="parallelized", output_dtypes=[np.float32]),
+            lambda d: xr.apply_ufunc(log1p, d.pr),
+        ),
+        "where": (
+            lazy.tas.where(lazy.pr > 2).mean("time"),
+            lambda d: d.tas.where(d.pr > 2).mean("time"),
+        ),
+    }
+
+
+@pytest.mark.parametrize("executor", ["threads", "processes", "dask"])
+def test_every_workflow_matches_xarray_over_numpy_on_each_executor(
+    stored: tuple[xr.Dataset, Path], tmp_path: Path, executor: str, request: pytest.FixtureRequest
 ) -> None:
     ds, path = stored
-    lazy = open_tierflow(path)
-    with tw.use_executor(executor):
-        mean, std = xr.broadcast(lazy.tas.mean("time"), lazy.tas.std("time"))
-        got_mean, got_std = mean.compute(), std.compute()
-        masked = lazy.tas.where(lazy.pr > 2).mean("time").compute()
-    xr.testing.assert_allclose(got_mean, ds.tas.mean("time"), rtol=1e-6)
-    xr.testing.assert_allclose(got_std, ds.tas.std("time"), rtol=1e-5)
-    xr.testing.assert_allclose(masked, ds.tas.where(ds.pr > 2).mean("time"), rtol=1e-6)
+    watch = contextlib.nullcontext()
+    if executor == "dask":  # on the session's LocalCluster, whose task stream shows it
+        from distributed import get_task_stream
+
+        watch = get_task_stream(request.getfixturevalue("dask_client"))
+    with tw.use_executor(executor), watch as tasks:
+        cases = _workflows(open_tierflow(path, time=100), tmp_path / "anomalies.zarr")
+        for name, (got, expected) in cases.items():
+            assert got.chunks, f"{name}: the result is lazy"
+            xr.testing.assert_allclose(
+                got.compute(), expected(ds), rtol=1e-5, atol=3e-5 if name == "anomalies" else 0
+            )
+    if executor == "dask":
+        assert len(tasks.data) >= len(cases), "the blocks ran on the cluster's workers"
 
 
 def test_anomalies_are_written_back_with_to_zarr(
@@ -107,6 +186,22 @@ def test_anomalies_are_written_back_with_to_zarr(
     exact = ds.astype("f8") - ds.astype("f8").mean("time")
     xr.testing.assert_allclose(back.astype("f8"), exact, atol=3e-5, rtol=0)
     assert all(back[v].dtype == np.float32 for v in back.data_vars)
+
+
+def test_a_netcdf_file_opens_lazily_with_open_dataset(tmp_path: Path) -> None:
+    pytest.importorskip("h5netcdf")
+    ds = climate(days=120)
+    path = tmp_path / "climate.nc"
+    ds.to_netcdf(path, engine="h5netcdf")
+    with xr.open_dataset(
+        path, engine="h5netcdf", chunked_array_type="tierflow", chunks={"time": 32}
+    ) as lazy:
+        assert isinstance(lazy.tas.data, tw.Array)
+        assert lazy.tas.data.chunks[0] == (32, 32, 32, 24)
+        with tw.use_executor("processes"):  # the workers open the file themselves
+            got = (lazy.tas - lazy.tas.mean("time")).compute()
+        exact = ds.tas.astype("f8") - ds.tas.astype("f8").mean("time")
+        xr.testing.assert_allclose(got.astype("f8"), exact, atol=3e-5, rtol=0)
 
 
 def test_to_zarr_into_a_region_and_appending_along_time(
@@ -131,6 +226,11 @@ def test_to_zarr_into_a_region_and_appending_along_time(
     xr.testing.assert_allclose(back.isel(time=slice(100, 300)), ds.isel(time=slice(100, 300)) * 2)
     xr.testing.assert_identical(back.isel(time=slice(0, 100)), ds.isel(time=slice(0, 100)))
     xr.testing.assert_identical(back.isel(time=slice(300, 400)), ds.isel(time=slice(300, 400)))
+    # written into the store it reads: refused (blocks read rows others replace), untouched
+    rolled = lazy[["tas"]].rolling(time=3, min_periods=1).mean().drop_vars(["lat", "lon"])
+    with pytest.raises(ValueError, match=r"the source reads .* which holds the target"):
+        rolled.to_zarr(path, region={"time": slice(0, 400)}, consolidated=False, safe_chunks=False)
+    xr.testing.assert_identical(xr.open_zarr(path, consolidated=False).load(), ds)
 
 
 def test_chunk_with_chunked_array_type_and_apply_ufunc_parallelized() -> None:
@@ -255,6 +355,33 @@ def test_mixing_tierflow_and_dask_arrays_is_refused_by_xarray() -> None:
         get_chunked_array_type(da.from_array(np.arange(3.0), chunks=(1,)), lazy)
 
 
+def test_dask_is_chosen_unless_tierflow_is_named() -> None:
+    """As xarray's test_choose_dask_over_other_chunkmanagers: with both installed, an
+    unnamed chunk manager is dask's (hence ``chunked_array_type="tierflow"``)."""
+    pytest.importorskip("dask.array")
+    from xarray.namedarray.daskmanager import DaskManager
+    from xarray.namedarray.parallelcompat import guess_chunkmanager
+
+    assert isinstance(guess_chunkmanager(None), DaskManager)
+    assert isinstance(guess_chunkmanager("tierflow"), TierflowManager)
+
+
+def test_without_the_entry_point_a_tierflow_array_is_not_recognised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As xarray's test_raise_if_no_matching_chunkmanagers and
+    test_no_chunk_manager_available: what xarray says where tierflow's entry point was
+    not installed."""
+    from xarray.namedarray import parallelcompat
+
+    lazy = tw.from_array(np.arange(3.0), rows=1)
+    monkeypatch.setattr(parallelcompat, "list_chunkmanagers", dict)
+    with pytest.raises(TypeError, match=r"Could not find a Chunk Manager .* missing dependency"):
+        parallelcompat.get_chunked_array_type(lazy)
+    with pytest.raises(ImportError, match="no chunk managers available"):
+        parallelcompat.guess_chunkmanager("tierflow")
+
+
 def test_a_broken_entry_point_is_a_warning_not_an_error() -> None:
     from importlib.metadata import EntryPoint
 
@@ -299,11 +426,6 @@ def test_fills_along_time_through_the_accessor() -> None:
     holes = np.random.default_rng(2).random(ds.tas.shape) > 0.4
     ds["tas"] = ds.tas.where(holes)
     lazy = ds.chunk({"time": 32}, chunked_array_type="tierflow")
-
-    def filled(values: np.ndarray, limit: int | None, backward: bool) -> np.ndarray:
-        flat = pd.DataFrame(values.reshape(len(values), -1))
-        flat = flat.bfill(limit=limit) if backward else flat.ffill(limit=limit)
-        return flat.to_numpy().reshape(values.shape)
 
     for backward, limit in ((False, None), (False, 3), (True, None), (True, 1)):
         fill = lazy.tierflow.bfill if backward else lazy.tierflow.ffill

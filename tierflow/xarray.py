@@ -13,8 +13,10 @@ give datasets whose variables are lazy tierflow arrays, and ``.compute()``,
 **Blocks along the first axis only.** tierflow cuts arrays into row blocks; trailing
 axes are whole in every block. :meth:`TierflowManager.normalize_chunks` keeps the
 chunks asked along each variable's first axis and makes every other axis one chunk;
-a request to chunk a trailing axis (a dimension that is not the variable's first) is
-merged, with one warning that says why and to transpose that dimension to the front.
+a request to chunk a trailing axis as well as the first is merged, with one warning
+that says why. A request that cuts only a trailing axis (``{"time": 100}`` on a
+``(lat, time)`` variable) is refused with an error naming the variable and the
+transpose to write: merged, the variable would be one block.
 
 See docs/xarray.md for the workflows and what is refused.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -72,7 +75,8 @@ class TierflowManager(ChunkManagerEntrypoint[Any]):
         """Chunks along the first axis as asked (a number of rows, each block's rows,
         ``"auto"``, -1 or None for one block), every other axis whole. A trailing axis
         asked in pieces other than those stored (``previous_chunks``) is merged, with one
-        warning."""
+        warning, where the first axis is asked in pieces too; where it is not, the
+        request is refused (a ValueError naming the variable and its transpose)."""
         if shape is None:
             raise ValueError("normalize_chunks needs the array's shape")
         shape = tuple(int(n) for n in shape)
@@ -96,10 +100,18 @@ class TierflowManager(ChunkManagerEntrypoint[Any]):
         itemsize = np.dtype(dtype).itemsize if dtype is not None else 8
         row_bytes = itemsize * math.prod(shape[1:])
         rows = _row_sizes(chunks[0], shape[0], row_bytes, previous[0])
-        for axis in range(1, len(shape)):
+        cut = [
+            axis
+            for axis in range(1, len(shape))
+            if not _whole(chunks[axis], shape[axis]) and not _same(chunks[axis], previous[axis])
+        ]
+        first_cut = chunks[0] == "auto" or not (
+            _whole(chunks[0], shape[0]) or _same(chunks[0], previous[0])
+        )
+        if cut and not first_cut:
+            raise ValueError(_not_first(shape, cut[0], chunks[cut[0]]))
+        for axis in cut:
             asked = chunks[axis]
-            if _whole(asked, shape[axis]) or _same(asked, previous[axis]):
-                continue
             _warn_once(
                 f"trailing{axis}",
                 f"tierflow cuts arrays into blocks along their first axis only: the chunks "
@@ -408,6 +420,46 @@ def _whole(asked: Any, length: int) -> bool:
     if isinstance(asked, (tuple, list)):
         return tuple(int(c) for c in asked) == (length,)
     return isinstance(asked, numbers.Integral) and int(asked) >= length
+
+
+def _not_first(shape: tuple[int, ...], axis: int, asked: Any) -> str:
+    """The refusal of chunks that cut only axis ``axis`` of an array, not its first: it
+    names the variable and the transpose to write where xarray's frames above say
+    which (the chunk manager is handed neither)."""
+    name, dims = _chunking_variable()
+    if dims is None or len(dims) != len(shape):
+        what, dim, first = f"an array of shape {shape}", f"axis {axis}", "axis 0"
+        fix = f"np.moveaxis(data, {axis}, 0) (or xarray's .transpose(dim, ...))"
+    else:
+        dim, first = repr(dims[axis]), repr(dims[0])
+        if isinstance(name, str):  # a DataArray's own chunk passes a placeholder name
+            what = f"variable {name!r} {dims}"
+            fix = f"ds[{name!r}].transpose({dim}, ...) (or ds.transpose({dim}, ...))"
+        else:
+            what, fix = f"an array {dims}", f"da.transpose({dim}, ...)"
+    return (
+        f"{what}: the chunks asked ({asked!r}) cut {dim}, which is not its first axis. "
+        f"tierflow cuts blocks along the first axis only ({first}), so it "
+        f"would be one block. Transpose first, then chunk: {fix}"
+    )
+
+
+def _chunking_variable() -> tuple[Any, Any]:
+    """The name and dimensions of the variable xarray is chunking, read off its
+    ``_maybe_chunk``, ``_chunk_ds`` (opening a dataset) or ``chunk`` frame further up
+    the stack; (None, None) when none."""
+    frame = sys._getframe(1)
+    dims = None
+    for _ in range(16):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            break
+        local = frame.f_locals
+        if dims is None and frame.f_code.co_name == "chunk" and hasattr(local.get("self"), "dims"):
+            dims = tuple(local["self"].dims)
+        if frame.f_code.co_name in ("_maybe_chunk", "_chunk_ds") and "var" in local:
+            return local.get("name"), tuple(local["var"].dims)
+    return None, dims
 
 
 def _same(asked: Any, stored: Any) -> bool:

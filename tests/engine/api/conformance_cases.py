@@ -672,6 +672,24 @@ def _moveaxis(p: Point, o: Operands) -> list[Call]:
     return out
 
 
+@case("np.flip")
+def _flip(p: Point, o: Operands) -> list[Call]:
+    out = [
+        Call("every axis", lambda o: np.flip(o.x)),
+        Call("the rows", lambda o: np.flip(o.x, 0)),
+        Call("axis 5", lambda o: np.flip(o.x, 5), refused=np.exceptions.AxisError),
+    ]
+    if p.ndim == 2:
+        out.append(Call("the last axis", lambda o: np.flip(o.x, -1)))
+        out.append(Call("reversed twice, summed", lambda o: np.sum(np.flip(np.flip(o.x, 0)), 0)))
+    return out
+
+
+@case("np.flipud")
+def _flipud(p: Point, o: Operands) -> list[Call]:
+    return [Call("the rows", lambda o: np.flipud(o.x))]
+
+
 @case("np.lib.stride_tricks.sliding_window_view")
 def _windows(p: Point, o: Operands) -> list[Call]:
     view = np.lib.stride_tricks.sliding_window_view

@@ -96,6 +96,9 @@ CASES: dict[str, Case] = {
     "pad widths negative": Case(np.pad, lambda x: np.pad(x, -1)),
     "moveaxis source out of range": Case(np.moveaxis, lambda x: np.moveaxis(x, 5, 0)),
     "pad mode unknown": Case(np.pad, lambda x: np.pad(x, 1, mode="bogus")),
+    "flip axis out of range": Case(np.flip, lambda x: np.flip(x, 7)),
+    "flip axis twice": Case(np.flip, lambda x: np.flip(x, (0, 0))),
+    "flipud of a 0-d array": Case(np.flipud, lambda x: np.flipud(x.sum())),
     "sliding_window_view window negative": Case(
         np.lib.stride_tricks.sliding_window_view,
         lambda x: np.lib.stride_tricks.sliding_window_view(x, -1, axis=1),

@@ -132,6 +132,8 @@ CALLS: dict[Any, Callable[[Any], Any]] = {
     np.result_type: lambda a: np.result_type(a, np.float32),
     np.pad: lambda a: np.pad(a, [(2, 1), (0, 0)], constant_values=1),
     np.moveaxis: lambda a: np.sum(np.moveaxis(a, 0, 1), axis=1),
+    np.flip: lambda a: np.flip(a, 0),
+    np.flipud: lambda a: np.flipud(a),
     np.lib.stride_tricks.sliding_window_view: lambda a: np.lib.stride_tricks.sliding_window_view(
         a, 1, axis=0
     ),

@@ -113,3 +113,33 @@ def test_store_says_what_does_not_fit(tmp_path: Path) -> None:
     tw.store(x, target, (slice(5, 15),))
     np.testing.assert_array_equal(target[5:15], 1.0)
     assert (target[:5] == 0).all() and (target[15:] == 0).all()
+
+
+@pytest.mark.executors("threads")
+def test_store_refuses_a_source_that_reads_its_target(tmp_path: Path) -> None:
+    """Written in place while other blocks read it (a shift, a window over neighbours),
+    the answer would depend on the order the blocks ran: refused, the target untouched."""
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "t.zarr"
+    target = zarr.create_array(path, shape=(100, 2), chunks=(10, 2), dtype="f8")
+    values = np.arange(200.0).reshape(100, 2)
+    target[:] = values
+    again = zarr.open_array(path, mode="r+")  # another object over the same array
+    shifted = tw.from_array(again, rows=10)[1:]
+    with pytest.raises(ValueError, match=r"the source reads .* which holds the target"):
+        tw.store(shifted, target, (slice(0, 99),))
+    with pytest.raises(ValueError, match="which holds the target"):
+        tw.store(tw.from_zarr(path)[1:] + 1, target, (slice(0, 99),))  # tierflow's reader
+    np.testing.assert_array_equal(target[:], values)  # nothing was written
+    # another array beside it in the same folder is fine
+    other = zarr.create_array(tmp_path / "o.zarr", shape=(99, 2), chunks=(10, 2), dtype="f8")
+    tw.store(shifted, other)
+    np.testing.assert_array_equal(other[:], values[1:])
+    # an HDF5 dataset read and written, and a memory-mapped file
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        d = f.create_dataset("d", data=values)
+        with pytest.raises(ValueError, match="which holds the target"):
+            tw.store(tw.from_array(d, rows=10)[::-1], d)
+    mm = np.lib.format.open_memmap(tmp_path / "m.npy", "w+", np.float64, (100, 2))
+    with pytest.raises(ValueError, match="which holds the target"):
+        tw.store(tw.from_npy(tmp_path / "m.npy")[::-1], mm)

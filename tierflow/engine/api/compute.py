@@ -22,7 +22,7 @@ from .. import graph
 from ..gpu.offload import check
 from ..graph import Chunked, blocksize
 from ..io.destination import check_npy, install_file, local_path, sweep_temps, temp_file
-from ..io.indexed import RegionSink
+from ..io.indexed import RegionSink, place, places_read
 from ..io.memory import ArrayReader, ArraySink
 from ..io.npy import NpySink
 from ..io.zarr import ZarrSink
@@ -252,7 +252,10 @@ def store(
     region's first row, so no two tasks write parts of one stored chunk. ``lock``, when
     given, is held around each write (a netCDF target's). Nothing outside the regions
     is written; a failed compute leaves the rows written so far. ``compute=False`` is
-    refused (there is no delayed result to hand back). Options as :func:`compute`."""
+    refused (there is no delayed result to hand back), and so is a source that reads
+    its own target (the same Zarr array, HDF5 dataset or memory-mapped file: written in
+    place, a block could read rows another block replaced). Options as
+    :func:`compute`."""
     _check_options("store", options)
     if not compute:
         raise ValueError(
@@ -287,11 +290,38 @@ def store(
                 "or count it first: x = x.rechunk('auto'); len(x)"
             )
         row0, trailing = _region(node, target, region)
+        _refuse_reading_the_target(node, target)
         align = _stored_rows(target)
         node = _cut_on(node, row0, align)
         found.append(Target(node, RegionSink(node, target, row0, trailing, align, lock)))
     if found:
         run(found, RunOptions(**options))
+
+
+def _refuse_reading_the_target(node: Chunked, target: Any) -> None:
+    """Refuse a source that reads the array ``store`` writes: its blocks are written in
+    place while others still read (a shift, a window over neighbouring rows, a retry
+    after a block was written would read rows already replaced), so the answer could
+    be wrong."""
+    where = place(target)
+    if where is None:
+        return
+    for leaf in graph.walk([node]):
+        reader = getattr(leaf, "reader", None)
+        if reader is None:
+            continue
+        for read in places_read(reader):
+            if (
+                read == where
+                or read.startswith((where + "/", where + "::"))
+                or where.startswith((read + "/", read + "::"))
+            ):
+                raise ValueError(
+                    f"store: the source reads {read}, which holds the target it would write "
+                    f"({where}); rows written in place could be read again by another block, "
+                    "giving a wrong answer. Write to a new array and swap it in, or compute "
+                    "the source first where it fits in memory (np.asarray)"
+                )
 
 
 def _region(node: Chunked, target: Any, region: Any) -> tuple[int, tuple[slice, ...]]:

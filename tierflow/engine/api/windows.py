@@ -1,5 +1,6 @@
-"""Padding and windows along the rows, lazily: ``np.pad`` and
-``np.lib.stride_tricks.sliding_window_view`` (what xarray's ``rolling`` runs).
+"""Padding, windows and reversal along the rows, lazily: ``np.pad``,
+``np.lib.stride_tricks.sliding_window_view`` (what xarray's ``rolling`` runs) and
+``np.flip`` (what xarray's ``bfill`` runs around its fill).
 
 ``np.pad`` along the rows puts the padding rows before and after the array's blocks
 (a small block of the constant, or slices of the array's own first and last rows for
@@ -7,7 +8,8 @@
 block. ``sliding_window_view`` along the rows is a :meth:`map_overlap
 <tierflow.engine.api.array.Array.map_overlap>` with ``window - 1`` rows after each
 block: a row of the result is its window, a new last axis; along a trailing axis it is
-NumPy's own on each block.
+NumPy's own on each block. ``np.flip`` is a slice with step -1 on each axis it flips
+(the rows: the blocks read in reverse order, each reversed).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import numpy as np
 
 from ..graph import Chunked, Value
 from . import build, dispatch
+from .blockwise import axes
 from .creation import from_array
 
 if TYPE_CHECKING:
     from .array import Array
 
-__all__ = ["pad", "sliding_window_view"]
+__all__ = ["flip", "flipud", "pad", "sliding_window_view"]
 
 _BY_ROWS = ("edge", "reflect", "symmetric", "wrap")  # modes that copy the array's own rows
 
@@ -99,6 +102,25 @@ def _rows(x: Array, count: int, mode: str, kwargs: dict[str, Any], first: bool) 
     if first:
         return x[start : start + count][::-1]
     return x[n - count - start : n - start][::-1]
+
+
+@dispatch.implements(np.flip)
+def flip(m: Any, axis: Any = None) -> Array:
+    """``np.flip``: ``m[::-1]`` along each axis in ``axis`` (None: every axis)."""
+    x = from_array(m)
+    flipped = axes(axis, x.ndim)  # NumPy's AxisError, a 0-d array's too
+    if not flipped:
+        return x
+    return x[tuple(slice(None, None, -1) if a in flipped else slice(None) for a in range(x.ndim))]
+
+
+@dispatch.implements(np.flipud)
+def flipud(m: Any) -> Array:
+    """``np.flipud``: the rows in reverse order."""
+    x = from_array(m)
+    if x.ndim < 1:
+        raise ValueError("Input must be >= 1-d.")
+    return flip(x, 0)
 
 
 @dispatch.implements(np.lib.stride_tricks.sliding_window_view)

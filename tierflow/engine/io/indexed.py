@@ -10,6 +10,7 @@ share nothing in the cache, and a result is never taken for another object's.
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from ...errors import SourceError
 from .readers import Reader
 
-__all__ = ["IndexedReader", "RegionRows", "RegionSink"]
+__all__ = ["IndexedReader", "RegionRows", "RegionSink", "place", "places_read"]
 
 
 class IndexedReader(Reader):
@@ -134,3 +135,38 @@ class RegionSink:
 
     def abort(self) -> None:
         return None
+
+
+def place(obj: Any) -> str | None:
+    """Where an array-like object's values are stored, as a string that two objects over
+    the same stored array share: a Zarr array's folder (or its store's URL), an HDF5
+    dataset's file and name, a memory-mapped file; through xarray's lazily indexed
+    wrappers. None where it is not known (an array in memory)."""
+    for _ in range(16):  # xarray's adapters hold the array they index as .array/._array
+        inner = next((getattr(obj, a) for a in ("array", "_array") if hasattr(obj, a)), None)
+        if inner is None or inner is obj:
+            break
+        obj = inner
+    store_path = getattr(obj, "store_path", None)  # a Zarr array
+    if store_path is not None:
+        root = getattr(store_path.store, "root", None)
+        if root is not None:
+            return os.path.join(os.path.realpath(root), str(store_path.path)).rstrip("/")
+        return str(store_path).rstrip("/")
+    filename = getattr(getattr(obj, "file", None), "filename", None)  # an h5py dataset
+    if isinstance(filename, str) and isinstance(getattr(obj, "name", None), str):
+        return f"{os.path.realpath(filename)}::{obj.name}"
+    if isinstance(obj, np.memmap) and obj.filename:
+        return os.path.realpath(obj.filename)
+    return None
+
+
+def places_read(reader: Any) -> list[str]:
+    """The places (:func:`place`) and files a source's reader reads."""
+    found = [os.path.realpath(f) for f in getattr(reader, "files", list)()]
+    if isinstance(reader, IndexedReader):
+        found.append(place(reader.obj) or "")
+    url = getattr(reader, "url", None)
+    if isinstance(url, str):
+        found.append(url if "://" in url else os.path.realpath(url))
+    return [f for f in found if f]
