@@ -17,6 +17,7 @@ doubles as a context manager that restores the previous values:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -49,7 +50,8 @@ DEFAULTS: dict[str, Any] = {
     "store_dir": "~/.tierflow/store",  # folder under which named stores live
     "cache": None,  # store (name or path) every compute caches in; None = none; "1" = "cache"
     "proc_root": "/",  # root under which /proc and /sys/fs/cgroup are read (tests fake it)
-    "shared_dir": None,  # folder every cluster worker sees; None = the spill folder on one host
+    "shared_dir": None,  # folder every cluster worker sees, or an fsspec URL; None = the spill folder on one host
+    "shared_options": None,  # fsspec storage_options of a shared_dir URL (endpoint, credentials)
     "gpu_margin": None,  # bytes left free on each GPU; None = max(256 MB, 10 % of its total)
     "gpu_slots": 2,  # device tasks that run at once on each GPU (one CUDA stream each)
     "device": "cpu",  # where fused operators and reductions run: cpu, auto, cuda, cuda:N
@@ -65,6 +67,7 @@ ENVIRONMENT: dict[str, str] = {
     "store_dir": "TIERFLOW_STORE_DIR",
     "cache": "TIERFLOW_CACHE",
     "shared_dir": "TIERFLOW_SHARED_DIR",
+    "shared_options": "TIERFLOW_SHARED_OPTIONS",
     "gpu_margin": "TIERFLOW_GPU_MARGIN",
     "gpu_slots": "TIERFLOW_GPU_SLOTS",
     "device": "TIERFLOW_DEVICE",
@@ -78,6 +81,7 @@ _EXAMPLES = {
     "gpu_margin": "512MB, 0 or a number of bytes",
     "gpu_slots": "2",
     "jit": "1, 0 or eager",
+    "shared_options": '{"endpoint_url": "http://127.0.0.1:9000"} (JSON)',
 }
 
 _UNITS = {
@@ -191,6 +195,21 @@ def _path(value: Any, origin: str) -> str:
     return os.fspath(value)
 
 
+def _options(value: Any, origin: str) -> dict[str, Any]:
+    """fsspec storage options: a dict, or its JSON text (from the environment)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{origin}={value!r} is not JSON; write it like "
+                '\'{"endpoint_url": "http://127.0.0.1:9000"}\''
+            ) from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{origin}: expected a dict of storage options, got {value!r}")
+    return dict(value)
+
+
 # How each setting's value is checked and converted (the others are taken as given).
 _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "ram_budget": parse_size,
@@ -201,6 +220,7 @@ _CONVERTERS: dict[str, Callable[[Any, str], Any]] = {
     "store_dir": _path,
     "proc_root": _path,
     "shared_dir": _path,
+    "shared_options": _options,
     "cache": _cache,
     "device": _device,
     "copy_bandwidth": parse_size,

@@ -159,15 +159,16 @@ class Plan:
         """Tasks whose results the caller reads."""
         return {o.task for o in self.outputs if isinstance(o, TaskOutput)}
 
-    def open(self) -> None:
-        """Open every sink, then the scratch, and ask for the compiled kernels that pay;
+    def open(self, shared: str | None = None) -> None:
+        """Open every sink, then the scratch (in ``shared``, the shared folder or prefix
+        of a cluster's nodes, where given), and ask for the compiled kernels that pay;
         on a failure what was opened is undone."""
         opened = []
         try:
             for sink in self.sinks:
                 sink.open()
             for scratch in self.scratch:
-                scratch.open()
+                scratch.open(shared)
                 opened.append(scratch)
             for program in self.programs:
                 jit_module.start(program, self.jit)

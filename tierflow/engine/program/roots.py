@@ -4,14 +4,13 @@ back from other processes as :class:`SharedBlock` files)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ...storage import intermediates
 from .. import graph
 from ..gpu import transfer
 from ..graph import Chunked
@@ -266,35 +265,26 @@ SHARED_MIN = 64 << 10  # a held block at least this big goes by a shared file
 
 @dataclass(frozen=True, slots=True)
 class SharedBlock:
-    """A block a worker wrote to a file in the shared folder, by path: ``.npy`` bytes
-    written under a temporary name and renamed, so a retried or duplicated task is
-    harmless. The driver reads it once (:meth:`take`) and deletes it."""
+    """A block a worker wrote to the shared folder or object storage, by path or URL:
+    ``.npy`` bytes written under a temporary name and committed
+    (:func:`tierflow.storage.intermediates.write_npy`), so a retried or duplicated task
+    is harmless. The driver reads it once (:meth:`take`) and deletes it."""
 
     path: str
 
     @staticmethod
     def write(stem: str, block: np.ndarray) -> SharedBlock:
         """Write ``block`` as ``stem + ".npy"`` (by way of ``stem + ".tmp"``); the
-        driver chose ``stem`` (a path in the shared folder), so it can remove the file
-        of an attempt it stopped."""
-        temp, final = stem + ".tmp", stem + ".npy"
-        try:
-            with open(temp, "wb") as f:
-                np.lib.format.write_array(f, np.ascontiguousarray(block), allow_pickle=False)
-            os.replace(temp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
-        return SharedBlock(final)
+        driver chose ``stem`` (in the shared folder or prefix), so it can remove the
+        file of an attempt it stopped."""
+        return SharedBlock(intermediates.write_npy(stem, block))
 
     def take(self) -> np.ndarray:
         """The block in this process's RAM; the file is gone afterwards."""
         try:
-            return np.asarray(np.load(self.path, allow_pickle=False))
+            return intermediates.read_npy(self.path)
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            intermediates.remove(self.path)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (SharedBlock, (self.path,))

@@ -60,7 +60,7 @@ import numpy as np
 
 from ...operators import byteorder, sorting
 from ...operators.types import block_bytes, combine_partials
-from ...storage import spill
+from ...storage import intermediates, spill
 from .. import graph
 from ..graph import Blocks, Chunked, Node, specs
 from ..graph.keyed import NOT_KEY, Keyed
@@ -147,7 +147,8 @@ class Run:
 
     def read(self, name: str, start: int, stop: int, column: int | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of array ``name`` (of row ``column`` of a column-major
-        one), read from the file into a new array; with ``column`` the array is 2-D."""
+        one), read from the file (a ranged read of an object in object storage) into a
+        new array; with ``column`` the array is 2-D."""
         _, offset, dtype_str, shape = next(p for p in self.parts if p[0] == name)
         dtype = np.dtype(dtype_str)
         if column is None:
@@ -157,18 +158,48 @@ class Run:
         else:
             out = np.empty(stop - start, dtype)
             where = offset + (column * shape[1] + start) * dtype.itemsize
-        if out.nbytes:
+        if out.nbytes and intermediates.is_url(self.path):
+            data = intermediates.read_range(self.path, where, where + out.nbytes)
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, np.uint8)
+        elif out.nbytes:
             _pread(self.path, out, where)
         return out
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The run's arrays, memory-mapped read-only (unmapped when they are dropped)."""
+    def arrays(self) -> dict[str, Any]:
+        """The run's arrays, memory-mapped read-only (unmapped when they are dropped);
+        in object storage, views that read the slices asked for (:class:`_Remote`)."""
+        if intermediates.is_url(self.path):
+            return {name: _Remote(self, name, shape) for name, _, _, shape in self.parts}
         return {
             name: np.memmap(self.path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
             if math.prod(shape)
             else np.empty(shape, np.dtype(dtype))
             for name, offset, dtype, shape in self.parts
         }
+
+
+class _Remote:
+    """An array of a run in object storage, as the merge's searches use it: its length,
+    and slices read when asked for (ranged reads); ``keys[c]`` of a column-major one is
+    its row ``c``, another such view."""
+
+    def __init__(
+        self, run: Run, name: str, shape: tuple[int, ...], column: int | None = None
+    ) -> None:
+        self.run, self.name, self.column = run, name, column
+        self.shape = shape if column is None else shape[1:]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            rows = self.run.read(self.name, start, max(start, stop), self.column)
+            return rows[::step] if step != 1 else rows
+        if self.column is None:  # row c of a column-major array
+            return _Remote(self.run, self.name, self.shape, operator.index(index))
+        raise TypeError("a run's keys in object storage are read by slice")
 
 
 def _pread(path: str, out: np.ndarray, where: int) -> None:
@@ -198,7 +229,7 @@ class Runs:
     starts: tuple[int, ...]
     total: int
 
-    def opened(self) -> list[dict[str, np.ndarray]]:
+    def opened(self) -> list[dict[str, Any]]:
         return [r.arrays() for r in self.runs]
 
 
@@ -209,9 +240,12 @@ class RunFiles:
     :meth:`open` and :meth:`close` count the computes using it (a plan opens it when its
     compute starts, closes it when it ends). The first open makes the folder, under this
     process's spill folder (so the files of a process that crashed go with that folder,
-    :func:`tierflow.storage.spill.clean_stale`); the last close removes it with every
-    file in it. It pickles as its folder: runs written by worker processes go there
-    too. :meth:`write` runs on workers; the lock guards the counts and the folder."""
+    :func:`tierflow.storage.spill.clean_stale`), or, for a compute on a cluster with a
+    ``shared_dir``, under that shared folder or object-storage prefix, where a merge task
+    on any node finds every run (each written under a temporary name and committed,
+    read back by ranged reads); the last close removes it with every file in it. It
+    pickles as its folder: runs written by worker processes go there too. :meth:`write`
+    runs on workers; the lock guards the counts and the folder."""
 
     def __init__(self, folder: str | None = None) -> None:
         self._lock = threading.Lock()
@@ -225,12 +259,18 @@ class RunFiles:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["folder"])  # type: ignore[misc]
 
-    def open(self) -> None:
+    def open(self, shared: str | None = None) -> None:
+        """One more compute uses the runs; ``shared``: the cluster's shared folder or
+        prefix, where the first open puts them (None: this process's spill folder)."""
         with self._lock:
             self._users += 1
             if self.folder is None:
-                folder = os.path.join(spill.process_dir(), f"sort-{secrets.token_hex(8)}")
-                os.mkdir(folder, 0o700)
+                if shared is not None:
+                    folder = intermediates.join(shared, f".tf-sort-{secrets.token_hex(8)}")
+                    intermediates.makedirs(folder)
+                else:
+                    folder = os.path.join(spill.process_dir(), f"sort-{secrets.token_hex(8)}")
+                    os.mkdir(folder, 0o700)
                 self.folder = folder
 
     def close(self) -> None:
@@ -243,12 +283,16 @@ class RunFiles:
             folder, self.folder = self.folder, None
         for record in records:
             record.delete()
-        if folder is not None:
+        if folder is not None and intermediates.is_url(folder):
+            intermediates.remove_matching(folder + "/")
+        elif folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 
     def live(self) -> list[str]:
         """The run files there are now."""
         folder = self.folder
+        if folder is not None and intermediates.is_url(folder):
+            return sorted(p.rsplit("/", 1)[1] for p in intermediates.listing(folder + "/"))
         return sorted(os.listdir(folder)) if folder is not None and os.path.isdir(folder) else []
 
     def write(self, length: int, arrays: dict[str, np.ndarray], samples: np.ndarray) -> Run:
@@ -258,6 +302,13 @@ class RunFiles:
         for name, a in arrays.items():
             parts.append((name, offset, a.dtype.str, tuple(a.shape)))
             offset += -(-a.nbytes // _ALIGN) * _ALIGN
+        assert self.folder is not None
+        if intermediates.is_url(self.folder):
+            whole = np.zeros(max(offset, 1), np.uint8)
+            for (_, start, _, _), a in zip(parts, arrays.values(), strict=True):
+                whole[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
+            stem = intermediates.join(self.folder, f"run-{secrets.token_hex(8)}")
+            return Run(intermediates.write_bytes(stem, whole), length, tuple(parts), samples)
         record = spill.create(max(offset, 1), self.folder)
         with self._lock:
             self._records.append(record)

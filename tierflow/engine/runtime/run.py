@@ -136,7 +136,8 @@ def run(targets: list[Target], options: RunOptions) -> tuple[list[Any], schedule
         log.debug("plan of %s: %s", plan.what, describe(plan))
         if recorder is not None:
             recorder.planned(plan, describe(plan, tasks=len(plan.tasks) <= PLAN_LINES))
-        plan.open()
+        place = getattr(chosen, "scratch_place", None)  # a cluster's shared place
+        plan.open(place() if place is not None else None)
         try:
             results, stats = scheduler.run(
                 plan.tasks, chosen, keep=plan.kept(), callbacks=hooks, what=plan.what

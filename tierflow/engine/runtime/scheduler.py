@@ -613,6 +613,9 @@ def run(
         raise
     finally:
         state.cleanup()
+        ended = getattr(executor, "compute_ended", None)
+        if ended is not None:  # a cluster's: remove what its workers left in the shared place
+            ended()
         state.stats.seconds = time.perf_counter() - started
         state.stats.oom_retries = halving.retries() - retries_before
         state.stats.spilled_bytes = state.held.spilled_bytes

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import glob
 import logging
 import os
 import statistics
@@ -67,6 +66,7 @@ from typing import Any
 
 from .... import config
 from ....errors import SourceError, TierflowError
+from ....storage import intermediates
 from ...program import tasks as tasks_module
 from ...program.roots import SharedBlock
 from ...types import Done
@@ -118,10 +118,11 @@ ENGINE_TASKS_PER_SLOT = 2
 PROGRAMS_KEPT = 32  # programs kept on the cluster per executor, least recent dropped
 READ_BY_KEPT = 100_000  # blocks whose reader is remembered, least recent dropped
 # Settings the driver passes to its workers: the store folder, beside which the store's
-# signing key lives (a cache's entries are trusted only under the driver's key). Each
-# worker keeps its own node's spill folder (TIERFLOW_SPILL_DIR there); the rest that
-# must be shared travels by path: sources, outputs, cache entries, shared-folder blocks.
-_SETTINGS: tuple[str, ...] = ("store_dir",)
+# signing key lives (a cache's entries are trusted only under the driver's key), and the
+# storage options of a shared_dir URL. Each worker keeps its own node's spill folder
+# (TIERFLOW_SPILL_DIR there); the rest that must be shared travels by path or URL:
+# sources, outputs, cache entries, shared blocks.
+_SETTINGS: tuple[str, ...] = ("store_dir", "shared_options")
 
 
 class WorkerLost(TierflowError, RuntimeError):
@@ -262,15 +263,17 @@ def discard_shared(outcome: Any) -> None:
     result = outcome[0] if isinstance(outcome, tuple) and outcome else None
     for block in getattr(result, "blocks", ()):
         if isinstance(block, SharedBlock):
-            with contextlib.suppress(OSError):
-                os.unlink(block.path)
+            intermediates.remove(block.path)
 
 
 def _remove_stem(stem: str) -> None:
-    """Delete the shared-folder files of one attempt (``{stem}-{k}.npy`` or ``.tmp``)."""
-    for path in glob.glob(glob.escape(stem) + "-*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    """Delete the shared files of one attempt (``{stem}-{k}.npy`` or ``.tmp``). Best
+    effort: object storage out of reach (or a process on its way out) leaves them for
+    the next sweep, and for the compute's end (:meth:`ClusterExecutor.compute_ended`)."""
+    try:
+        intermediates.remove_matching(stem + "-")
+    except Exception as exc:  # a sweep runs on a timer: log it, try again later
+        log.debug("could not remove the shared files of %s: %s", stem, exc)
 
 
 def probe_files(paths: Sequence[str]) -> list[str]:
@@ -358,6 +361,11 @@ class ClusterExecutor(abc.ABC):
         # are removed again a while later (and at every submit) for GRAVE_SECONDS.
         self._graves: dict[str, float] = {}
         self._sweeping = False  # a timer will sweep them
+        # Every shared file of this executor's attempts is named with this prefix, so
+        # that what is left at a compute's end can be listed and removed
+        # (compute_ended); the folders (or prefixes) made already.
+        self._prefix = f".tf-block-{uuid.uuid4().hex[:12]}-"
+        self._made: set[str] = set()
         # Attempts are launched on a thread of their own, never on the computing
         # thread: a Ctrl-C there (KeyboardInterrupt at any bytecode) between an
         # engine's submit and the handle being recorded would leave an attempt nobody
@@ -443,6 +451,13 @@ class ClusterExecutor(abc.ABC):
             return os.path.expanduser(str(config.get("spill_dir")))
         return None
 
+    def scratch_place(self) -> str | None:
+        """Where scratch every node reads goes (an external sort's runs): the
+        ``shared_dir`` setting, a folder or an object-storage URL; None where it is not
+        set (each process's spill folder: on one host, every worker sees it)."""
+        shared = config.get("shared_dir")
+        return str(shared) if shared else None
+
     def _bury(self, stem: str) -> None:
         """Remove a stopped attempt's files now, and again later (see ``_graves``)."""
         _remove_stem(stem)
@@ -476,13 +491,17 @@ class ClusterExecutor(abc.ABC):
                 self._sweep_later()
 
     def _stems(self, count: int) -> list[str | None]:
-        """A path stem in the shared folder for each of ``count`` attempts being
-        launched (None: blocks come back by value)."""
+        """A path (or URL) stem in the shared folder for each of ``count`` attempts
+        being launched (None: blocks come back by value)."""
         folder = self.shared_dir()
         if folder is None:
             return [None] * count
-        os.makedirs(folder, exist_ok=True)
-        return [os.path.join(folder, f".tf-block-{uuid.uuid4().hex}") for _ in range(count)]
+        if folder not in self._made:
+            intermediates.makedirs(folder)
+            self._made.add(folder)
+        return [
+            intermediates.join(folder, f"{self._prefix}{uuid.uuid4().hex}") for _ in range(count)
+        ]
 
     def _settings(self) -> tuple[tuple[str, Any], ...]:
         return tuple((n, config.get(n)) for n in _SETTINGS)
@@ -843,6 +862,18 @@ class ClusterExecutor(abc.ABC):
             for stem in stems:  # what the stopped attempts may still write
                 self._bury(stem)
         self._local.shutdown(cancel=cancel)
+
+    def compute_ended(self) -> None:
+        """A compute on this executor ended (done, failed or stopped): where no other
+        compute has tasks in flight, remove every shared file or object under this
+        executor's prefix that is still there (a block nobody took, a temporary one a
+        stopped attempt wrote), listed in the shared folder or prefix."""
+        folder = self.shared_dir()
+        with self._lock:
+            busy = bool(self._pending)
+        if folder is None or busy or folder not in self._made:
+            return
+        intermediates.remove_matching(intermediates.join(folder, self._prefix))
 
     def close(self) -> None:
         """Stop the straggler watch; the cluster itself is left running."""
