@@ -31,7 +31,7 @@ and ranges over the rounds), never bare times:
      ratio threads / cluster);
    - on Dask, **dask.array reading each chunk by path**, as a user who knows dask writes
      it: ``da.concatenate`` of ``da.from_delayed(delayed(read)(path, a, b))``, ``read``
-     a slice of ``np.load(path, mmap_mode="r")`` in the worker, computed with
+     copying a slice of ``np.load(path, mmap_mode="r")`` in the worker, computed with
      ``client.compute`` on the same cluster (target: tierflow >= 3x, ratio dask.array /
      tierflow);
    - on Dask, **dask.array as a newcomer writes it**,
@@ -424,7 +424,10 @@ def _dask_array(path: str) -> Any:
 
 
 def _read_rows(path: str, a: int, b: int) -> np.ndarray:
-    return np.load(path, mmap_mode="r")[a:b]
+    """Rows ``[a, b)`` of the ``.npy`` at ``path``, read into the worker's memory (a
+    slice of a memmap left mapped would count the file's pages in the worker's RSS,
+    which Dask's memory monitor reads: at 4 GB it paused the workers)."""
+    return np.array(np.load(path, mmap_mode="r")[a:b])
 
 
 def _dask_by_path(path: str) -> Any:

@@ -363,6 +363,29 @@ def test_dask_workers_run_without_the_profiler_and_with_a_slow_tick(dask_client:
     assert set(dask_client.run(callbacks).values()) == {(False, False, 1000)}
 
 
+def _mapped_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_dask_workers_release_a_files_pages_after_each_block(
+    dask_client: Any, tmp_path: Path
+) -> None:
+    """Dask's memory monitor reads a worker's RSS, which counts mapped file pages: kept
+    mapped, each compute's mapping of the file added its pages (a 4 GB file, three
+    computes: 9.7 GB in one worker, and Dask paused it). Released, they do not add up."""
+    path = tmp_path / "x.npy"
+    np.save(path, np.ones((1 << 21, 8), np.float32))  # 64 MB
+    executor = DaskExecutor(dask_client)
+    x = tw.from_npy(path, rows=1 << 18)
+    before = dask_client.run(_mapped_file_kb)
+    for expr in (x.sum(axis=0), np.sqrt(x * 2 + 1).sum(axis=0), x.max(axis=0)):
+        expr.compute(executor=executor)
+    after = dask_client.run(_mapped_file_kb)
+    grown = {w: (after[w] - before[w]) // 1024 for w in after}
+    assert max(grown.values()) < 24, f"MB of mapped file pages kept per worker: {grown}"
+
+
 @pytest.mark.executors("dask", "ray")
 def test_a_warning_comes_back_from_every_compute_not_only_the_first(executor_name: str) -> None:
     # A worker process lives on between computes, and Python shows a warning once per

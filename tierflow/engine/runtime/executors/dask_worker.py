@@ -13,6 +13,7 @@ from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .... import config
+from ...io.npy import keep_mapped_files
 from . import cluster
 from .cluster import RESOURCE, node_budget
 
@@ -25,7 +26,8 @@ TICK_MS = 1000  # the worker's event-loop tick (Dask's default: 20 ms)
 class TierflowPlugin(WorkerPlugin):
     """Runs on every worker that has or gets it: the worker's budget as its tierflow
     budget and as the resource ``tierflow-bytes``, Dask's spilling off, its event loop
-    woken less often (see :mod:`tierflow.engine.runtime.executors.dask`)."""
+    woken less often, files' pages released after each block (see
+    :mod:`tierflow.engine.runtime.executors.dask`)."""
 
     name = "tierflow"
     idempotent = True
@@ -37,6 +39,7 @@ class TierflowPlugin(WorkerPlugin):
         slots = max(1, int(worker.state.nthreads))
         budget = node_budget(worker.memory_manager.memory_limit, 1)
         config.set(ram_budget=budget, **dict(self.settings))
+        keep_mapped_files(False)  # Dask's memory monitor counts mapped file pages
         with contextlib.suppress(AttributeError):
             worker.memory_manager.memory_spill_fraction = False
             worker.memory_manager.memory_target_fraction = False
