@@ -363,7 +363,7 @@ class ClusterExecutor(abc.ABC):
         self._sweeping = False  # a timer will sweep them
         # Every shared file of this executor's attempts is named with this prefix, so
         # that what is left at a compute's end can be listed and removed
-        # (compute_ended); the folders (or prefixes) made already.
+        # (compute_ended); the folders (or prefixes) used already.
         self._prefix = f".tf-block-{uuid.uuid4().hex[:12]}-"
         self._made: set[str] = set()
         # Attempts are launched on a thread of their own, never on the computing
@@ -496,8 +496,8 @@ class ClusterExecutor(abc.ABC):
         folder = self.shared_dir()
         if folder is None:
             return [None] * count
-        if folder not in self._made:
-            intermediates.makedirs(folder)
+        if folder not in self._made or not intermediates.is_url(folder):
+            intermediates.makedirs(folder)  # a folder again each time: it may be gone
             self._made.add(folder)
         return [
             intermediates.join(folder, f"{self._prefix}{uuid.uuid4().hex}") for _ in range(count)
@@ -873,7 +873,10 @@ class ClusterExecutor(abc.ABC):
             busy = bool(self._pending)
         if folder is None or busy or folder not in self._made:
             return
-        intermediates.remove_matching(intermediates.join(folder, self._prefix))
+        try:
+            intermediates.remove_matching(intermediates.join(folder, self._prefix))
+        except Exception as exc:  # never in place of the compute's own error
+            log.warning("could not remove the shared blocks left in %s: %s", folder, exc)
 
     def close(self) -> None:
         """Stop the straggler watch; the cluster itself is left running."""
