@@ -282,9 +282,8 @@ def test_spill_files_are_removed_after_an_error_or_ctrl_c(
     assert not left_in_spill()
 
 
-@pytest.mark.executors(
-    "threads"
-)  # partials are merged and cut in the driver, whatever ran the blocks
+# unique's partials are merged and cut in the driver, whatever executor ran the blocks
+@pytest.mark.executors("threads")
 def test_a_partition_too_big_is_cut_again_and_read_in_order(spills: list[str]) -> None:
     a = np.arange(30_000)[::-1].copy()  # descending: later keys all fall in partition 0
     x = tw.from_array(a, rows=500)
