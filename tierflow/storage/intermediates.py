@@ -25,7 +25,8 @@ import contextlib
 import glob
 import io
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -78,25 +79,31 @@ def makedirs(place: str) -> None:
 def write_npy(stem: str, block: np.ndarray) -> str:
     """Write ``block`` as ``stem + ".npy"`` by way of ``stem + ".tmp"``; the final path
     or URL. A failed write leaves neither."""
-    buffer = io.BytesIO()
-    np.lib.format.write_array(buffer, np.ascontiguousarray(block), allow_pickle=False)
-    return _commit(stem + ".tmp", stem + ".npy", buffer.getbuffer())
+    block = np.ascontiguousarray(block)
+    return _commit(
+        stem + ".tmp",
+        stem + ".npy",
+        lambda f: np.lib.format.write_array(f, block, allow_pickle=False),
+    )
 
 
 def write_bytes(stem: str, data: Any) -> str:
     """Write the bytes of ``data`` (a buffer) as ``stem + ".bin"`` by way of
     ``stem + ".tmp"``; the final path or URL. A failed write leaves neither."""
-    return _commit(stem + ".tmp", stem + ".bin", memoryview(data).cast("B"))
+    return _commit(stem + ".tmp", stem + ".bin", lambda f: f.write(memoryview(data).cast("B")))
 
 
-def _commit(temp: str, final: str, data: memoryview) -> str:
-    """``data`` written at ``temp``, then put at ``final`` in one step (a rename; in
-    object storage a copy, the temporary key deleted)."""
+def _commit(temp: str, final: str, write: Callable[[BinaryIO], Any]) -> str:
+    """``write(file)`` at ``temp``, then put at ``final`` in one step (a rename; in
+    object storage a copy, the temporary key deleted). A file is written straight to
+    disk; an object is made in memory first, as fsspec sends it whole."""
     if is_url(final):
         fs, temp_path = _fs(temp)
         _, final_path = _fs(final)
+        buffer = io.BytesIO()
+        write(buffer)
         try:
-            fs.pipe_file(temp_path, bytes(data))
+            fs.pipe_file(temp_path, buffer.getvalue())
             fs.mv(temp_path, final_path)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -105,7 +112,7 @@ def _commit(temp: str, final: str, data: memoryview) -> str:
         return final
     try:
         with open(temp, "wb") as f:
-            f.write(data)
+            write(f)
         os.replace(temp, final)
     except BaseException:
         with contextlib.suppress(OSError):
