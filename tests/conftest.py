@@ -15,6 +15,7 @@ Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (or ``--hypothesis-profi
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from collections.abc import Iterator
@@ -49,6 +50,18 @@ def _isolated_settings(
     yield
     config.reset()
     pressure.reset()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap() -> None:
+    """Collect what earlier modules left, then freeze the heap (``gc.freeze``): the
+    suite's process holds millions of objects (NumPy, torch, Dask, Ray, xarray and every
+    earlier test's modules), and each full collection would walk them all. Tests that
+    recover from an OOM run one per halving (:func:`tierflow.storage.oom.recover`), which
+    cost about a second each late in the suite; now they walk only what the current
+    module made. Objects frozen are still freed when their last reference goes."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -245,6 +245,29 @@ def test_readahead_of_a_range_all_in_memory_asks_the_kernel_nothing(
     wait_for(lambda: resident_bytes(x) >= 0.98 * x.nbytes, what="the file in the cache")
 
 
+def test_readahead_of_a_range_with_a_cold_middle_asks_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whether a range is in memory is told by pages sampled over it: a quarter out in
+    # the middle (four of the samples) is noticed, and read again.
+    x = _memmap(tmp_path, 8 * MB)
+    assert float(x.sum()) >= 0
+    middle = x[x.size // 4 : x.size // 2]
+    release(middle, drop_cache=True)
+    assert resident_bytes(middle) == 0
+    windows: list[str | None] = []
+    window = pages._readahead_window
+
+    def asked(path: str | None) -> int:
+        windows.append(path)
+        return window(path)
+
+    monkeypatch.setattr(pages, "_readahead_window", asked)
+    readahead(x)
+    assert windows == [str(x.filename)]
+    wait_for(lambda: resident_bytes(middle) >= 0.98 * middle.nbytes, what="the middle")
+
+
 def test_readahead_window_comes_from_the_device(tmp_path: Path) -> None:
     window = pages._readahead_window(str(tmp_path))
     assert window >= PAGE and window % PAGE == 0

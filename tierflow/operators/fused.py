@@ -156,6 +156,7 @@ def _round_then_copy(a: Any, decimals: int, out: np.ndarray) -> None:
 
 
 KERNEL_FILENAME = "<tierflow fused kernel>"  # the file name of the generated code
+KERNEL_MODULE = "tierflow.operators.fused.<kernel>"  # its module: none of that name
 
 
 def _generate(
@@ -169,7 +170,9 @@ def _generate(
     constants, ``f0`` step functions, ``k0`` keyword dicts, ``l0`` literals); every value
     is bound through the function's namespace.
     """
-    namespace: dict[str, Any] = {}
+    # A module name no module has: the function pickles by value, and cloudpickle need
+    # not search every loaded module for it (what a function without one costs, 5 ms).
+    namespace: dict[str, Any] = {"__name__": KERNEL_MODULE}
     consts: list[Any] = []
 
     def name(ref: _Ref) -> str:

@@ -13,7 +13,7 @@ from tierflow.engine.program.tasks import BlockTask
 from tierflow.engine.runtime.executors import cluster
 from tierflow.engine.types import RowRange
 
-from common import IdleCluster
+from common import IdleCluster, wait_for
 
 pytestmark = pytest.mark.executors("threads")
 
@@ -67,13 +67,31 @@ def test_the_pack_size_follows_the_workers_times() -> None:
     kind.seconds = [0.001] * 3
     assert executor._pack_size(kind, 32) == 1  # too few timed
     kind.seconds = [0.001] * 40
-    assert executor._pack_size(kind, 32) == 16  # spread over 2 workers
-    assert executor._pack_size(kind, 5) == 3
+    # Two packs in flight per slot at least, a multiple of the slots, of one size.
+    assert executor._pack_size(kind, 32) == 8
+    assert executor._pack_size(kind, 5) == 2
     assert executor._pack_size(kind, 1000) == cluster.PACK_MAX
-    kind.seconds = [0.01] * 40  # 5 of them make PACK_SECONDS
+    kind.seconds = [cluster.PACK_TASK_SECONDS] * 40
     assert executor._pack_size(kind, 1000) == 1  # not short: one task each
-    kind.seconds = [0.004] * 40
-    assert executor._pack_size(kind, 1000) == int(cluster.PACK_SECONDS / 0.004)
+    kind.seconds = [0.015] * 40  # 8 of them make PACK_SECONDS
+    assert executor._pack_size(kind, 1000) == int(cluster.PACK_SECONDS / 0.015) == 8
+    assert IdleCluster(3)._pack_size(kind, 10) == 2  # 6 packs: 2 per slot
+
+
+def test_tasks_submitted_in_a_batch_are_launched_as_packs_of_one_size() -> None:
+    # One task at a time, the launch thread would send each alone while there is room;
+    # handed over together, 32 short tasks on 2 slots go as 4 packs of 8 (the room:
+    # two engine tasks per slot).
+    executor = Recording(2)
+    executor._kinds["p"] = cluster._Kind(count=32, probed=True, seconds=[0.004] * 8)
+    with executor.batch():
+        for index in range(32):
+            desc = BlockTask("p", index, RowRange(10 * index, 10 * index + 10))
+            executor.submit_task(desc, lambda out, err: None)
+        assert executor.launched == []  # nothing before the batch ends
+    wait_for(lambda: len(executor.launched) == 4, what="4 engine tasks launched")
+    assert executor.launched == [8, 8, 8, 8]
+    assert executor.packed == 32
 
 
 def test_each_task_of_a_pack_gets_its_own_outcome_and_error() -> None:

@@ -678,6 +678,16 @@ def test_two_ray_nodes_return_blocks_through_the_shared_folder(tmp_path: Path) -
     assert len(nodes) == 2  # both nodes ran blocks ...
     assert spills == {str(tmp_path / "spill-a"), str(tmp_path / "spill-b")}  # ... each with its own
     assert found["shared_left"] == []
+    # every whole-array operation, on nodes with separate spill folders
+    assert found["operations"] == dict.fromkeys(found["operations"], True)
+    assert len(found["operations"]) == 14
+    # a node joined and another left during a compute: the joined one ran blocks, the
+    # removed one's were sent again, and the bytes are the same
+    moved = found["membership"]
+    assert moved["error"] is None and moved["bytes"] and moved["new_node_ran"]
+    assert moved["resent"] >= 1
+    assert moved["slots"] == 3  # the executor counted the new node's CPU ...
+    assert moved["alive"] == 2  # ... and node b is gone
 
 
 # -- short tasks travel in packs -------------------------------------------------------

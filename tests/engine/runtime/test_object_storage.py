@@ -179,3 +179,46 @@ def test_sorts_merge_runs_from_object_storage_on_nodes_with_separate_disks(
         executor.close()
     assert _blocks_in(*spills) == []
     assert not [p for s in spills if s.exists() for p in s.rglob("sort-*")]
+
+
+@pytest.mark.executors("dask")
+def test_the_other_whole_array_operations_and_sinks_on_nodes_with_separate_disks(
+    separate_disks: tuple[Any, list[Path]], s3_server: dict[str, Any], tmp_path: Path
+) -> None:
+    # value_counts, cov, QR and SVD, persist, to_zarr into the bucket and the cache, on
+    # workers that share no folder, give the threads executor's answers.
+    pytest.importorskip("zarr")
+    client, spills = separate_disks
+    config.set(shared_dir=SHARED, shared_options=s3_server)
+    rng = np.random.default_rng(13)
+    values = rng.integers(0, 50, (12_000, 3)).astype(np.float64) + rng.random((12_000, 3))
+    values[:, 2] = np.round(values[:, 2])  # repeats for value_counts
+    np.save(tmp_path / "v.npy", values)
+    x = tw.from_npy(tmp_path / "v.npy", rows=2_000)
+    executor = DaskExecutor(client)
+    try:
+        for name, make in {
+            "value_counts": lambda: tw.value_counts(x[:, 2]),
+            "cov": lambda: (np.cov(x, rowvar=False),),
+            "qr": lambda: tuple(tw.linalg.qr(x)),
+            "svd": lambda: tuple(tw.linalg.svd(x, full_matrices=False)),
+        }.items():
+            there = tw.compute(*make(), executor=executor)
+            here = tw.compute(*make(), executor="threads")
+            for a, b in zip(there, here, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9, err_msg=name)
+        kept = (x * 2).persist(executor=executor)
+        np.testing.assert_array_equal(kept.compute(executor="threads"), values * 2)
+        url = "s3://tierflow/out/y.zarr"
+        (x + 1).to_zarr(url, storage_options=s3_server, executor=executor)
+        back = tw.from_zarr(url, storage_options=s3_server).compute(executor="threads")
+        np.testing.assert_array_equal(back, values + 1)
+        store = tmp_path / "cache"
+        first = (x * 3).cache(str(store)).sum(axis=0).compute(executor=executor)
+        again = (x * 3).cache(str(store)).sum(axis=0).compute(executor=executor)
+        np.testing.assert_allclose(first, (values * 3).sum(axis=0))
+        np.testing.assert_array_equal(again, first)
+        assert _left(s3_server) == []
+    finally:
+        executor.close()
+    assert _blocks_in(*spills) == []

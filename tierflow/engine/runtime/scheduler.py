@@ -31,8 +31,10 @@ Admission (backpressure)
 At most two tasks per worker are in flight: one running and one queued, whose source
 rows are read ahead (``prefetch``) while the other runs (tasks projecting under 1 MB may
 queue 16 deep when no task waits for their result: bounding them bounds nothing, and
-each hand-off between threads costs as much as such a task). A task is admitted only
-when
+each hand-off between threads costs as much as such a task; so may a cluster's block
+tasks whose result nobody waits for, whatever their size, since the workers admit their
+bytes: the cluster is handed every such task of a round at once, and packs short ones).
+A task is admitted only when
 
 * its projected bytes (inputs + outputs + scratch, see
   :meth:`tierflow.engine.program.program.Program.memory`) fit what is left of the budget:
@@ -170,6 +172,7 @@ while it waits, or raised by a task — does the same. The caller then aborts it
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import time
@@ -274,16 +277,29 @@ class _Run:
         small_depth = getattr(executor, "small_tasks_per_worker", SMALL_TASKS_PER_WORKER)
         deep_window = small_depth * max(1, executor.workers)
         self.needs = [t.memory.total for t in tasks]
-        # How many tasks may be in flight when task i is admitted. A task's consumers
-        # have not run before it has, so whether anything waits for its result is known
-        # now: small tasks nobody waits for may queue deeper (see _admit).
-        self.limits = [
-            deep_window if need < SMALL_TASK and not self.consumers[i] else window
-            for i, need in enumerate(self.needs)
-        ]
         # Block tasks travel to other processes when the executor runs tasks as data.
         self.remote = isinstance(executor, TaskExecutor)
-        if self.remote and getattr(executor, "admits_memory", False):
+        admits = self.remote and getattr(executor, "admits_memory", False)
+        # How many tasks may be in flight when task i is admitted. A task's consumers
+        # have not run before it has, so whether anything waits for its result is known
+        # now: small tasks nobody waits for may queue deeper (see _admit), and so may
+        # the block tasks of a cluster that admits them on its workers (their bytes are
+        # held there, one task per slot at a time; queued, a task holds nothing), which
+        # lets it pack short ones.
+        self.limits = [
+            deep_window
+            if not self.consumers[i] and (need < SMALL_TASK or (admits and t.block))
+            else window
+            for i, (t, need) in enumerate(zip(tasks, self.needs, strict=True))
+        ]
+        # Remote tasks admitted in one round are handed over together when the executor
+        # takes them so (its ``batch``); their readahead follows the hand-over.
+        self.batch = getattr(executor, "batch", None) if self.remote else None
+        self.read_later: list[Task] = []
+        # The driver reads ahead for remote tasks only into this machine's page cache:
+        # not for a cluster with workers elsewhere (a pack's worker reads ahead itself).
+        self.read_for_remote = getattr(executor, "one_host", True)
+        if admits:
             # A cluster admits block tasks against the budget of the worker that runs
             # them (the task declares its bytes); this process's budget is not theirs.
             self.needs = [0 if t.block else need for t, need in zip(tasks, self.needs, strict=True)]
@@ -334,8 +350,8 @@ class _Run:
         put = self.inbox.put
         if task.block and self.remote:
             self._submit_remote(i, task, args)
-            if task.prefetch is not None:
-                self._prefetch(task, remote=True)
+            if task.prefetch is not None and self.read_for_remote:
+                self.read_later.append(task)
             return
 
         seat = self.seats.held.get(i)
@@ -410,13 +426,31 @@ class _Run:
         runs; and always as the only task in flight of a nested run (see the module
         docstring). Small tasks may queue deeper (:data:`SMALL_TASK`); tasks of a kind
         on the lane are queued there, one at a time while the kind is probed. A device
-        task is seated on a GPU first (module docstring, "GPUs")."""
-        ready, tasks, needs, limits, kinds, devices = (
-            self.ready, self.tasks, self.needs, self.limits, self.kinds, self.devices,
-        )  # fmt: skip
+        task is seated on a GPU first (module docstring, "GPUs"). A cluster's block
+        tasks are handed over together at the end (see ``batch``)."""
         self._room = None
         self.seats.levels = None
         lane: list[Any] = []
+        with self.batch() if self.batch is not None else contextlib.nullcontext():
+            admitted = self._admit_ready(lane)
+        if lane:
+            if self.lane.extend(lane):
+                self.executor.submit(self.lane.job, self.lane.done)
+            for i, _, _ in lane:
+                if self.tasks[i].prefetch is not None:
+                    self._prefetch(self.tasks[i])
+        if self.read_later:
+            for task in self.read_later:
+                self._prefetch(task, remote=True)
+            self.read_later.clear()
+        return admitted
+
+    def _admit_ready(self, lane: list[Any]) -> bool:
+        """:meth:`_admit`'s loop: submits ready tasks (those of lane kinds to ``lane``);
+        False if the best one waits."""
+        ready, tasks, needs, limits, kinds, devices = (
+            self.ready, self.tasks, self.needs, self.limits, self.kinds, self.devices,
+        )  # fmt: skip
         admitted = True
         while ready:
             i = ready[0]
@@ -444,12 +478,6 @@ class _Run:
                 if kind.probing:
                     kind.admitted += 1
                 self._submit(i, tasks[i], need, lane)
-        if lane:
-            if self.lane.extend(lane):
-                self.executor.submit(self.lane.job, self.lane.done)
-            for i, _, _ in lane:
-                if tasks[i].prefetch is not None:
-                    self._prefetch(tasks[i])
         return admitted
 
     def _reserve(self, need: int) -> bool:

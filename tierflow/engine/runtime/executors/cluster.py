@@ -59,7 +59,7 @@ import statistics
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -102,11 +102,12 @@ GRAVE_SWEEP_SECONDS = 2.0  # a stopped attempt's files are removed again after t
 GRAVE_SECONDS = 60.0  # ... every as long again, and at every submit, for this long
 # Tasks whose median time (as the workers timed the program's recent ones) is under
 # PACK_TASK_SECONDS are sent in packs: several block tasks of the program run one after
-# another as one engine task, about PACK_SECONDS of work, at most PACK_MAX of them. An
-# engine's own cost per task (Dask's scheduler: about 2.5 ms on 2 cores) would otherwise be
-# most of such a task's time.
-PACK_TASK_SECONDS = 0.01
-PACK_SECONDS = 0.05
+# another as one engine task, at most about PACK_SECONDS of work and PACK_MAX of them. An
+# engine's own cost per task (Dask's scheduler: about 2.5 ms on 2 cores, which the
+# workers share with it on one machine) would otherwise be much of such a task's time: a
+# 32 MB block of a compiled column sum takes 4 ms.
+PACK_TASK_SECONDS = 0.03
+PACK_SECONDS = 0.12
 PACK_MAX = 16
 PACK_WINDOW = 32  # the recent tasks whose times decide
 # Engine tasks (packs or single tasks) in flight per slot, at most: one running and one
@@ -132,11 +133,14 @@ class WorkerLost(TierflowError, RuntimeError):
 @dataclass(frozen=True)
 class Death:
     """How a task's worker died: ``memory`` when it ran out of memory (the engine said
-    so, or its last reported memory was near its limit); ``worker`` names it."""
+    so, or its last reported memory was near its limit); ``worker`` names it.
+    ``retired``: it did not die but left the cluster on request (scaled down, an
+    adaptive deployment's retirement): its tasks are sent again, not counted as tries."""
 
     worker: str
     memory: bool
     why: str
+    retired: bool = False
 
 
 # -- in the worker ----------------------------------------------------------------------
@@ -204,13 +208,8 @@ def run_block(
     ``settings`` the driver's folders and this worker's budget, ``cap`` the rows every
     operator is called on at most (after a worker died of memory on this program), and
     ``shared`` the folder bigger held blocks are written to."""
-    runtime = _worker_runtime()
     _apply(settings)
-    if not runtime.has(desc.program):
-        with _runtime_lock:
-            if not runtime.has(desc.program):
-                runtime.add(desc.program, data)
-    program = runtime.program(desc.program)
+    program = _program_here(desc.program, data)
     if cap is not None:
         program.cap_rows(cap)
     caught: list[tuple[Any, ...]] = []
@@ -233,6 +232,16 @@ class Raised:
     error: BaseException
 
 
+def _program_here(key: str, data: bytes) -> Any:
+    """Program ``key`` in this worker, unpickled from ``data`` the first time."""
+    runtime = _worker_runtime()
+    if not runtime.has(key):
+        with _runtime_lock:
+            if not runtime.has(key):
+                runtime.add(key, data)
+    return runtime.program(key)
+
+
 def run_pack(
     descs: Sequence[tasks_module.BlockTask],
     data: bytes,
@@ -243,14 +252,27 @@ def run_pack(
     """Run the block tasks ``descs`` of one program one after another in a cluster
     worker (one engine task; see :data:`PACK_TASK_SECONDS`): each one's
     :func:`run_block` outcome, or :class:`Raised` with the error it raised. ``stems``:
-    each task's path stem in the shared folder."""
+    each task's path stem in the shared folder. Before each task the worker asks its
+    kernel for the next one's file rows (the driver reads ahead only for workers on its
+    own machine)."""
     outcomes: list[Any] = []
-    for desc, stem in zip(descs, stems, strict=True):
+    for k, (desc, stem) in enumerate(zip(descs, stems, strict=True)):
+        if k + 1 < len(descs):
+            _read_ahead(descs[k + 1], data)
         try:
             outcomes.append(run_block(desc, data, settings, cap, stem))
         except Exception as exc:
             outcomes.append(Raised(exc))
     return outcomes
+
+
+def _read_ahead(desc: tasks_module.BlockTask, data: bytes) -> None:
+    """Ask the kernel for the file rows block task ``desc`` reads; a hint, so a failure
+    is logged only (the task's own read reports real problems)."""
+    try:
+        _program_here(desc.program, data).prefetch(desc.request, remote=True)
+    except Exception:
+        log.debug("readahead for block %s failed", desc.index, exc_info=True)
 
 
 def discard_shared(outcome: Any) -> None:
@@ -355,6 +377,7 @@ class ClusterExecutor(abc.ABC):
         self._programs_lock = threading.Lock()
         self.backups = 0  # backup copies launched for stragglers
         self.resent = 0  # tasks sent again after their worker died
+        self.moved = 0  # tasks sent again after their worker left on request (retired)
         self.packed = 0  # tasks sent in packs (several to one engine task)
         # Path stems of stopped attempts, and when: a worker being killed may still
         # write its block after the engine reported the attempt over, so their files
@@ -380,6 +403,7 @@ class ClusterExecutor(abc.ABC):
         self._flying: set[int] = set()  # ids of the engine tasks in flight
         self._launch_wake = threading.Event()
         self._launcher: threading.Thread | None = None
+        self._batching = threading.local()  # inside batch() on this thread
 
     # -- what a subclass provides -----------------------------------------------------
 
@@ -526,8 +550,22 @@ class ClusterExecutor(abc.ABC):
                     target=self._launching, name=f"tierflow-{self.name}-launch", daemon=True
                 )
                 self._launcher.start()
-        self._launch_wake.set()
+        if not getattr(self._batching, "on", False):
+            self._launch_wake.set()
         self._start_watch()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Tasks submitted on this thread inside it are launched together when it ends
+        (the scheduler hands over a round of admitted tasks so), which lets short ones
+        travel in packs from the first: one at a time, each would be launched alone
+        while there is room."""
+        self._batching.on = True
+        try:
+            yield
+        finally:
+            self._batching.on = False
+            self._launch_wake.set()
 
     def _launching(self) -> None:
         """The launch thread: launches the tasks submitted, while fewer than
@@ -553,7 +591,9 @@ class ClusterExecutor(abc.ABC):
         """Launch the first attempt of tasks of ``batch``, in order, as at most ``room``
         engine tasks: in packs where their program's tasks are short (see
         :data:`PACK_TASK_SECONDS`), a pack's tasks preferring the same machine; the
-        tasks left. A task whose launch fails gets the error."""
+        tasks left. A task whose launch fails gets the error. The pack size of a program
+        (and machine) is decided once, on all of its tasks in ``batch``."""
+        sizes: dict[tuple[str, str | None], int] = {}
         while batch and room > 0:
             first = batch[0]
             kind = self._kinds[first.desc.program]
@@ -563,7 +603,10 @@ class ClusterExecutor(abc.ABC):
                 for p in batch
                 if p.desc.program == first.desc.program and self._prefer(kind, p) == prefer
             ]
-            pack = same[: self._pack_size(kind, len(same))]
+            size = sizes.get((first.desc.program, prefer))
+            if size is None:
+                size = sizes[first.desc.program, prefer] = self._pack_size(kind, len(same))
+            pack = same[:size]
             taken = {id(p) for p in pack}
             batch = [p for p in batch if id(p) not in taken]
             room -= 1
@@ -590,17 +633,22 @@ class ClusterExecutor(abc.ABC):
 
     def _pack_size(self, kind: _Kind, queued: int) -> int:
         """How many of ``queued`` tasks of ``kind`` go in one engine task: 1 until the
-        workers timed enough of them; then about :data:`PACK_SECONDS` of work while the
-        median is under :data:`PACK_TASK_SECONDS`, spread over the workers."""
+        workers timed enough of them; then, while the median is under
+        :data:`PACK_TASK_SECONDS`, the queue cut into packs of one size, at most about
+        :data:`PACK_SECONDS` of work each, as many as the slots hold in flight at least
+        (:data:`ENGINE_TASKS_PER_SLOT`: the next pack waits at a slot while one runs)
+        and a multiple of the slots (32 tasks of 4 ms on 2 slots: 4 packs of 8, not 16
+        and 16, nor 14, 14 and 4, whose last would leave a slot idle)."""
         recent = kind.seconds[-PACK_WINDOW:]
         if len(recent) < min(PACK_WINDOW, 2 * self.workers):
             return 1
         median = statistics.median(recent)
         if median >= PACK_TASK_SECONDS:
             return 1
-        by_time = int(PACK_SECONDS / max(median, 1e-6))
-        spread = -(-queued // self.workers)
-        return max(1, min(PACK_MAX, by_time, spread))
+        most = max(1, min(PACK_MAX, int(PACK_SECONDS / max(median, 1e-6))))
+        packs = max(-(-queued // most), ENGINE_TASKS_PER_SLOT * self.workers)
+        packs = -(-packs // self.workers) * self.workers
+        return max(1, -(-queued // packs))
 
     def _fail(self, pending: _Pending, error: BaseException) -> None:
         """End ``pending`` with ``error`` unless it has ended."""
@@ -760,8 +808,18 @@ class ClusterExecutor(abc.ABC):
         pending.done((result, seconds), None)
 
     def _died(self, pending: _Pending, death: Death) -> None:
-        pending.deaths.append(death)
         kind = self._kinds[pending.desc.program]
+        if death.retired and not self._closed:
+            log.info(
+                "a %s worker left running block %d (%s); sending it to another",
+                self.name, pending.desc.index, death.why,
+            )  # fmt: skip
+            self.moved += 1
+            pending.tries -= 1  # the attempt ends here; not a try that failed
+            pending.started = 0.0
+            self._attempt([pending], kind)
+            return
+        pending.deaths.append(death)
         if death.memory:
             # Halved from the size this attempt ran at: the tasks that died with it
             # (one death, many tasks) halve the cap once, not once each.

@@ -62,6 +62,21 @@ log = logging.getLogger("tierflow.engine")
 MEMORY_DEATH = 0.7  # a worker last seen above this share of its limit died of memory
 RESTART_TOPIC = "worker-restart-memory"  # the event a nanny logs when it kills for memory
 RESTART_EVENT_WAIT = 1.0  # seconds a death waits for that event at most
+# The scheduler's events for a worker it retires (Scheduler.retire_workers) ...
+RETIRE_ACTIONS = frozenset({"retire-workers", "retired"})
+# ... and the reasons a worker gives for closing (its "closing-worker" event) when it was
+# asked to leave: its nanny told to close (a cluster's scale(n) down, which in
+# distributed 2025 closes the worker without retiring it), an adaptive deployment's
+# removal, an idle timeout, a lifetime reached.
+LEFT_ON_REQUEST = frozenset(
+    {
+        "nanny-close",
+        "nanny-close-gracefully",
+        "adaptive-deleted",
+        "idle-timeout-exceeded",
+        "worker-lifetime-reached",
+    }
+)
 SEEN_EVERY = 0.25  # seconds between readings of the workers' reported memory
 # A task declares its bytes as the worker resource when they are at least this share of
 # the smallest worker's budget (see DaskExecutor._resources).
@@ -185,6 +200,7 @@ class DaskExecutor(ClusterExecutor):
                 "some (or wait for them: client.wait_for_workers(n))"
             )
         super().__init__(int(workers) if workers is not None else threads)
+        self._counted = workers is None  # the slots follow the workers that come and go
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         hosts = {w.get("host") for w in info["workers"].values()}
@@ -289,6 +305,8 @@ class DaskExecutor(ClusterExecutor):
         self._forget_programs()
         ws = error.last_worker
         address = str(getattr(ws, "address", "?"))
+        if self._retired(address):
+            return Death(address, False, "it retired: the cluster was scaled down", retired=True)
         limit = int(getattr(ws, "memory_limit", 0) or 0)
         if not limit:
             return Death(address, False, "it died (it had no memory limit)")
@@ -301,6 +319,24 @@ class DaskExecutor(ClusterExecutor):
             return Death(address, False, "it died before this compute saw its memory")
         why = f"its last reported memory was {seen >> 20} MB of its {limit >> 20} MB limit"
         return Death(address, seen >= MEMORY_DEATH * limit, why)
+
+    def _retired(self, address: str) -> bool:
+        """Whether worker ``address`` left on request (see :data:`LEFT_ON_REQUEST`):
+        Dask reports the tasks it was running as killed all the same. Not when its
+        nanny restarted it for memory."""
+        with contextlib.suppress(Exception):
+            for _, event in self.client.get_events(RESTART_TOPIC):
+                if isinstance(event, dict) and event.get("worker") == address:
+                    return False
+            for _, event in self.client.get_events(address):
+                if not isinstance(event, dict):
+                    continue
+                if event.get("action") in RETIRE_ACTIONS or (
+                    event.get("action") == "closing-worker"
+                    and event.get("reason") in LEFT_ON_REQUEST
+                ):
+                    return True
+        return False
 
     def _restarted_for_memory(self, address: str) -> int | None:
         """The memory at which the nanny of worker ``address`` restarted it for going
@@ -316,7 +352,9 @@ class DaskExecutor(ClusterExecutor):
         return None
 
     def _observe(self) -> None:
-        """Note each worker's reported memory (at most every :data:`SEEN_EVERY` s)."""
+        """Note each worker's reported memory (at most every :data:`SEEN_EVERY` s), and
+        the slots of the workers there now: a cluster scaled up or down (an adaptive
+        deployment) gets as many engine tasks in flight as it has threads."""
         now = perf_counter()
         if now - self._seen_at < SEEN_EVERY:
             return
@@ -327,6 +365,10 @@ class DaskExecutor(ClusterExecutor):
                 memory = w.get("metrics", {}).get("memory")
                 if memory is not None:
                     self._seen[str(address)] = int(memory)
+            threads = sum(int(w.get("nthreads", 1)) for w in info["workers"].values())
+            if self._counted and threads and threads != self.workers:
+                self.workers = threads
+                self._launch_wake.set()  # more room for engine tasks, maybe
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         found = self.client.run(probe_files, list(paths))

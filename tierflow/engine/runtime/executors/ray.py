@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import CancelledError
+from time import perf_counter
 from typing import Any
 
 from .... import config
@@ -32,6 +33,8 @@ from .cluster import ClusterExecutor, Death, host_name, node_budget, probe_files
 __all__ = ["RayExecutor"]
 
 log = logging.getLogger("tierflow.engine")
+
+SEEN_EVERY = 0.25  # seconds between readings of the cluster's CPUs while tasks run
 
 
 def _ray() -> Any:
@@ -101,6 +104,8 @@ class RayExecutor(ClusterExecutor):
         resources = ray.cluster_resources()
         cpus = int(resources.get("CPU", 0))
         super().__init__(int(workers) if workers is not None else max(1, cpus))
+        self._counted = workers is None  # the slots follow the nodes that come and go
+        self._seen_at = 0.0
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -186,13 +191,29 @@ class RayExecutor(ClusterExecutor):
 
         self._refuse_unless_connected()
         probe = self._ray.remote(_ray_probe)
+        # The nodes alive now: some may have joined or left since the executor was made.
+        nodes = [n["NodeID"] for n in self._ray.nodes() if n.get("Alive")] or self._nodes
         refs = [
             probe.options(
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
             ).remote(list(paths))
-            for node in self._nodes
+            for node in nodes
         ]
         return {f"on node {node[:12]}": missing for node, missing in self._ray.get(refs)}
+
+    def _observe(self) -> None:
+        """The slots of the nodes there now (at most every :data:`SEEN_EVERY` s): a
+        cluster that gained or lost nodes (autoscaling) gets as many engine tasks in
+        flight as it has CPUs."""
+        now = perf_counter()
+        if not self._counted or now - self._seen_at < SEEN_EVERY or not self.connected():
+            return
+        self._seen_at = now
+        with contextlib.suppress(Exception):
+            cpus = int(self._ray.cluster_resources().get("CPU", 0))
+            if cpus and cpus != self.workers:
+                self.workers = cpus
+                self._launch_wake.set()  # more room for engine tasks, maybe
 
     def __repr__(self) -> str:
         return f"RayExecutor(workers={self.workers})"
