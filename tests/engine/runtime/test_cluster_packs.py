@@ -94,6 +94,38 @@ def test_tasks_submitted_in_a_batch_are_launched_as_packs_of_one_size() -> None:
     assert executor.packed == 32
 
 
+def test_the_driver_reads_ahead_as_it_launches_not_for_the_whole_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # All 32 tasks are handed over at once, but the driver (its workers on this machine)
+    # asks for the rows of the first task of each engine task it launches: 2 per slot,
+    # never the whole queue's (which, on a file bigger than memory, would evict rows
+    # before they are read). A pack's worker reads its later tasks ahead itself.
+    read: list[int] = []
+    monkeypatch.setattr(cluster, "_read_ahead", lambda program, desc: read.append(desc.index))
+    for seconds, first in (([], [0, 1, 2, 3]), ([0.004] * 8, [0, 8, 16, 24])):
+        read.clear()
+        executor = Recording(2)
+        executor.one_host = True
+        executor._kinds["p"] = cluster._Kind(count=32, probed=True, seconds=list(seconds))
+        with executor.batch():
+            for index in range(32):
+                desc = BlockTask("p", index, RowRange(10 * index, 10 * index + 10))
+                executor.submit_task(desc, lambda out, err: None)
+        _wait_for_launches(executor, 4)
+        assert read == first
+    executor = Recording(2)  # workers elsewhere: the driver's page cache is not theirs
+    executor._kinds["p"] = cluster._Kind(count=1, probed=True)
+    read.clear()
+    executor.submit_task(BlockTask("p", 0, RowRange(0, 10)), lambda out, err: None)
+    _wait_for_launches(executor, 1)
+    assert read == []
+
+
+def _wait_for_launches(executor: Recording, count: int) -> None:
+    wait_for(lambda: len(executor.launched) == count, what=f"{count} engine tasks launched")
+
+
 def test_each_task_of_a_pack_gets_its_own_outcome_and_error() -> None:
     executor = Recording(2)
     pack, calls = _pack(executor, 3)

@@ -217,7 +217,9 @@ def test_the_other_whole_array_operations_and_sinks_on_nodes_with_separate_disks
         first = (x * 3).cache(str(store)).sum(axis=0).compute(executor=executor)
         again = (x * 3).cache(str(store)).sum(axis=0).compute(executor=executor)
         np.testing.assert_allclose(first, (values * 3).sum(axis=0))
-        np.testing.assert_array_equal(again, first)
+        # the re-run sums the kept blocks, the first summed x * 3 in one fused kernel:
+        # the same values, added in another order
+        np.testing.assert_allclose(again, first, rtol=1e-12)
         assert _left(s3_server) == []
     finally:
         executor.close()

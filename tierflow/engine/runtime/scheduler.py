@@ -293,12 +293,9 @@ class _Run:
             for i, (t, need) in enumerate(zip(tasks, self.needs, strict=True))
         ]
         # Remote tasks admitted in one round are handed over together when the executor
-        # takes them so (its ``batch``); their readahead follows the hand-over.
+        # takes them so (its ``batch``: a cluster's, which reads ahead itself as it
+        # launches them, a few per slot, not for the whole deep queue admitted).
         self.batch = getattr(executor, "batch", None) if self.remote else None
-        self.read_later: list[Task] = []
-        # The driver reads ahead for remote tasks only into this machine's page cache:
-        # not for a cluster with workers elsewhere (a pack's worker reads ahead itself).
-        self.read_for_remote = getattr(executor, "one_host", True)
         if admits:
             # A cluster admits block tasks against the budget of the worker that runs
             # them (the task declares its bytes); this process's budget is not theirs.
@@ -350,8 +347,8 @@ class _Run:
         put = self.inbox.put
         if task.block and self.remote:
             self._submit_remote(i, task, args)
-            if task.prefetch is not None and self.read_for_remote:
-                self.read_later.append(task)
+            if task.prefetch is not None and self.batch is None:
+                self._prefetch(task, remote=True)
             return
 
         seat = self.seats.held.get(i)
@@ -439,10 +436,6 @@ class _Run:
             for i, _, _ in lane:
                 if self.tasks[i].prefetch is not None:
                     self._prefetch(self.tasks[i])
-        if self.read_later:
-            for task in self.read_later:
-                self._prefetch(task, remote=True)
-            self.read_later.clear()
         return admitted
 
     def _admit_ready(self, lane: list[Any]) -> bool:

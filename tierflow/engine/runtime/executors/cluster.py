@@ -258,7 +258,7 @@ def run_pack(
     outcomes: list[Any] = []
     for k, (desc, stem) in enumerate(zip(descs, stems, strict=True)):
         if k + 1 < len(descs):
-            _read_ahead(descs[k + 1], data)
+            _read_ahead(lambda key: _program_here(key, data), descs[k + 1])
         try:
             outcomes.append(run_block(desc, data, settings, cap, stem))
         except Exception as exc:
@@ -266,11 +266,12 @@ def run_pack(
     return outcomes
 
 
-def _read_ahead(desc: tasks_module.BlockTask, data: bytes) -> None:
-    """Ask the kernel for the file rows block task ``desc`` reads; a hint, so a failure
-    is logged only (the task's own read reports real problems)."""
+def _read_ahead(program: Callable[[str], Any], desc: tasks_module.BlockTask) -> None:
+    """Ask the kernel for the file rows block task ``desc`` reads (``program(key)``
+    gives its program); a hint, so a failure is logged only (the task's own read
+    reports real problems)."""
     try:
-        _program_here(desc.program, data).prefetch(desc.request, remote=True)
+        program(desc.program).prefetch(desc.request, remote=True)
     except Exception:
         log.debug("readahead for block %s failed", desc.index, exc_info=True)
 
@@ -359,8 +360,11 @@ class ClusterExecutor(abc.ABC):
     # each slot should hold a pack running and packs queued behind it.
     small_tasks_per_worker = 4 * PACK_MAX
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, *, counted: bool = False) -> None:
         self.workers = workers
+        # The slots were counted from the cluster (not given): they follow its workers
+        # as they come and go (see _follow_slots).
+        self._counted = counted
         self._local = ThreadExecutor(1, prefix="tierflow-driver")
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}  # id(pending) -> pending
@@ -460,9 +464,17 @@ class ClusterExecutor(abc.ABC):
 
     def _observe(self) -> None:
         """Called by the straggler watch while tasks run: a subclass notes what it
-        needs to tell a death of memory later (the workers' reported memory). Nothing
-        by default."""
+        needs to tell a death of memory later (the workers' reported memory), and the
+        cluster's slots (:meth:`_follow_slots`). Nothing by default."""
         return None
+
+    def _follow_slots(self, slots: int) -> None:
+        """The cluster has ``slots`` task slots now (workers joined or left, an
+        adaptive deployment, autoscaling): as many engine tasks per slot in flight from
+        now on, unless the executor was given its ``workers``."""
+        if self._counted and slots > 0 and slots != self.workers:
+            self.workers = slots
+            self._launch_wake.set()  # more room for engine tasks, maybe
 
     def shared_dir(self) -> str | None:
         """The folder workers write bigger held blocks to: the ``shared_dir`` setting,
@@ -698,6 +710,11 @@ class ClusterExecutor(abc.ABC):
                 pending.cap = kind.cap
                 if pending.tries > 1:
                     prefer = None  # sent again: wherever there is room
+            if self.one_host and pack[0].tries == 1:
+                # Into the page cache the workers share, as the engine task leaves (at
+                # most ENGINE_TASKS_PER_SLOT per slot ahead); a pack's worker reads its
+                # later tasks' rows ahead itself.
+                _read_ahead(tasks_module.shipped_program, pack[0].desc)
             stems = self._stems(len(pack))
             handle = self._launch(pack, stems, kind.cap, prefer)
             if len(pack) > 1:

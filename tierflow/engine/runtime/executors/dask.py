@@ -199,8 +199,7 @@ class DaskExecutor(ClusterExecutor):
                 f"the Dask cluster at {info.get('address', '?')} has no workers; start "
                 "some (or wait for them: client.wait_for_workers(n))"
             )
-        super().__init__(int(workers) if workers is not None else threads)
-        self._counted = workers is None  # the slots follow the workers that come and go
+        super().__init__(int(workers) if workers is not None else threads, counted=workers is None)
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         hosts = {w.get("host") for w in info["workers"].values()}
@@ -324,10 +323,9 @@ class DaskExecutor(ClusterExecutor):
         """Whether worker ``address`` left on request (see :data:`LEFT_ON_REQUEST`):
         Dask reports the tasks it was running as killed all the same. Not when its
         nanny restarted it for memory."""
+        if self._restart_event(address) is not None:
+            return False
         with contextlib.suppress(Exception):
-            for _, event in self.client.get_events(RESTART_TOPIC):
-                if isinstance(event, dict) and event.get("worker") == address:
-                    return False
             for _, event in self.client.get_events(address):
                 if not isinstance(event, dict):
                     continue
@@ -345,10 +343,18 @@ class DaskExecutor(ClusterExecutor):
         for wait in (0.0, *[RESTART_EVENT_WAIT / 4] * 4):
             if wait:
                 threading.Event().wait(wait)
-            with contextlib.suppress(Exception):
-                for _, event in self.client.get_events(RESTART_TOPIC):
-                    if isinstance(event, dict) and event.get("worker") == address:
-                        return int(event.get("rss", 0))
+            event = self._restart_event(address)
+            if event is not None:
+                return int(event.get("rss", 0))
+        return None
+
+    def _restart_event(self, address: str) -> dict[str, Any] | None:
+        """The nanny's event of restarting worker ``address`` for memory, if the
+        scheduler has it now."""
+        with contextlib.suppress(Exception):
+            for _, event in self.client.get_events(RESTART_TOPIC):
+                if isinstance(event, dict) and event.get("worker") == address:
+                    return event
         return None
 
     def _observe(self) -> None:
@@ -365,10 +371,7 @@ class DaskExecutor(ClusterExecutor):
                 memory = w.get("metrics", {}).get("memory")
                 if memory is not None:
                     self._seen[str(address)] = int(memory)
-            threads = sum(int(w.get("nthreads", 1)) for w in info["workers"].values())
-            if self._counted and threads and threads != self.workers:
-                self.workers = threads
-                self._launch_wake.set()  # more room for engine tasks, maybe
+            self._follow_slots(sum(int(w.get("nthreads", 1)) for w in info["workers"].values()))
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         found = self.client.run(probe_files, list(paths))

@@ -103,8 +103,9 @@ class RayExecutor(ClusterExecutor):
                 ray.init(address=address, log_to_driver=False)
         resources = ray.cluster_resources()
         cpus = int(resources.get("CPU", 0))
-        super().__init__(int(workers) if workers is not None else max(1, cpus))
-        self._counted = workers is None  # the slots follow the nodes that come and go
+        super().__init__(
+            int(workers) if workers is not None else max(1, cpus), counted=workers is None
+        )
         self._seen_at = 0.0
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
@@ -210,10 +211,7 @@ class RayExecutor(ClusterExecutor):
             return
         self._seen_at = now
         with contextlib.suppress(Exception):
-            cpus = int(self._ray.cluster_resources().get("CPU", 0))
-            if cpus and cpus != self.workers:
-                self.workers = cpus
-                self._launch_wake.set()  # more room for engine tasks, maybe
+            self._follow_slots(int(self._ray.cluster_resources().get("CPU", 0)))
 
     def __repr__(self) -> str:
         return f"RayExecutor(workers={self.workers})"
