@@ -225,15 +225,24 @@ def split_sampled(
     if rank >= total:
         return lengths
     merged = np.sort(np.concatenate(samples))
+    # The bounds below sum, over the runs, what each run's samples say; each sum is
+    # taken from the merged samples and the runs' first and last samples with a few
+    # binary searches, not one per run (a split of 3,000 runs would make 150,000).
+    # Run i holds c_i samples < v: at most step * c_i keys < v, and its n_i keys when
+    # all its samples are (step * len_i - n_i over step * c_i); it holds c_i samples
+    # <= v: at least step * (c_i - 1) + 1 keys <= v when c_i > 0.
+    present = [(s, n) for s, n in zip(samples, lengths, strict=True) if len(s)]
+    firsts = np.sort(np.asarray([s[0] for s, _ in present], dtype=merged.dtype))
+    lasts = np.asarray([s[-1] for s, _ in present], dtype=merged.dtype)
+    by_last = np.argsort(lasts, kind="stable")
+    excess = np.asarray([step * len(s) - n for s, n in present], dtype=np.int64)[by_last]
+    lasts, excess = lasts[by_last], np.concatenate([[0], np.cumsum(excess)])
 
     def below_at_most(v: np.ndarray) -> int:  # keys < v: at most this many
-        return sum(
-            min(n, step * _search(s, v, "left")) for s, n in zip(samples, lengths, strict=True)
-        )
+        return step * _search(merged, v, "left") - int(excess[_search(lasts, v, "left")])
 
     def through_at_least(v: np.ndarray) -> int:  # keys <= v: at least this many
-        counts = (_search(s, v, "right") for s in samples)
-        return sum(step * (c - 1) + 1 for c in counts if c)
+        return step * _search(merged, v, "right") - (step - 1) * _search(firsts, v, "right")
 
     low = _last(merged, lambda v: below_at_most(v) <= rank)
     high = _first(merged, lambda v: through_at_least(v) > rank)
