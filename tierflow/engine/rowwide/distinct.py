@@ -293,12 +293,8 @@ class Spilled:
         if not len(run):
             return
         cuts = np.searchsorted(run.keys, self.splitters, side="left")
-        bounds = [0, *cuts.tolist(), len(run)]
-        records = _records(run, self.records)
-        for p in range(len(self.sizes)):
-            a, b = bounds[p], bounds[p + 1]
-            if b > a:
-                self._append(p, records[a:b])
+        bounds = np.asarray([0, *cuts.tolist(), len(run)])
+        self._append_slices(_records(run, self.records), bounds)
 
     def add_records(self, records: np.ndarray) -> None:
         """Append records in any order to the partitions their keys fall in."""
@@ -307,11 +303,14 @@ class Spilled:
         where = np.searchsorted(self.splitters, records["key"], side="right")
         order = np.argsort(where, kind="stable")
         bounds = np.searchsorted(where[order], np.arange(len(self.sizes) + 1), side="left")
-        moved = records[order]
-        for p in range(len(self.sizes)):
-            a, b = int(bounds[p]), int(bounds[p + 1])
-            if b > a:
-                self._append(p, moved[a:b])
+        self._append_slices(records[order], bounds)
+
+    def _append_slices(self, records: np.ndarray, bounds: np.ndarray) -> None:
+        """Append ``records[bounds[p]:bounds[p + 1]]`` to partition ``p``, for the
+        partitions that get any (a loop over all of them, thousands, cost more than the
+        appends when a few records arrive at a time)."""
+        for p in np.flatnonzero(np.diff(bounds) > 0).tolist():
+            self._append(p, records[int(bounds[p]) : int(bounds[p + 1])])
 
     def _append(self, p: int, records: np.ndarray) -> None:
         with open(self.path(p), "ab") as f:
