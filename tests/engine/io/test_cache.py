@@ -430,3 +430,48 @@ def test_a_store_that_cannot_open_is_a_warning(tmp_path: Path, src: Path, data: 
         result = y.compute(cache=folder)
     np.testing.assert_array_equal(result, data * 2 + 1)
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.executors("threads", "serial")  # counts calls here
+def test_a_cache_in_object_storage_keeps_blocks_and_values(
+    src: Path, data: np.ndarray, s3_server: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    pytest.importorskip("s3fs")
+    config.set(shared_options=s3_server)
+    name = "cache-" + request.node.callspec.id  # each test's store has its own key
+    url = f"s3://tierflow/{name}"
+    calls = Calls()
+
+    def pipeline() -> Any:
+        y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(calls), dtype=np.float32, row_shape=(4,))
+        return y, y.sum(axis=0)
+
+    first = tw.compute(*pipeline(), cache=url)
+    assert calls.n == 10
+    got = tw.cache_info(url)[name]
+    # 10 blocks, 10 partials of the sum and its value
+    assert (got.misses, got.writes, got.entries, got.path) == (21, 21, 21, url)
+    assert "in object storage" in str(got)
+    second = tw.compute(*pipeline(), cache=url + "/")  # the same store
+    assert calls.n == 10, "every block and the sum came from the bucket"
+    assert tw.cache_info(url)[name].hits == 11  # the value and the 10 blocks
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(second[1], (data * 2 + 1).sum(axis=0), rtol=1e-5)
+    assert tw.cache_clear(url) == 21
+    assert tw.cache_info(url)[name].entries == 0
+
+
+def test_a_prefix_that_is_not_a_store_is_a_warning_and_kept(
+    src: Path, data: np.ndarray, s3_server: dict[str, Any]
+) -> None:
+    s3fs = pytest.importorskip("s3fs")
+    config.set(shared_options=s3_server)
+    fs = s3fs.S3FileSystem(**s3_server)
+    fs.pipe_file("tierflow/user-data/table.csv", b"a,b\n")
+    y = tw.from_npy(src, rows=ROWS).map_blocks(doubled(Calls()), dtype=np.float32, row_shape=(4,))
+    with pytest.warns(CacheWarning, match=r"user-data.*holds other objects.*without it"):
+        result = y.compute(cache="s3://tierflow/user-data")
+    np.testing.assert_array_equal(result, data * 2 + 1)
+    fs.invalidate_cache()
+    assert fs.find("tierflow/user-data") == ["tierflow/user-data/table.csv"]

@@ -213,9 +213,17 @@ def test_the_other_whole_array_operations_and_sinks_on_nodes_with_separate_disks
         (x + 1).to_zarr(url, storage_options=s3_server, executor=executor)
         back = tw.from_zarr(url, storage_options=s3_server).compute(executor="threads")
         np.testing.assert_array_equal(back, values + 1)
-        store = tmp_path / "cache"
-        first = (x * 3).cache(str(store)).sum(axis=0).compute(executor=executor)
-        again = (x * 3).cache(str(store)).sum(axis=0).compute(executor=executor)
+        # the cache store in the bucket too: the workers write the blocks there and
+        # read them back (signed with the driver's key, which travels with the store)
+        cache = "s3://tierflow/cluster-cache"
+        first = (x * 3).cache(cache).sum(axis=0).compute(executor=executor)
+        written = tw.cache_info(cache)["cluster-cache"]
+        assert (written.writes, written.entries) == (6, 6)  # the marked node's 6 blocks
+        again = (x * 3).cache(cache).sum(axis=0).compute(executor=executor)
+        assert tw.cache_info(cache)["cluster-cache"].hits == 6
+        blocks = (x * 3).cache(cache).compute(executor=executor)
+        assert tw.cache_info(cache)["cluster-cache"].hits == 12
+        np.testing.assert_array_equal(blocks, values * 3)
         np.testing.assert_allclose(first, (values * 3).sum(axis=0))
         # the re-run sums the kept blocks, the first summed x * 3 in one fused kernel:
         # the same values, added in another order

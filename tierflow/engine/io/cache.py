@@ -93,8 +93,9 @@ import numpy as np
 
 from ... import config
 from ...config import GB, format_bytes
-from ...storage import identity, pages, spill
+from ...storage import identity, intermediates, pages, spill
 from ...storage.store import Store, store
+from ...storage.store.objects import ObjectStore
 from ...storage.store.tiers import resolve_path
 from ...system import pressure, tally
 from ...system.types import Level
@@ -171,11 +172,15 @@ class CacheInfo:
     ssd_limit: int
 
     def __str__(self) -> str:
+        held = (
+            f"{format_bytes(self.ssd_bytes)} in object storage"
+            if intermediates.is_url(self.path)
+            else f"SSD {format_bytes(self.ssd_bytes)} of {format_bytes(self.ssd_limit)}"
+        )
         return (
             f"cache {self.name!r} ({self.path}): {self.hits} hits, {self.misses} misses, "
             f"{self.writes} writes ({format_bytes(self.bytes_written)}), "
-            f"{self.failed_writes} failed; {self.entries} engine entries, SSD "
-            f"{format_bytes(self.ssd_bytes)} of {format_bytes(self.ssd_limit)}"
+            f"{self.failed_writes} failed; {self.entries} engine entries, {held}"
         )
 
 
@@ -186,7 +191,7 @@ class _Handle:
     """A store the engine caches in (opened once per process) and this process's
     counters of it. ``count`` takes ``lock``: workers of several computes share it."""
 
-    def __init__(self, opened: Store, owned: bool) -> None:
+    def __init__(self, opened: Store | ObjectStore, owned: bool) -> None:
         self.store = opened
         self.owned = owned  # opened by the engine (closed by close_all), not the caller's
         self.lock = threading.Lock()
@@ -238,11 +243,14 @@ _registry_lock = threading.Lock()
 
 
 def resolve_spec(cache: Any) -> Any:
-    """``cache`` as a store path or a Store (True: the setting's store, or the default).
+    """``cache`` as a store path, an object-storage URL or a Store (True: the setting's
+    store, or the default).
 
     Raises ``TypeError`` for a value that names no store, ``ValueError`` for ``""``."""
-    if isinstance(cache, Store):
+    if isinstance(cache, (Store, ObjectStore)):
         return cache
+    if isinstance(cache, str) and intermediates.is_url(cache):
+        return cache.strip().rstrip("/")
     if cache is True or (isinstance(cache, str) and cache.strip().lower() in _TRUE_WORDS):
         setting = config.get("cache")
         if setting is None or setting is True or str(setting).strip().lower() in _TRUE_WORDS:
@@ -259,8 +267,10 @@ def resolve_spec(cache: Any) -> Any:
 
 
 def _handle(spec: Any) -> _Handle:
-    """The engine's handle of the store ``spec`` (a path or a Store), opened on first
-    use with no RAM tier. Raises what opening the store raises."""
+    """The engine's handle of the store ``spec`` (a path, a URL or a store), opened on
+    first use with no RAM tier. Raises what opening the store raises."""
+    if isinstance(spec, (str, ObjectStore)) and intermediates.is_url(str(_where(spec))):
+        return _object_handle(spec)
     given = spec if isinstance(spec, Store) else None
     path = Path(given.path if given is not None else spec)
     with _registry_lock:
@@ -290,6 +300,24 @@ def _handle(spec: Any) -> _Handle:
             handle.writes, handle.failed_writes = found.writes, found.failed_writes
             handle.bytes_read, handle.bytes_written = found.bytes_read, found.bytes_written
         _registry[str(path)] = handle
+        return handle
+
+
+def _where(spec: Any) -> Any:
+    """The path or URL of a store spec (a path, a URL or a store)."""
+    return spec.path if isinstance(spec, (Store, ObjectStore)) else spec
+
+
+def _object_handle(spec: str | ObjectStore) -> _Handle:
+    """The handle of the store in object storage at ``spec`` (a URL, or the store as a
+    driver sent it: with its signing key), opened once per process."""
+    url = spec.path if isinstance(spec, ObjectStore) else spec
+    with _registry_lock:
+        found = _registry.get(url)
+        if found is not None and not found.store.closed:
+            return found
+        opened = spec if isinstance(spec, ObjectStore) else ObjectStore(url)
+        handle = _registry[url] = _Handle(opened, owned=True)
         return handle
 
 
@@ -354,11 +382,13 @@ class Entry:
         self._partition: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # To a worker process: the store by path (opened there with the same SSD limit)
-        # and the node; what the worker counts and what fails there comes back with
-        # the task's result (take_reports / add_reports).
+        # To a worker process: the store by path (opened there with the same SSD limit),
+        # or an object-storage store itself (its URL, options and signing key), and the
+        # node; what the worker counts and what fails there comes back with the task's
+        # result (take_reports / add_reports).
         store_ = self.handle.store
-        return (_entry_here, (str(store_.path), store_.disk_limit, self.node, self._partition))
+        where = store_ if isinstance(store_, ObjectStore) else str(store_.path)
+        return (_entry_here, (where, store_.disk_limit, self.node, self._partition))
 
     # -- keys --
 
@@ -437,8 +467,8 @@ class Entry:
 
     def _settle(self, key: tuple[Any, ...]) -> None:
         """Under high pressure, write the new entry back and drop it from the page cache."""
-        if pressure.level_now() not in _HIGH:
-            return
+        if pressure.level_now() not in _HIGH or isinstance(self.handle.store, ObjectStore):
+            return  # (an object's local copy is gone already)
         try:
             mapped = self.handle.store.get(key)
             if isinstance(mapped, np.memmap):
@@ -481,14 +511,21 @@ class Entry:
         self._put(self._key("value"), value, nbytes)
 
 
-def _entry_here(path: str, disk_limit: int, node: Node, partition: str | None) -> Entry:
+def _entry_here(
+    path: str | ObjectStore, disk_limit: int, node: Node, partition: str | None
+) -> Entry:
     """An entry sent from the driver, in this (worker) process: the same store, opened
-    here by path, and this process's session of reports (see :func:`take_reports`)."""
-    with _registry_lock:
-        handle = _registry.get(path)
-        if handle is None or handle.store.closed:
-            opened = store(path, ram_mb=0, disk_gb=disk_limit / GB)
-            handle = _registry[path] = _Handle(opened, owned=True)
+    here by path (or as sent, in object storage), and this process's session of reports
+    (see :func:`take_reports`)."""
+    if isinstance(path, ObjectStore):
+        handle = _object_handle(path)
+    else:
+        with _registry_lock:
+            found = _registry.get(path)
+            if found is None or found.store.closed:
+                opened = store(path, ram_mb=0, disk_gb=disk_limit / GB)
+                found = _registry[path] = _Handle(opened, owned=True)
+        handle = found
     entry = Entry(_here, handle, node)
     entry._partition = partition
     return entry
@@ -667,7 +704,7 @@ def _open_quietly(spec: Any) -> _Handle | None:
     try:
         return _handle(spec)
     except Exception as exc:
-        where = spec.path if isinstance(spec, Store) else spec
+        where = _where(spec)
         warnings.warn(
             CacheWarning(
                 f"cannot open the cache store at {where} ({type(exc).__name__}: {exc}); "
@@ -769,7 +806,7 @@ def _handles_for(cache: Any) -> list[_Handle]:
         known = [h for h in _registry.values() if not h.store.closed]
     found = {str(h.store.path): h for h in known}
     for spec in specs:
-        path = str(spec.path if isinstance(spec, Store) else spec)
+        path = str(_where(spec))
         if path not in found:
             with contextlib.suppress(Exception):
                 found[path] = _handle(spec)

@@ -25,7 +25,7 @@ from pathlib import Path
 from ... import config
 from ...errors import StoreError
 
-__all__ = ["KEY_BYTES", "Signer", "default_key_path", "load_signer"]
+__all__ = ["KEY_BYTES", "Signer", "default_key_path", "load_key", "load_signer"]
 
 KEY_BYTES = 32
 _DOMAIN = b"tierflow-store-entry-v1\0"
@@ -92,6 +92,15 @@ def load_signer(path: str | os.PathLike[str] | None = None) -> Signer:
             signer = Signer(_read_or_create(where))
             _signers[str(where)] = signer
         return signer
+
+
+def load_key(path: str | os.PathLike[str] | None = None) -> bytes:
+    """The secret bytes of the key file at ``path`` (default :func:`default_key_path`),
+    created if it does not exist; checked as :func:`load_signer` checks it. For a store
+    whose entries processes on other machines read (an object-storage cache): the key
+    travels to them with the store, so they trust the same entries."""
+    where = Path(path).expanduser().absolute() if path is not None else default_key_path()
+    return _read_or_create(where)
 
 
 def _read_or_create(path: Path) -> bytes:
