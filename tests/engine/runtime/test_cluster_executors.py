@@ -25,7 +25,8 @@ from tierflow.engine.runtime import executors
 from tierflow.engine.runtime.executors import DaskExecutor, RayExecutor, cluster
 from tierflow.engine.runtime.executors.cluster import RESOURCE
 from tierflow.engine.types import RowRange
-from tierflow.errors import DependencyError, install_command
+from tierflow.errors import ConfigError, DependencyError, install_command
+from tierflow.system.limits import read_memory
 
 pytestmark = pytest.mark.executors("threads")  # the executor is passed to each compute
 
@@ -57,6 +58,21 @@ def test_dask_workers_get_their_budget_as_a_resource_and_as_tierflow_budget(
         assert expected <= 0.7 * worker["memory_limit"] + 1
     spilling = dask_client.run(lambda dask_worker: dask_worker.memory_manager.memory_spill_fraction)
     assert set(spilling.values()) == {False}
+
+
+def test_a_budget_in_the_workers_environment_lowers_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TIERFLOW_RAM_BUDGET", raising=False)
+    derived = cluster.node_budget(8 * 2**30, 2)
+    assert derived == int(min(8 * 2**30, read_memory().usable) * 0.7) // 2
+    monkeypatch.setenv("TIERFLOW_RAM_BUDGET", "1GB")
+    assert cluster.node_budget(8 * 2**30, 2) == 2**29  # the node's 1 GB, for 2 slots
+    monkeypatch.setenv("TIERFLOW_RAM_BUDGET", "100TB")
+    assert cluster.node_budget(8 * 2**30, 2) == derived  # never more than it holds
+    monkeypatch.setenv("TIERFLOW_RAM_BUDGET", "lots")
+    with pytest.raises(ConfigError, match="TIERFLOW_RAM_BUDGET"):
+        cluster.node_budget(8 * 2**30, 2)
 
 
 def test_dask_slots_are_the_workers_threads(dask_client: Any) -> None:

@@ -985,14 +985,20 @@ def _rows(request: Any, cap: int | None) -> int | None:
 def node_budget(memory_limit: int | None, slots: int = 1) -> int:
     """The tierflow budget of one of ``slots`` task slots of this worker process:
     ``budget_fraction`` of the smaller of its memory limit (None: none) and the usable
-    memory of its machine or cgroup, shared by the slots."""
+    memory of its machine or cgroup, shared by the slots. ``TIERFLOW_RAM_BUDGET`` in the
+    worker's own environment (the node started with it) lowers that whole: a node
+    given 1 GB gets 1 GB, shared by its slots, never more than it can hold."""
     from ....system.limits import read_memory
 
     limits = [int(read_memory().usable)]
     if memory_limit:
         limits.append(int(memory_limit))
     fraction = float(config.get("budget_fraction"))
-    return max(1 << 20, int(min(limits) * fraction) // max(1, slots))
+    whole = int(min(limits) * fraction)
+    given = os.environ.get("TIERFLOW_RAM_BUDGET", "").strip()
+    if given:
+        whole = min(whole, config.parse_size(given, "TIERFLOW_RAM_BUDGET"))
+    return max(1 << 20, whole // max(1, slots))
 
 
 def host_name() -> str:
