@@ -868,7 +868,8 @@ def _print_mapblocks(engine: str, rows: int, part: dict[str, Any]) -> None:
             ratios = [r["threads"]["seconds"] / r["plain"]["seconds"] for r in rounds]
             print(
                 f"      {engine} itself (client.map / .remote of the same blocks, no "
-                f"tierflow): {med('plain', 'seconds'):.3f} s, threads / it {span(ratios)}"
+                f"tierflow): {med('plain', 'seconds'):.3f} s, threads / it {span(ratios)}, "
+                f"driver CPU {med('plain', 'driver_cpu'):.2f} s"
             )
         print(
             "      differences from threads: "
