@@ -75,6 +75,21 @@ def test_a_budget_in_the_workers_environment_lowers_its_budget(
         cluster.node_budget(8 * 2**30, 2)
 
 
+def test_dask_engine_tasks_are_spread_over_the_workers(
+    dask_client: Any, dask_executor: DaskExecutor
+) -> None:
+    # Dask placed every pack of a compute on one of two workers when its estimates tied;
+    # the executor names the worker with the fewest of its tasks in flight per thread.
+    workers = set(dask_client.scheduler_info(n_workers=-1)["workers"])
+    picks = [dask_executor._spread() for _ in range(4)]
+    assert set(picks) == workers and sorted(picks.count(w) for w in workers) == [2, 2]
+    dask_executor._placed.clear()
+    pids = tw.from_array(np.zeros((400, 1)), rows=10).map_blocks(_pid_rows, dtype=np.int64)
+    ran = np.unique(pids.compute(executor=dask_executor))
+    assert len(ran) == 2  # both workers ran blocks
+    assert set(dask_executor._placed.values()) <= {0}  # every placed task landed
+
+
 def test_dask_slots_are_the_workers_threads(dask_client: Any) -> None:
     assert DaskExecutor(dask_client).workers == 2
     assert DaskExecutor(dask_client, workers=1).workers == 1

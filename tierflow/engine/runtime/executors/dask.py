@@ -206,6 +206,11 @@ class DaskExecutor(ClusterExecutor):
         self.one_host = hosts <= {"127.0.0.1", "localhost", host_name(), _my_ip()}
         self._seen: dict[str, int] = {}  # worker -> its last reported memory (bytes)
         self._seen_at = 0.0
+        # The workers' threads, and the engine tasks this executor placed on each that
+        # have not landed (see _spread); _placed_lock guards both.
+        self._threads = {str(a): int(w.get("nthreads", 1)) for a, w in info["workers"].items()}
+        self._placed: dict[str, int] = {}
+        self._placed_lock = threading.Lock()
         self._results = _Results(self.client)
         self._setup()
 
@@ -235,6 +240,7 @@ class DaskExecutor(ClusterExecutor):
         # A backup copy goes to another worker than its twin's, when there is one.
         first = pack[0]
         elsewhere = self._elsewhere(list(first.handles)) if first.handles else None
+        spread = None if elsewhere or prefer else self._spread()
         future = self.client.submit(
             _dask_block,
             [p.desc for p in pack],
@@ -246,15 +252,37 @@ class DaskExecutor(ClusterExecutor):
             pure=False,
             retries=0,
             resources=self._resources(max(int(p.need) for p in pack)),
-            workers=elsewhere or ([prefer] if prefer else None),
-            allow_other_workers=bool(elsewhere or prefer),
+            workers=elsewhere or ([prefer] if prefer else None) or ([spread] if spread else None),
+            allow_other_workers=bool(elsewhere or prefer or spread),
         )
 
         def landed(result: Any, error: BaseException | None) -> None:
+            if spread is not None:
+                with self._placed_lock:
+                    self._placed[spread] = self._placed.get(spread, 1) - 1
             self._landed(pack, future, result, error)
 
         future.add_done_callback(lambda f: self._results.put(f, landed))
         return future
+
+    def _spread(self) -> str | None:
+        """The worker with the fewest of this executor's engine tasks in flight per
+        thread (None: one worker), counted as placed there.
+
+        Dask places a task whose only input (the program) every worker holds by its
+        estimate of each worker's queue, and when those tie (tasks it has no timings
+        for) by the bytes each holds: all of a compute's packs went to one of two
+        workers in half the computes measured, the other idle. A task placed here keeps
+        ``allow_other_workers``: Dask sends it elsewhere when that worker is gone, and
+        may steal it for an idle one."""
+        with self._placed_lock:
+            if len(self._threads) < 2:
+                return None
+            chosen = min(
+                self._threads, key=lambda a: self._placed.get(a, 0) / max(1, self._threads[a])
+            )
+            self._placed[chosen] = self._placed.get(chosen, 0) + 1
+            return chosen
 
     def _resources(self, need: int) -> dict[str, int] | None:
         """What a task projecting ``need`` bytes asks of the ``tierflow-bytes``
@@ -371,6 +399,9 @@ class DaskExecutor(ClusterExecutor):
                 memory = w.get("metrics", {}).get("memory")
                 if memory is not None:
                     self._seen[str(address)] = int(memory)
+            threads = {str(a): int(w.get("nthreads", 1)) for a, w in info["workers"].items()}
+            with self._placed_lock:
+                self._threads = threads
             self._follow_slots(sum(int(w.get("nthreads", 1)) for w in info["workers"].values()))
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
