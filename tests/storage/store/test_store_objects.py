@@ -100,6 +100,7 @@ def test_the_key_travels_with_the_store(url: str, tmp_path: Path) -> None:
     sent = pickle.dumps(here)
     config.set(store_dir=str(tmp_path / "worker" / "stores"))  # a worker with its own key
     there = pickle.loads(sent)
+    assert pickle.loads(sent) is there  # opened once per process, not once per task
     there.set("from the worker", np.arange(4.0))
     np.testing.assert_array_equal(here.get("from the worker"), np.arange(4.0))
 

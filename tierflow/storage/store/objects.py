@@ -51,6 +51,8 @@ __all__ = ["SUFFIX", "ObjectStore"]
 log = logging.getLogger("tierflow.store")
 
 SUFFIX = ".tfe"  # an entry's object: <32 hex digits>.tfe
+_opened: dict[tuple[str, bytes], ObjectStore] = {}  # stores unpickled here; _opened_lock
+_opened_lock = threading.Lock()
 _OURS = re.compile(r"^[0-9a-f]{32}\.tfe(\.tmp-[0-9a-f]{32})?$")  # entries and temporary keys
 
 
@@ -88,7 +90,7 @@ class ObjectStore:
         return self.path.rsplit("/", 1)[-1]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ObjectStore, (self.path, self.options, self._key))
+        return (_reopened, (self.path, self.options, self._key))
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.path!r}, key_id={self._signer.key_id!r})"
@@ -245,3 +247,13 @@ class ObjectStore:
     def close(self) -> None:
         """Stop using the store (nothing is held open)."""
         self.closed = True
+
+
+def _reopened(url: str, options: dict[str, Any], key: bytes) -> ObjectStore:
+    """The store ``url`` as another process sent it (with its options and key): opened
+    once per process, not once per task that carries it."""
+    with _opened_lock:
+        found = _opened.get((url, key))
+        if found is None or found.closed:
+            found = _opened[url, key] = ObjectStore(url, options, key)
+        return found
