@@ -28,6 +28,8 @@ from tierflow.engine.types import RowRange
 from tierflow.errors import ConfigError, DependencyError, install_command
 from tierflow.system.limits import read_memory
 
+from common import wait_for
+
 pytestmark = pytest.mark.executors("threads")  # the executor is passed to each compute
 
 
@@ -88,6 +90,48 @@ def test_dask_engine_tasks_are_spread_over_the_workers(
     ran = np.unique(pids.compute(executor=dask_executor))
     assert len(ran) == 2  # both workers ran blocks
     assert set(dask_executor._placed.values()) <= {0}  # every placed task landed
+
+
+def _set_status(name: str, dask_worker: Any = None) -> None:
+    from distributed.core import Status
+
+    dask_worker.status = Status[name]
+
+
+def test_a_paused_dask_worker_is_named_and_gets_no_new_task(
+    dask_client: Any, dask_executor: DaskExecutor, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = sorted(dask_client.scheduler_info(n_workers=-1)["workers"])
+    paused, running = workers
+    dask_client.run(_set_status, "paused", workers=[paused])
+    try:
+        wait_for(
+            lambda: (
+                dask_client.scheduler_info(n_workers=-1)["workers"][paused]["status"] == "paused"
+            ),
+            10.0,
+            "the scheduler sees the worker paused",
+        )
+        dask_executor._seen_at = 0.0
+        with caplog.at_level("WARNING", logger="tierflow.engine"):
+            dask_executor._observe()
+            dask_executor._observe()  # once a pause
+        said = [r.getMessage() for r in caplog.records if "Dask paused worker" in r.getMessage()]
+        assert len(said) == 1 and paused in said[0] and "MB of its" in said[0]
+        # one worker runs: placing is left to Dask, which sends nothing to a paused one
+        assert list(dask_executor._threads) == [running] and dask_executor._spread() is None
+        x = tw.from_array(np.arange(2000.0)[:, None], rows=100)
+        np.testing.assert_array_equal((x * 2).compute(executor=dask_executor), x.compute() * 2)
+    finally:
+        dask_client.run(_set_status, "running", workers=[paused])
+    wait_for(
+        lambda: dask_client.scheduler_info(n_workers=-1)["workers"][paused]["status"] == "running",
+        10.0,
+        "the worker running again",
+    )
+    dask_executor._seen_at = 0.0
+    dask_executor._observe()
+    assert set(dask_executor._threads) == set(workers)
 
 
 def test_dask_slots_are_the_workers_threads(dask_client: Any) -> None:

@@ -208,9 +208,10 @@ class DaskExecutor(ClusterExecutor):
         self._seen_at = 0.0
         # The workers' threads, and the engine tasks this executor placed on each that
         # have not landed (see _spread); _placed_lock guards both.
-        self._threads = {str(a): int(w.get("nthreads", 1)) for a, w in info["workers"].items()}
+        self._threads = _running_threads(info)
         self._placed: dict[str, int] = {}
         self._placed_lock = threading.Lock()
+        self._paused: set[str] = set()  # workers seen paused (warned about once a pause)
         self._results = _Results(self.client)
         self._setup()
 
@@ -399,10 +400,34 @@ class DaskExecutor(ClusterExecutor):
                 memory = w.get("metrics", {}).get("memory")
                 if memory is not None:
                     self._seen[str(address)] = int(memory)
-            threads = {str(a): int(w.get("nthreads", 1)) for a, w in info["workers"].items()}
+            threads = _running_threads(info)
             with self._placed_lock:
                 self._threads = threads
+            self._note_paused(info["workers"])
             self._follow_slots(sum(int(w.get("nthreads", 1)) for w in info["workers"].values()))
+
+    def _note_paused(self, workers: dict[str, Any]) -> None:
+        """Log a warning, once per pause, about each worker Dask paused: it runs nothing
+        until its memory falls below Dask's pause threshold, and a compute whose tasks
+        wait there waits with it (Dask neither fails nor moves them). New engine tasks
+        are placed on the running workers meanwhile (:meth:`_spread`)."""
+        paused = {str(a) for a, w in workers.items() if w.get("status") == "paused"}
+        for address in sorted(paused - self._paused):
+            w = workers[address]
+            used = int(w.get("metrics", {}).get("memory") or 0)
+            limit = int(w.get("memory_limit") or 0)
+            of = f" of its {limit >> 20} MB limit" if limit else ""
+            log.warning(
+                "Dask paused worker %s (its process uses %d MB%s; Dask pauses a worker past "
+                "distributed.worker.memory.pause, 80 %% by default): it runs no task until "
+                "that falls, and tierflow places no new task there. Memory the worker's own "
+                "code keeps (not tierflow's blocks) is the usual cause; restart the worker "
+                "or give it a bigger memory_limit",
+                address,
+                used >> 20,
+                of,
+            )
+        self._paused = paused
 
     def _probe(self, paths: Sequence[str]) -> dict[str, list[str]]:
         found = self.client.run(probe_files, list(paths))
@@ -410,6 +435,16 @@ class DaskExecutor(ClusterExecutor):
 
     def __repr__(self) -> str:
         return f"DaskExecutor(workers={self.workers}, scheduler={self.client.scheduler.address})"
+
+
+def _running_threads(info: dict[str, Any]) -> dict[str, int]:
+    """The threads of each worker in ``scheduler_info()`` that runs tasks now (not
+    paused, closing or retiring)."""
+    return {
+        str(a): int(w.get("nthreads", 1))
+        for a, w in info["workers"].items()
+        if w.get("status", "running") == "running"
+    }
 
 
 def _dask_block(
