@@ -92,6 +92,18 @@ CASES: dict[str, Case] = {
         ),
         marks=(pytest.mark.slow,),  # starts a LocalCluster of two processes
     ),
+    "no_shared_disk.py": Case(
+        args=("--rows", "40000"),
+        expect=(
+            r"^40,000 rows x 8 float32 in s3://example/tierflow-example/input\.zarr, on DaskExecutor",
+            r"^sorted by column 0 into .*sorted\.zarr in [\d.]+ s; identical to NumPy's: True$",
+            r"^rows with x\[:, 0\] > 1\.5: [\d,]+; identical to NumPy's: True$",
+            r"cache.*: second run 2 hits, the same values: True; equal to threads': True$",
+            r"^objects left under s3://example/tierflow-example/tmp: 0$",
+        ),
+        needs=("distributed", "s3fs", "zarr", "moto"),
+        marks=(pytest.mark.slow,),  # starts a local S3 server and two Dask workers
+    ),
     "dask_interop.py": Case(
         # The cluster path: its worker processes unpickle the tierflow graph.
         args=("--rows", "40000", "--distributed"),
