@@ -475,3 +475,30 @@ def test_a_prefix_that_is_not_a_store_is_a_warning_and_kept(
     np.testing.assert_array_equal(result, data * 2 + 1)
     fs.invalidate_cache()
     assert fs.find("tierflow/user-data") == ["tierflow/user-data/table.csv"]
+
+
+@pytest.mark.executors("threads")
+def test_other_byte_orders_and_empty_results_round_trip_through_a_bucket_cache(
+    tmp_path: Path, s3_server: dict[str, Any]
+) -> None:
+    pytest.importorskip("s3fs")
+    config.set(shared_options=s3_server)
+    url = "s3://tierflow/cache-byte-orders"
+    big = np.arange(600, dtype=">f8").reshape(200, 3)
+    np.save(tmp_path / "big.npy", big)
+    x = tw.from_npy(tmp_path / "big.npy", rows=50)
+    cases = {
+        "doubled": lambda: x * 2,
+        "none kept": lambda: x[x[:, 0] < -1],  # every block empty
+        "column sums": lambda: x.sum(axis=0),
+    }
+    first = {k: make().compute(cache=url) for k, make in cases.items()}
+    hits = tw.cache_info(url)["cache-byte-orders"].hits
+    for name, make in cases.items():
+        again = make().compute(cache=url)
+        assert again.dtype == first[name].dtype, name
+        np.testing.assert_array_equal(again, first[name], err_msg=name)
+    np.testing.assert_array_equal(first["doubled"], big * 2)
+    assert first["none kept"].shape == (0, 3)
+    # read back from the bucket: 4 blocks of x * 2, 4 empty blocks, the sums' value
+    assert tw.cache_info(url)["cache-byte-orders"].hits == hits + 9
