@@ -8,7 +8,9 @@ in the workers. Each engine's figures come from one child process (``bench_clust
 --child ENGINE ...``) that starts its cluster, measures, and closes it: the cluster's
 start is timed and reported, outside the measured rounds. Three parts, each selectable with ``--only``;
 every ratio is measured in one run, alternating the contenders round by round (medians
-and ranges over the rounds), never bare times:
+and ranges over the rounds), never bare times. Each timed compute starts after a
+``gc.collect()`` outside its time, as ``timeit`` keeps the collector out of its times:
+otherwise one contender's garbage sets off a collection in the next one's compute:
 
 1. ``mapblocks`` (issue 12: >= 1.7x threads): the pure-Python per-row function of
    ``bench_processes.py`` (:func:`bench_processes.per_row`, about 5 us a row with the
@@ -88,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import shutil
 import statistics
@@ -305,6 +308,10 @@ def _timed(
     """One compute: its result and figures. ``compute(callbacks)`` runs it; the tasks'
     seconds are as the engine reports them (in the worker, on a cluster)."""
     tasks = _Tasks()
+    # Collected first, outside the time (timeit turns the collector off for the same
+    # reason): a collection the previous contender's garbage set off would otherwise
+    # land in this one's time (a 20 ms pause at the start of a 1 GB compute, seen).
+    gc.collect()
     before = _cpu_seconds(workers)
     cpu = time.process_time()
     start = time.perf_counter()
