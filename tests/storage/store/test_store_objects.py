@@ -88,6 +88,17 @@ def test_a_prefix_that_holds_other_objects_is_not_taken_over(
     assert _objects(s3_server, url) == ["data.csv"]
 
 
+def test_a_record_changed_outside_is_refused(url: str, s3_server: dict[str, Any]) -> None:
+    ObjectStore(url).set(1, "one")
+    fs = _fs(s3_server)
+    record = f"{url.removeprefix('s3://')}/.tierflow-store"
+    for garbled in (b"[1, 2]", b"not json"):
+        fs.pipe_file(record, garbled)
+        with pytest.raises(StoreError, match="is not a tierflow store record"):
+            ObjectStore(url)
+    assert len(_objects(s3_server, url)) == 2  # the entry and the record: nothing removed
+
+
 def test_a_store_signed_with_another_key_is_refused(url: str, tmp_path: Path) -> None:
     ObjectStore(url).set(1, "one")
     config.set(store_dir=str(tmp_path / "other" / "stores"))  # another key file

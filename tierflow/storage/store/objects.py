@@ -80,7 +80,6 @@ class ObjectStore:
         self._signer = Signer(self._key)
         self._fs, self._root = fsspec.core.url_to_fs(self.path, **self.options)
         self._root = self._root.rstrip("/")
-        self._lock = threading.Lock()
         self.closed = False
         self._prepare()
 
@@ -103,6 +102,8 @@ class ObjectStore:
         marker = f"{self._root}/{MARKER}"
         try:
             fields = json.loads(self._fs.cat_file(marker))
+            if not isinstance(fields, dict):
+                raise ValueError(f"it holds {type(fields).__name__}, not an object")
         except FileNotFoundError:
             fields = None
         except ValueError as exc:
