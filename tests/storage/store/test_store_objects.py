@@ -13,7 +13,7 @@ import pytest
 
 from tierflow import config
 from tierflow.errors import StoreError
-from tierflow.storage.store import StoreWarning
+from tierflow.storage.store import StoreWarning, objects
 from tierflow.storage.store.objects import ObjectStore
 
 pytest.importorskip("s3fs")
@@ -140,6 +140,27 @@ def test_an_object_changed_outside_is_a_miss_never_unpickled(
     with pytest.warns(StoreWarning, match="failed its checks"):
         assert st.get("k", "missing") == "missing"
     assert len(names) == 2
+
+
+def test_membership_comes_from_a_listing_not_a_request_per_key(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = ObjectStore(url)
+    here.set("a", 1)
+    other = pickle.loads(pickle.dumps(here))  # as a worker opens it
+    assert "a" in here and "b" not in here  # one listing
+    asked: list[str] = []
+    monkeypatch.setattr(here._fs, "exists", lambda path: asked.append(path) or True)
+    assert all(k not in here for k in range(100)) and asked == []
+    here.set("b", 2)  # its own write is known at once
+    assert "b" in here
+    other.set("c", 3)  # another's, once the listing is renewed
+    assert "c" not in here
+    monkeypatch.setattr(objects, "LISTING_SECONDS", 0.0)
+    assert "c" in here
+    assert here.get("c") == 3  # get never waits for a listing
+    here.clear()
+    assert "a" not in here
 
 
 def test_a_failed_write_leaves_nothing(url: str, s3_server: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from typing import Any
@@ -46,11 +47,12 @@ from .serial import EntryDamaged, StoreWarning, read_entry, write_entry
 from .signing import Signer, load_key
 from .tiers import FORMAT, MARKER, StoreUsage
 
-__all__ = ["SUFFIX", "ObjectStore"]
+__all__ = ["LISTING_SECONDS", "SUFFIX", "ObjectStore"]
 
 log = logging.getLogger("tierflow.store")
 
 SUFFIX = ".tfe"  # an entry's object: <32 hex digits>.tfe
+LISTING_SECONDS = 5.0  # how old a listing ``in`` answers from may be
 _opened: dict[tuple[str, bytes], ObjectStore] = {}  # stores unpickled here; _opened_lock
 _opened_lock = threading.Lock()
 _OURS = re.compile(r"^[0-9a-f]{32}\.tfe(\.tmp-[0-9a-f]{32})?$")  # entries and temporary keys
@@ -81,6 +83,10 @@ class ObjectStore:
         self._fs, self._root = fsspec.core.url_to_fs(self.path, **self.options)
         self._root = self._root.rstrip("/")
         self.closed = False
+        # The entries' names as last listed (see __contains__); _listed_lock guards them.
+        self._listed: set[str] | None = None
+        self._listed_at = 0.0
+        self._listed_lock = threading.Lock()
         self._prepare()
 
     @property
@@ -170,6 +176,9 @@ class ObjectStore:
                 os.close(fd)
             self._fs.put_file(local, temp)
             self._fs.mv(temp, final)
+            with self._listed_lock:
+                if self._listed is not None:
+                    self._listed.add(final.rsplit("/", 1)[-1])
         except BaseException:
             with contextlib.suppress(Exception):
                 self._fs.rm_file(temp)
@@ -206,9 +215,21 @@ class ObjectStore:
                 os.unlink(local)  # a memory-mapped array keeps its pages
 
     def __contains__(self, key: object) -> bool:
+        """Whether the store has ``key``, from a listing of the prefix at most
+        :data:`LISTING_SECONDS` old (and the entries this object wrote since): one
+        request per few seconds, not one per block. The engine asks only for hints
+        (what readahead may skip, which nodes an earlier compute cached), and
+        :meth:`get` is exact: an entry another process wrote in the last seconds may be
+        missed here, not there."""
         self._check_open()
         _, remote = self._object(key)  # type: ignore[arg-type]
-        return bool(self._fs.exists(remote))
+        name = remote.rsplit("/", 1)[-1]
+        with self._listed_lock:
+            now = time.monotonic()
+            if self._listed is None or now - self._listed_at > LISTING_SECONDS:
+                self._listed = {n for n in self._entries() if n.endswith(SUFFIX)}
+                self._listed_at = now
+            return name in self._listed
 
     def _entries(self) -> dict[str, int]:
         """This layout's objects under the prefix: name -> size in bytes."""
@@ -235,6 +256,8 @@ class ObjectStore:
         of entries removed. Other objects under the prefix stay."""
         self._check_open()
         names = self._entries()
+        with self._listed_lock:
+            self._listed = None
         if names:
             self._fs.rm([f"{self._root}/{n}" for n in names])
         return sum(1 for n in names if n.endswith(SUFFIX))
