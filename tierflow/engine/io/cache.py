@@ -269,7 +269,7 @@ def resolve_spec(cache: Any) -> Any:
 def _handle(spec: Any) -> _Handle:
     """The engine's handle of the store ``spec`` (a path, a URL or a store), opened on
     first use with no RAM tier. Raises what opening the store raises."""
-    if isinstance(spec, (str, ObjectStore)) and intermediates.is_url(str(_where(spec))):
+    if isinstance(spec, ObjectStore) or (isinstance(spec, str) and intermediates.is_url(spec)):
         return _object_handle(spec)
     given = spec if isinstance(spec, Store) else None
     path = Path(given.path if given is not None else spec)
