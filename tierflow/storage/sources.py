@@ -58,7 +58,7 @@ import numpy as np
 from numpy.lib.format import descr_to_dtype
 
 from ..errors import SourceError
-from . import leases, pages
+from . import filemaps, leases, pages
 
 __all__ = [
     "ArraySource",
@@ -145,9 +145,11 @@ class FileSource:
     with :func:`open_npy`, :func:`open_raw` or :func:`as_source` rather than by hand:
     they validate the file. The file is opened and mapped on first use (and refused
     if another file has been put at the path since the source was made, or it is too
-    short) and dropped by :meth:`close`; views already handed out keep the mapping, and
-    its lease, alive until they are gone. It pickles as its description: another
-    process opens the file on first use.
+    short) and dropped by :meth:`close`. The mapping is the process's one for this data,
+    shared with every other source of it (:mod:`tierflow.storage.filemaps`): views
+    handed out, and the most recently used mappings up to half the RAM budget, keep it
+    and its lease alive after the source is gone. It pickles as its description:
+    another process opens the file on first use.
 
     ``sequential`` (default True) advises the kernel that the mapping is read in order
     (``MADV_SEQUENTIAL``). Without it a page fault that misses the page cache reads
@@ -260,8 +262,9 @@ class FileSource:
         return fd
 
     def _mapping(self) -> np.memmap[Any, Any] | None:
-        """The leased mapping of the data, mapped on first use; None while no lease can
-        be had (then blocks are read by copy)."""
+        """The leased mapping of the data, this process's one for the file
+        (:func:`tierflow.storage.filemaps.share`), got on first use; None while no
+        lease can be had (then blocks are read by copy)."""
         with self._lock:
             m = self._map
             if m is not None:
@@ -269,19 +272,34 @@ class FileSource:
                     return m
                 self._map = None  # broken: views in flight keep it until they are done
             fd = self._opened()
-            lease = leases.acquire(fd)
-            if lease is None:
-                return None
-            size = os.fstat(lease).st_size
-            if size < self.offset + self.nbytes:
-                os.close(lease)
-                raise self._shrunk(size)
-            m = leases.map_leased(
-                lease, self.path, self.dtype, self.shape, self.offset, sequential=self.sequential
+            shared = filemaps.share(
+                fd,
+                self.path,
+                self.dtype,
+                self.shape,
+                self.offset,
+                sequential=self.sequential,
+                user=self,
+                short=self._shrunk,
             )
-            self._map, self._lease = m, lease
-            leases.watch(lease, functools.partial(_drop_mapping, weakref.ref(self), weakref.ref(m)))
-            return m
+            if shared is None:
+                return None
+            self._map, self._lease = shared
+            return self._map
+
+    def _lost(self, mapping: np.memmap[Any, Any]) -> None:
+        """The lease under ``mapping`` broke: hand it out no more (the lease watcher
+        calls this, and must not wait for views of the mapping to go)."""
+        with self._lock:
+            if self._map is mapping:
+                self._map = None
+
+    def kept(self) -> bool:
+        """Whether this source's mapping outlives it, so a scan may leave its pages
+        mapped for the next (:mod:`tierflow.storage.filemaps`)."""
+        with self._lock:
+            m = self._map
+        return m is not None and filemaps.kept(m)
 
     def _read(self, i0: int, i1: int) -> np.ndarray:
         """Rows ``i0:i1`` read by copy (``pread``) into a new array."""
@@ -347,8 +365,9 @@ class FileSource:
     def close(self) -> None:
         """Drop this source's mapping and descriptor.
 
-        The mapping is unmapped (and its lease let go) once no view of it is left; a
-        later :meth:`block` opens the file again, and refuses it if another file was
+        The mapping is unmapped (and its lease let go) once no view of it is left and
+        :mod:`tierflow.storage.filemaps` keeps it no more; a later :meth:`block` opens
+        the file again, and refuses it if another file was
         put at the path meanwhile. Not to be called while another thread reads blocks.
         """
         with self._lock:
@@ -442,20 +461,6 @@ class ArraySource:
 
 
 _PER_PROCESS = frozenset({"_map", "_lock", "_fd", "_lease", "_closer"})
-
-
-def _drop_mapping(
-    source_ref: weakref.ref[FileSource], mapping_ref: weakref.ref[np.memmap[Any, Any]]
-) -> None:
-    """The lease under a mapping broke: hand it out no more (the watcher calls this).
-
-    Both by weak reference: the watcher must not keep the mapping (and so the lease)
-    alive, nor the source."""
-    source, mapping = source_ref(), mapping_ref()
-    if source is not None and mapping is not None:
-        with source._lock:
-            if source._map is mapping:
-                source._map = None
 
 
 def _shared_file_mapping(array: np.ndarray) -> bool:

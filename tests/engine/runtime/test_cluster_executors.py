@@ -26,6 +26,7 @@ from tierflow.engine.runtime.executors import DaskExecutor, RayExecutor, cluster
 from tierflow.engine.runtime.executors.cluster import RESOURCE
 from tierflow.engine.types import RowRange
 from tierflow.errors import ConfigError, DependencyError, install_command
+from tierflow.storage import filemaps
 from tierflow.system.limits import read_memory
 
 from common import wait_for
@@ -443,22 +444,54 @@ def _mapped_file_kb() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
 
 
-def test_dask_workers_release_a_files_pages_after_each_block(
+def _keeping(dask_worker: Any) -> tuple[int, int, float, int]:
+    manager = dask_worker.memory_manager
+    return (
+        filemaps.keep_limit(),
+        manager.memory_limit,
+        manager.memory_pause_fraction,
+        int(config.get("ram_budget")),
+    )
+
+
+def test_dask_workers_keep_a_files_pages_once_and_below_the_pause_threshold(
     dask_client: Any, tmp_path: Path
 ) -> None:
-    """Dask's memory monitor reads a worker's RSS, which counts mapped file pages: kept
-    mapped, each compute's mapping of the file added its pages (a 4 GB file, three
-    computes: 9.7 GB in one worker, and Dask paused it). Released, they do not add up."""
-    path = tmp_path / "x.npy"
-    np.save(path, np.ones((1 << 21, 8), np.float32))  # 64 MB
+    """Dask's memory monitor reads a worker's RSS, which counts mapped file pages. Each
+    compute's program maps the file, and when each mapping was its own, kept pages
+    added up (a 4 GB file, three computes: 9.7 GB in one worker, and Dask paused it).
+    Now a worker keeps one mapping of a file, and only as many bytes as Dask's pause
+    threshold leaves above its budget; past that, pages are released after each block."""
     executor = DaskExecutor(dask_client)
-    x = tw.from_npy(path, rows=1 << 18)
-    before = dask_client.run(_mapped_file_kb)
-    for expr in (x.sum(axis=0), np.sqrt(x * 2 + 1).sum(axis=0), x.max(axis=0)):
-        expr.compute(executor=executor)
-    after = dask_client.run(_mapped_file_kb)
-    grown = {w: (after[w] - before[w]) // 1024 for w in after}
-    assert max(grown.values()) < 24, f"MB of mapped file pages kept per worker: {grown}"
+    for keep, limit, pause, budget in dask_client.run(_keeping).values():
+        assert 0 <= keep <= limit * pause - budget
+    path = tmp_path / "x.npy"
+    data = np.ones((1 << 21, 8), np.float32)  # 64 MB
+    np.save(path, data)
+
+    def grown_mb(exprs: list[Any]) -> dict[str, int]:
+        before = dask_client.run(_mapped_file_kb)
+        for expr in exprs:
+            np.testing.assert_array_equal(expr.compute(executor=executor), data.sum(axis=0))
+        after = dask_client.run(_mapped_file_kb)
+        return {w: (after[w] - before[w]) // 1024 for w in after}
+
+    def exprs() -> list[Any]:  # a new source each time, as a notebook's cells make
+        return [tw.from_npy(path, rows=1 << 18).sum(axis=0) for _ in range(4)]
+
+    limits = dask_client.run(filemaps.keep_limit)
+    kept = grown_mb(exprs())
+    assert max(kept.values()) <= 64 + 12 and sum(kept.values()) <= 2 * 64 + 24, kept
+    if min(limits.values()) > 64 << 20:  # room for the file: its pages stayed mapped
+        assert sum(kept.values()) >= 48, kept
+    try:
+        dask_client.run(filemaps.keep_files, 16 << 20)  # less than the file: none kept
+        dask_client.run(filemaps.forget_all)
+        released = grown_mb(exprs())
+        assert max(released.values()) < 24, f"MB of file pages kept per worker: {released}"
+    finally:
+        for worker, limit in limits.items():
+            dask_client.run(filemaps.keep_files, limit, workers=[worker])
 
 
 @pytest.mark.executors("dask", "ray")

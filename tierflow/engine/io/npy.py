@@ -64,7 +64,6 @@ __all__ = [
     "FileReader",
     "NpyRows",
     "NpySink",
-    "keep_mapped_files",
     "npy_header",
 ]
 
@@ -91,19 +90,14 @@ class FileReader(Reader):
         self.source.readahead(a, b)
 
     def release(self, a: int, b: int, *, drop_cache: bool = False) -> None:
-        """Drop rows ``a:b`` from this process, where the file is bigger than
-        ``1 / KEEP_MAPPED_SHARE`` of the RAM budget or memory pressure is above ``ok``
-        (``drop_cache``: high, and from the page cache too). A smaller file stays
-        mapped while memory is plentiful: its pages fit the budget, are the page
+        """Drop rows ``a:b`` from this process, unless the file's mapping is kept
+        (:meth:`~tierflow.storage.sources.FileSource.kept`: the most recently used files
+        up to half the RAM budget) and memory pressure is ``ok`` (``drop_cache``: high,
+        and from the page cache too). A kept file's pages fit the budget, are the page
         cache's own (shared, and counted as free by the pressure level), and dropping
         them only to fault them back in on the next scan costs a tenth of a scan of a
-        cached file. Not in a process whose RSS is policed (:func:`keep_mapped_files`)."""
-        if (
-            drop_cache
-            or not _keep_mapped
-            or self.source.nbytes > budget_module.budget_bytes() // KEEP_MAPPED_SHARE
-            or pressure.level_now() != Level.OK
-        ):
+        cached file."""
+        if drop_cache or pressure.level_now() != Level.OK or not self.source.kept():
             self.source.release(a, b, drop_cache=drop_cache, count=False)
 
     def check(self) -> None:
@@ -125,20 +119,6 @@ _MAGIC = b"\x93NUMPY"
 _ALIGN = 64
 _MAX_ROWS = 10**19 - 1  # the widest row count a header may need to hold (19 digits)
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back, do not wait
-KEEP_MAPPED_SHARE = 2  # a file up to budget / 2 stays mapped after a scan (FileReader)
-_keep_mapped = True  # see keep_mapped_files
-
-
-def keep_mapped_files(keep: bool) -> None:
-    """Whether this process keeps a scanned file's pages mapped while memory is
-    plentiful (True by default). A Dask worker turns it off: Dask's memory monitor
-    reads the process's RSS, which counts mapped file pages, and each compute maps the
-    file anew, so kept pages add up (a 4 GB file read by three computes: 9.7 GB of RSS
-    in one worker) until Dask pauses the worker, as if it were out of memory."""
-    global _keep_mapped
-    _keep_mapped = keep
-
-
 KICK_SHARE = 8  # start write-back once budget / 8 bytes are dirty ...
 KICK_MIN = 64 << 20  # ... but not in pieces smaller than 64 MB
 _TIGHT = frozenset({Level.MODERATE, Level.HIGH, Level.CRITICAL})
