@@ -171,12 +171,14 @@ class Options:
 @dataclass(frozen=True)
 class Cluster:
     """The child's engine: its name, the Dask client (None on Ray), tierflow's executor
-    on it, and a function listing its worker processes' pids."""
+    on it, a function listing its worker processes' pids, and one that waits until the
+    cluster has let go of the last compute's work (:func:`_dask_settle`)."""
 
     engine: str
     client: Any
     executor: Any
     workers: Callable[[], list[int]]
+    settle: Callable[[], None] | None = None
 
 
 @contextlib.contextmanager
@@ -303,11 +305,16 @@ class WorkerMemory:
 
 
 def _timed(
-    compute: Callable[[Any], Any], workers: Sequence[int] = ()
+    compute: Callable[[Any], Any],
+    workers: Sequence[int] = (),
+    settle: Callable[[], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """One compute: its result and figures. ``compute(callbacks)`` runs it; the tasks'
-    seconds are as the engine reports them (in the worker, on a cluster)."""
+    seconds are as the engine reports them (in the worker, on a cluster). ``settle``
+    runs first, outside the time."""
     tasks = _Tasks()
+    if settle is not None:
+        settle()
     # Collected first, outside the time (timeit turns the collector off for the same
     # reason): a collection the previous contender's garbage set off would otherwise
     # land in this one's time (a 20 ms pause at the start of a 1 GB compute, seen).
@@ -326,6 +333,39 @@ def _timed(
         "busy": tasks.busy,
         "blocks": tasks.blocks,
     }
+
+
+SETTLE_S = 10.0  # longest wait of _dask_settle
+
+
+def _dask_settle(client: Any) -> Callable[[], None]:
+    """Wait (up to :data:`SETTLE_S`) until neither the scheduler nor a worker holds a
+    computed task any more, then collect the workers' garbage. A contender's results are
+    let go after its compute returns: without this, the workers freed the 1 GB that
+    ``from_array`` had sent them, and collected its garbage, inside the time of the
+    contender after it (tierflow's 1 GB sum: 138 ms instead of 76 ms, seen)."""
+
+    def settle() -> None:
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            held = client.run_on_scheduler(_scheduler_tasks)
+            if not held and not any(client.run(_worker_tasks).values()):
+                break
+            time.sleep(0.01)
+        client.run(gc.collect)
+
+    return settle
+
+
+def _scheduler_tasks(dask_scheduler: Any) -> int:
+    """Tasks with code to run (not scattered data, such as tierflow's programs) that the
+    scheduler still holds."""
+    return sum(1 for ts in list(dask_scheduler.tasks.values()) if ts.run_spec is not None)
+
+
+def _worker_tasks(dask_worker: Any) -> int:
+    """The same, held by a worker."""
+    return sum(1 for ts in list(dask_worker.state.tasks.values()) if ts.run_spec is not None)
 
 
 def _load() -> float:
@@ -356,10 +396,10 @@ def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str
     plain = _plain_map(cluster, path)
     cases: dict[str, Any] = {}
     references: dict[str, Any] = {}
-    _timed(plain)
+    _timed(plain, settle=cluster.settle)
     for case in MAP_CASES:
-        references[case], warm = _timed(run(case, "threads"))
-        got, first = _timed(run(case, executor), workers=workers())
+        references[case], warm = _timed(run(case, "threads"), settle=cluster.settle)
+        got, first = _timed(run(case, executor), workers=workers(), settle=cluster.settle)
         cases[case] = {"warm_threads": warm, "first": first, "rounds": [], "difference": {}}
         cases[case]["difference"][engine] = _difference(got, references[case], case)
     waits: list[tuple[float, float]] = []
@@ -367,12 +407,12 @@ def measure_mapblocks(path: str, cluster: Cluster, options: Options) -> dict[str
         quiet(options, waits)
         for case in MAP_CASES:
             row: dict[str, Any] = {}
-            _, row["threads"] = _timed(run(case, "threads"))
-            got, row[engine] = _timed(run(case, executor), workers=workers())
+            _, row["threads"] = _timed(run(case, "threads"), settle=cluster.settle)
+            got, row[engine] = _timed(run(case, executor), workers=workers(), settle=cluster.settle)
             found = _difference(got, references[case], case)
             cases[case]["difference"][engine] = max(cases[case]["difference"][engine], found)
             if case == "sum":
-                got, row["plain"] = _timed(plain)
+                got, row["plain"] = _timed(plain, settle=cluster.settle)
                 found = _difference(got, references[case], case)
                 cases[case]["difference"]["plain"] = max(
                     cases[case]["difference"].get("plain", 0.0), found
@@ -530,10 +570,10 @@ def measure_columns(path: str, cluster: Cluster, options: Options) -> dict[str, 
     references: dict[str, Any] = {}
     for case in COLUMN_CASES:  # the reference, and the program's first run on the cluster
         ensure_warm(path)
-        references[case], _ = _timed(tierflow_on("threads", case))
+        references[case], _ = _timed(tierflow_on("threads", case), settle=cluster.settle)
         cases[case]["results"]["threads"] = references[case]
         ensure_warm(path)
-        _, cases[case]["first"] = _timed(tierflow_on(executor, case))
+        _, cases[case]["first"] = _timed(tierflow_on(executor, case), settle=cluster.settle)
     waits: list[tuple[float, float]] = []
     for _ in range(options.column_rounds):
         quiet(options, waits)
@@ -542,7 +582,7 @@ def measure_columns(path: str, cluster: Cluster, options: Options) -> dict[str, 
             for name, make in contenders.items():
                 ensure_warm(path)
                 with memory[name]:
-                    got, row[name] = _timed(make(case), workers=workers())
+                    got, row[name] = _timed(make(case), workers=workers(), settle=cluster.settle)
                 cases[case]["results"][name] = got
                 found = _difference(got, references[case], "sum")
                 cases[case]["difference"][name] = max(
@@ -597,19 +637,19 @@ def measure_overhead(cluster: Cluster, options: Options) -> dict[str, Any]:
         return lambda cb: np.asarray(lazy.compute(executor=on, progress=False, callbacks=cb))
 
     floor = _engine_floor(cluster, options.tasks)
-    reference, warm_serial = _timed(run("serial"))
-    got, first = _timed(run(executor), workers=workers())
-    _timed(floor)
+    reference, warm_serial = _timed(run("serial"), settle=cluster.settle)
+    got, first = _timed(run(executor), workers=workers(), settle=cluster.settle)
+    _timed(floor, settle=cluster.settle)
     rows: list[dict[str, Any]] = []
     difference = _difference(got, reference, "sum")
     waits: list[tuple[float, float]] = []
     for _ in range(options.rounds):
         quiet(options, waits)
         row: dict[str, Any] = {}
-        _, row["serial"] = _timed(run("serial"))
-        got, row["engine"] = _timed(run(executor), workers=workers())
+        _, row["serial"] = _timed(run("serial"), settle=cluster.settle)
+        got, row["engine"] = _timed(run(executor), workers=workers(), settle=cluster.settle)
         difference = max(difference, _difference(got, reference, "sum"))
-        _, row["floor"] = _timed(floor)
+        _, row["floor"] = _timed(floor, settle=cluster.settle)
         row["load"] = _load()
         rows.append(row)
     return {
@@ -627,7 +667,8 @@ def child_main(engine: str, options: Options, map_path: str, column_path: str) -
     with start_cluster() as (client, executor, start):
         figures["cluster"] = start
         workers = _dask_workers(client) if engine == "dask" else _ray_workers
-        cluster = Cluster(engine, client, executor, workers)
+        settle = _dask_settle(client) if engine == "dask" else None
+        cluster = Cluster(engine, client, executor, workers, settle)
         if "mapblocks" in options.parts:
             figures["mapblocks"] = measure_mapblocks(map_path, cluster, options)
         if "columns" in options.parts:

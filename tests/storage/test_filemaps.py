@@ -45,14 +45,21 @@ def _mapped_here(path: Path) -> bool:
 def test_sources_of_the_same_data_share_one_mapping(tmp_path: Path) -> None:
     path = tmp_path / "x.npy"
     _save(path)
-    a, b = open_npy(path), open_npy(path)
+    a, b = open_npy(path, shared=True), open_npy(path, shared=True)
     assert _mapping_id(a) == _mapping_id(b)
     assert a._lease == b._lease and leases.held(a._lease)
     # other bytes of the same file are another mapping
-    raw = open_raw(path, np.float32, (4096, 8), offset=a.offset)
+    raw = open_raw(path, np.float32, (4096, 8), offset=a.offset, shared=True)
     assert _mapping_id(raw) == _mapping_id(a)
-    other = open_raw(path, np.uint8, (4096 * 32,), offset=a.offset)
+    other = open_raw(path, np.uint8, (4096 * 32,), offset=a.offset, shared=True)
     assert _mapping_id(other) != _mapping_id(a)
+    # a source that does not share maps the file on its own, and lets go with it
+    own = open_npy(path)
+    assert _mapping_id(own) != _mapping_id(a) and own._lease != a._lease
+    lease = own._lease
+    own.close()
+    gc.collect()
+    assert not leases.held(lease)
 
 
 def test_a_kept_mapping_outlives_its_source_with_its_pages(tmp_path: Path) -> None:
@@ -91,21 +98,21 @@ def test_only_the_most_recent_files_that_fit_are_kept(tmp_path: Path) -> None:
     paths = [tmp_path / f"x{i}.npy" for i in range(3)]
     for p in paths:
         _save(p)
-    one = open_npy(paths[0]).nbytes
+    one = open_npy(paths[0], shared=True).nbytes
     filemaps.keep_files(2 * one)
     for p in paths:
-        open_npy(p).block(0, 1)
+        open_npy(p, shared=True).block(0, 1)
     gc.collect()
     assert [_mapped_here(p) for p in paths] == [False, True, True]
-    open_npy(paths[1]).block(0, 1)  # used again: now the most recent
-    open_npy(paths[0]).block(0, 1)
+    open_npy(paths[1], shared=True).block(0, 1)  # used again: now the most recent
+    open_npy(paths[0], shared=True).block(0, 1)
     gc.collect()
     assert [_mapped_here(p) for p in paths] == [True, True, False]
     filemaps.keep_files(None)
     big = tmp_path / "big.npy"
     _save(big, rows=4096)
     filemaps.keep_files(one - 1)  # no file fits: none is kept
-    open_npy(big).block(0, 1)
+    open_npy(big, shared=True).block(0, 1)
     gc.collect()
     assert not any(_mapped_here(p) for p in [*paths, big])
 
@@ -133,11 +140,11 @@ def test_a_deleted_file_is_kept_no_more(tmp_path: Path) -> None:
     path, other = tmp_path / "x.npy", tmp_path / "y.npy"
     _save(path)
     _save(other)
-    open_npy(path).block(0, 1)
+    open_npy(path, shared=True).block(0, 1)
     gc.collect()
     assert _mapped_here(path)
     os.unlink(path)
-    open_npy(other).block(0, 1)  # the next use of the table looks
+    open_npy(other, shared=True).block(0, 1)  # the next use of the table looks
     gc.collect()
     assert not _mapped_here(path)
 
@@ -145,7 +152,7 @@ def test_a_deleted_file_is_kept_no_more(tmp_path: Path) -> None:
 def test_a_forked_child_keeps_nothing(tmp_path: Path) -> None:
     path = tmp_path / "x.npy"
     _save(path)
-    open_npy(path).block(0, 1)
+    open_npy(path, shared=True).block(0, 1)
     gc.collect()
     assert _mapped_here(path)
     read, write = os.pipe()

@@ -5,10 +5,12 @@ and so does each program a Dask or Ray worker unpickles. Were each to map the fi
 its own, every compute would fault the whole file into a fresh mapping again, even
 with every page in the page cache (a minor fault per 4 KB page, about a tenth of the
 time of a scan of a cached file); and a process that keeps a scanned file's pages
-mapped would count them in its RSS once per mapping. So sources ask :func:`share` for
-the mapping: one per (file, inode, size, mtime, offset, dtype, shape, advice) in a
-process, made under a read lease (:mod:`tierflow.storage.leases`) and handed to every
-source that asks while the lease holds.
+mapped would count them in its RSS once per mapping. So shared sources (those of
+``tw.from_npy`` and ``tw.from_raw``) ask :func:`share` for the mapping: one per (file,
+inode, size, mtime, offset, dtype, shape, advice) in a process, made under a read lease
+(:mod:`tierflow.storage.leases`) and handed to every source that asks while the lease
+holds. Other sources (``memory.chunks``, whose stream lets go of the file when it ends)
+get a mapping of their own, under a lease of its own.
 
 Which mappings outlive their sources: the most recently used ones, up to
 :func:`keep_limit` bytes of file data in all (half the RAM budget unless set by
@@ -92,45 +94,72 @@ def share(  # noqa: PLR0913 -- the mapping's description, as np.memmap takes it
     sequential: bool,
     user: Any,
     short: Callable[[int], Exception],
+    shared: bool = True,
 ) -> tuple[np.memmap[Any, Any], int] | None:
     """This process's leased read-only mapping of ``fd``'s file and its lease descriptor,
     mapped now unless a source mapped the same data before and the lease still holds;
-    None while no lease can be had (the caller reads by copy).
+    None while no lease can be had (the caller reads by copy). With ``shared=False`` a
+    mapping of the caller's own, never kept nor handed to another.
 
     ``user`` (held weakly) gets ``user._lost(mapping)`` from the lease watcher when the
     lease breaks, and must then hand the mapping out no more. ``short(size)`` is the
     error raised when the leased file has fewer bytes than the data needs.
     """
     needed = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    st = os.fstat(fd)
-    key = _key(st, dtype, shape, offset, sequential)
+    if not shared:
+        got = _map(fd, path, dtype, shape, offset, sequential, needed, short)
+        if got is not None:
+            _watch(_Entry((), needed - offset, got[1], weakref.ref(got[0])), user)
+        return got
+    key = _key(os.fstat(fd), dtype, shape, offset, sequential)
     with _lock:
         _sweep()
-        entry = _entries.get(key)
-        m = entry.ref() if entry is not None else None
-        if entry is not None and m is not None and leases.held(entry.lease):
-            entry.users.add(user)
+        found = _entries.get(key)
+        m = found.ref() if found is not None else None
+        if found is not None and m is not None and leases.held(found.lease):
+            found.users.add(user)
             _entries.move_to_end(key)
             _trim()
-            return m, entry.lease
-        lease = leases.acquire(fd)
-        if lease is None:
+            return m, found.lease
+        got = _map(fd, path, dtype, shape, offset, sequential, needed, short)
+        if got is None:
             return None
-        leased = os.fstat(lease)
-        if leased.st_size < needed:
-            os.close(lease)
-            raise short(leased.st_size)
-        m = leases.map_leased(lease, path, dtype, shape, offset, sequential=sequential)
-        key = _key(leased, dtype, shape, offset, sequential)
+        m, lease = got
+        key = _key(os.fstat(lease), dtype, shape, offset, sequential)  # as leased
         entry = _Entry(key, needed - offset, lease, weakref.ref(m))
-        entry.users.add(user)
         old = _entries.pop(key, None)
         if old is not None:
             old.strong = None
         _entries[key] = entry
         _trim()
-    leases.watch(lease, _on_break(key, entry))
+    _watch(entry, user)
     return m, lease
+
+
+def _watch(entry: _Entry, user: Any) -> None:
+    entry.users.add(user)
+    leases.watch(entry.lease, _on_break(entry))
+
+
+def _map(  # noqa: PLR0913 -- share's own arguments
+    fd: int,
+    path: str,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    offset: int,
+    sequential: bool,
+    needed: int,
+    short: Callable[[int], Exception],
+) -> tuple[np.memmap[Any, Any], int] | None:
+    """A new mapping of ``fd``'s file under a lease of its own, and the lease."""
+    lease = leases.acquire(fd)
+    if lease is None:
+        return None
+    size = os.fstat(lease).st_size
+    if size < needed:
+        os.close(lease)
+        raise short(size)
+    return leases.map_leased(lease, path, dtype, shape, offset, sequential=sequential), lease
 
 
 def kept(mapping: np.memmap[Any, Any]) -> bool:
@@ -194,17 +223,15 @@ def _deleted(lease: int) -> bool:
         return True
 
 
-def _on_break(key: Key, entry: _Entry) -> Callable[[], None]:
-    ref = weakref.ref(entry)
+def _on_break(e: _Entry) -> Callable[[], None]:
+    """What the lease watcher calls when ``e``'s lease breaks. It holds ``e`` (not its
+    mapping) until the lease is let go, when the watcher drops it."""
 
     def lost() -> None:
-        e = ref()
-        if e is None:
-            return
         with _lock:
             e.strong = None
-            if _entries.get(key) is e:
-                del _entries[key]
+            if e.key and _entries.get(e.key) is e:
+                del _entries[e.key]
             users = list(e.users)
         m = e.ref()
         if m is not None:

@@ -145,11 +145,9 @@ class FileSource:
     with :func:`open_npy`, :func:`open_raw` or :func:`as_source` rather than by hand:
     they validate the file. The file is opened and mapped on first use (and refused
     if another file has been put at the path since the source was made, or it is too
-    short) and dropped by :meth:`close`. The mapping is the process's one for this data,
-    shared with every other source of it (:mod:`tierflow.storage.filemaps`): views
-    handed out, and the most recently used mappings up to half the RAM budget, keep it
-    and its lease alive after the source is gone. It pickles as its description:
-    another process opens the file on first use.
+    short) and dropped by :meth:`close`; views already handed out keep the mapping, and
+    its lease, alive until they are gone (and see ``shared``). It pickles as its
+    description: another process opens the file on first use.
 
     ``sequential`` (default True) advises the kernel that the mapping is read in order
     (``MADV_SEQUENTIAL``). Without it a page fault that misses the page cache reads
@@ -157,6 +155,12 @@ class FileSource:
     has already released and will never release again (measured: a 96 MB scan in 4 MB
     blocks with ``drop_cache=True`` ended with 28 MB cached instead of none). Pass
     False for random access.
+
+    ``shared`` (default False): the mapping is the process's one for this data, shared
+    with every other shared source of it, and the most recently used ones outlive their
+    sources (:mod:`tierflow.storage.filemaps`; the engine's ``tw.from_npy`` and
+    ``tw.from_raw`` share). Otherwise the mapping is this source's own, and goes once
+    the source is closed or gone and no view of it is left.
     """
 
     path: str
@@ -165,6 +169,7 @@ class FileSource:
     offset: int = 0
     kind: str = "raw"
     sequential: bool = True
+    shared: bool = False
     _map: np.memmap[Any, Any] | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     # (size, inode, device) when the source was made; see _opened.
@@ -262,9 +267,8 @@ class FileSource:
         return fd
 
     def _mapping(self) -> np.memmap[Any, Any] | None:
-        """The leased mapping of the data, this process's one for the file
-        (:func:`tierflow.storage.filemaps.share`), got on first use; None while no
-        lease can be had (then blocks are read by copy)."""
+        """The leased mapping of the data (:func:`tierflow.storage.filemaps.share`), got
+        on first use; None while no lease can be had (then blocks are read by copy)."""
         with self._lock:
             m = self._map
             if m is not None:
@@ -281,6 +285,7 @@ class FileSource:
                 sequential=self.sequential,
                 user=self,
                 short=self._shrunk,
+                shared=self.shared,
             )
             if shared is None:
                 return None
@@ -365,9 +370,9 @@ class FileSource:
     def close(self) -> None:
         """Drop this source's mapping and descriptor.
 
-        The mapping is unmapped (and its lease let go) once no view of it is left and
-        :mod:`tierflow.storage.filemaps` keeps it no more; a later :meth:`block` opens
-        the file again, and refuses it if another file was
+        The mapping is unmapped (and its lease let go) once no view of it is left (and,
+        for a ``shared`` source, :mod:`tierflow.storage.filemaps` keeps it no more); a
+        later :meth:`block` opens the file again, and refuses it if another file was
         put at the path meanwhile. Not to be called while another thread reads blocks.
         """
         with self._lock:
@@ -554,8 +559,9 @@ def read_npy_header(path: PathLike) -> tuple[np.dtype[Any], tuple[int, ...], boo
     return dtype, shape, fortran, start + header_len
 
 
-def open_npy(path: PathLike) -> FileSource:
-    """Open a ``.npy`` file as a :class:`FileSource` (no data is read yet).
+def open_npy(path: PathLike, *, shared: bool = False) -> FileSource:
+    """Open a ``.npy`` file as a :class:`FileSource` (no data is read yet; ``shared``:
+    see there).
 
     Raises :class:`~tierflow.errors.SourceError` naming the file and the numbers for a
     corrupt header, a file shorter than its header says, Fortran order, an object dtype
@@ -586,7 +592,7 @@ def open_npy(path: PathLike) -> FileSource:
             f"{offset}-byte header ({offset + nbytes} bytes in all), but the file has "
             f"{size} bytes ({offset + nbytes - size} missing)"
         )
-    return FileSource(name, dtype, tuple(shape), offset, kind="npy")
+    return FileSource(name, dtype, tuple(shape), offset, kind="npy", shared=shared)
 
 
 def _as_shape(shape: int | tuple[int, ...] | list[int], name: str) -> tuple[int, ...]:
@@ -609,8 +615,11 @@ def open_raw(
     dtype: Any,
     shape: int | tuple[int, ...] | list[int],
     offset: int = 0,
+    *,
+    shared: bool = False,
 ) -> FileSource:
-    """Open a raw binary file of C-order ``dtype`` elements starting at byte ``offset``.
+    """Open a raw binary file of C-order ``dtype`` elements starting at byte ``offset``
+    (``shared``: see :class:`FileSource`).
 
     ``shape`` is either the full shape, which must account for every byte after
     ``offset`` exactly, or a row shape with the row count taken from the file size:
@@ -641,7 +650,7 @@ def open_raw(
     row = dims[1:] if derive else dims
     full_nbytes = dt.itemsize * math.prod(dims)
     if not derive and full_nbytes == data:
-        return FileSource(name, dt, dims, offset, kind="raw")
+        return FileSource(name, dt, dims, offset, kind="raw", shared=shared)
     row_nbytes = dt.itemsize * math.prod(row)
     if row_nbytes == 0:
         raise SourceError(
@@ -656,7 +665,7 @@ def open_raw(
             f"{dt} rows of shape {row} ({row_nbytes} bytes each): {n_rows} rows and "
             f"{rest} bytes left over; {full}check dtype, shape and offset"
         )
-    return FileSource(name, dt, (n_rows, *row), offset, kind="raw")
+    return FileSource(name, dt, (n_rows, *row), offset, kind="raw", shared=shared)
 
 
 def as_source(

@@ -53,7 +53,7 @@ def from_npy(path: str | os.PathLike[str], rows: int | None = None) -> Array:
     C-order ``.npy`` (naming the file and the numbers), ``FileNotFoundError`` if there
     is none. A file changed after this call makes a later compute raise SourceError.
     """
-    source = storage_sources.open_npy(path)
+    source = storage_sources.open_npy(path, shared=True)
     reader = FileReader(source, "from_npy")
     return wrap(graph.Source(reader, blocksize.bounds(source.n_rows, rows, reader.row_nbytes)))
 
@@ -160,7 +160,7 @@ def from_raw(
     as in :func:`from_npy`. Raises :class:`~tierflow.errors.SourceError` when the size is
     not a whole number of rows.
     """
-    source = storage_sources.open_raw(path, dtype, shape, offset)
+    source = storage_sources.open_raw(path, dtype, shape, offset, shared=True)
     if len(source.shape) == 0:
         raise SourceError(f"{path}: a 0-d raw array has no rows")
     reader = FileReader(source, "from_raw")

@@ -16,7 +16,10 @@ shares):
   on a worker where it fits beside the others (a task under :data:`DECLARED_SHARE` of
   the smallest worker's budget asks for nothing: see ``DaskExecutor._resources``).
   The plugin also wakes the worker's event loop less (its profiler off, its tick once a
-  second): each wake takes the GIL from the task thread.
+  second): each wake takes the GIL from the task thread. And it lets the worker keep
+  files' pages mapped between computes only within what Dask's pause threshold leaves
+  above its budget (:func:`tierflow.storage.filemaps.keep_files`), since Dask's memory
+  monitor counts mapped file pages in the worker's RSS.
 * The scheduler's ``allowed-failures`` is set to 0: Dask does not send a task whose
   worker died to another at the same size; tierflow does, on halved blocks when the
   worker died of memory: its nanny restarted it for going over its limit (the
