@@ -17,6 +17,8 @@ import tierflow as tw
 from tierflow.storage import filemaps, leases, pages
 from tierflow.storage.sources import open_npy, open_raw
 
+from common import wait_for
+
 
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
@@ -143,10 +145,12 @@ def test_a_deleted_file_is_kept_no_more(tmp_path: Path) -> None:
     open_npy(path, shared=True).block(0, 1)
     gc.collect()
     assert _mapped_here(path)
+    kept = open_npy(other, shared=True)
+    kept.block(0, 1)
     os.unlink(path)
-    open_npy(other, shared=True).block(0, 1)  # the next use of the table looks
-    gc.collect()
-    assert not _mapped_here(path)
+    # let go within a sweep, with no other use of the table meanwhile
+    wait_for(lambda: not _mapped_here(path), timeout=5 * filemaps.SWEEP_S)
+    assert _mapped_here(other)  # a file still there stays kept
 
 
 def test_a_forked_child_keeps_nothing(tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ A kept mapping is let go (its pages leave this process, its lease with the last 
 - when its lease breaks: another process, or this one, opens the file for writing or
   truncates it (the lease watcher calls back within :data:`leases.POLL_S`);
 - when newer mappings push it past the limit, or past :data:`MAX_KEPT` files;
-- at the next :func:`share` after its file was deleted (so a deleted file's disk space
-  is not held for long), and by :func:`forget_all`.
+- within :data:`SWEEP_S` of its file's deletion (a thread looks while some mapping is
+  kept), so a deleted file's disk space is not held;
+- by :func:`forget_all`.
 
 A forked child starts with none kept.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -49,6 +51,7 @@ __all__ = ["KEEP_SHARE", "MAX_KEPT", "forget_all", "keep_files", "keep_limit", "
 
 KEEP_SHARE = 2  # by default, kept mappings hold at most budget / 2 bytes of file data
 MAX_KEPT = 32  # and at most this many files (a lease and a descriptor each)
+SWEEP_S = 1.0  # how often a deleted file's kept mapping is looked for
 
 Key = tuple[Any, ...]
 
@@ -66,6 +69,7 @@ class _Entry:
 _entries: OrderedDict[Key, _Entry] = OrderedDict()  # least recently used first
 _lock = threading.Lock()
 _limit: int | None = None  # see keep_files
+_sweeper: threading.Thread | None = None  # runs _sweep_while_kept
 
 
 def keep_files(limit: int | None) -> None:
@@ -204,16 +208,36 @@ def _trim() -> None:
             entry.strong = m
         else:
             entry.strong = None
+    if count:
+        _start_sweeper()
 
 
 def _sweep() -> None:
-    """Drop entries whose mapping is gone, and stop keeping those whose file was
-    deleted (needs ``_lock``)."""
+    """Drop the entries whose mapping is gone or whose file was deleted (needs
+    ``_lock``): a deleted file's kept mapping would hold its disk space."""
     for key, entry in list(_entries.items()):
-        if entry.ref() is None:
-            del _entries[key]
-        elif entry.strong is not None and _deleted(entry.lease):
+        if entry.ref() is None or _deleted(entry.lease):
             entry.strong = None
+            del _entries[key]
+
+
+def _start_sweeper() -> None:
+    """Sweep every :data:`SWEEP_S` seconds while some mapping is kept (needs ``_lock``)."""
+    global _sweeper
+    if _sweeper is None or not _sweeper.is_alive():
+        _sweeper = threading.Thread(target=_sweep_while_kept, name="tierflow-filemaps", daemon=True)
+        _sweeper.start()
+
+
+def _sweep_while_kept() -> None:
+    global _sweeper
+    while True:
+        time.sleep(SWEEP_S)
+        with _lock:
+            _sweep()
+            if all(e.strong is None for e in _entries.values()):
+                _sweeper = None
+                return
 
 
 def _deleted(lease: int) -> bool:
@@ -242,8 +266,9 @@ def _on_break(e: _Entry) -> Callable[[], None]:
 
 
 def _after_fork() -> None:
-    global _lock
+    global _lock, _sweeper
     _lock = threading.Lock()  # another thread may have held it at the fork
+    _sweeper = None  # threads do not survive a fork
     forget_all()
 
 
