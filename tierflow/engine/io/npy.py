@@ -95,8 +95,8 @@ class FileReader(Reader):
         up to half the RAM budget) and memory pressure is ``ok`` (``drop_cache``: high,
         and from the page cache too). A kept file's pages fit the budget, are the page
         cache's own (shared, and counted as free by the pressure level), and dropping
-        them only to fault them back in on the next scan costs a tenth of a scan of a
-        cached file."""
+        them only to fault them back in made the next scan of a cached file 1.1x to 2x
+        slower (docs/benchmarks.md)."""
         if drop_cache or pressure.level_now() != Level.OK or not self.source.kept():
             self.source.release(a, b, drop_cache=drop_cache, count=False)
 
