@@ -153,21 +153,31 @@ def test_a_deleted_file_is_kept_no_more(tmp_path: Path) -> None:
     assert _mapped_here(other)  # a file still there stays kept
 
 
-def test_a_forked_child_keeps_nothing(tmp_path: Path) -> None:
+def test_a_forked_child_keeps_nothing_and_maps_anew(tmp_path: Path) -> None:
     path = tmp_path / "x.npy"
-    _save(path)
-    open_npy(path, shared=True).block(0, 1)
-    gc.collect()
-    assert _mapped_here(path)
+    data = _save(path)
+    source = open_npy(path, shared=True)
+    source.block(0, 4096)
+    inherited = source._map
+    assert inherited is not None and filemaps.kept(inherited)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: its inherited mapping is let go
-        gc.collect()
-        os.write(write, b"1" if _mapped_here(path) else b"0")
-        os._exit(0)
+    if pid == 0:  # the child
+        try:
+            mine = open_npy(path, shared=True)
+            block = mine.block(0, 4096)
+            ok = (
+                not filemaps.kept(inherited)
+                and mine._map is not inherited
+                and mine.kept()
+                and np.array_equal(block, data)
+            )
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
     os.close(write)
     answer = os.read(read, 1)
     os.waitpid(pid, 0)
     os.close(read)
-    assert answer == b"0"
-    assert _mapped_here(path)  # the parent still keeps it
+    assert answer == b"1"
+    assert filemaps.kept(inherited)  # the parent still keeps it

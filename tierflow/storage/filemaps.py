@@ -29,7 +29,8 @@ A kept mapping is let go (its pages leave this process, its lease with the last 
   kept), so a deleted file's disk space is not held;
 - by :func:`forget_all`.
 
-A forked child starts with none kept.
+A forked child starts with none kept: it maps a file anew, and leaves alone what it
+inherited.
 """
 
 from __future__ import annotations
@@ -266,11 +267,18 @@ def _on_break(e: _Entry) -> Callable[[], None]:
     return lost
 
 
+# Entries inherited over a fork: never handed out nor let go in the child. Letting go
+# would unmap, whose finalizer takes the leases' lock, which another thread of the
+# parent may have held at the fork; the mappings cost the child nothing untouched.
+_abandoned: list[OrderedDict[Key, _Entry]] = []
+
+
 def _after_fork() -> None:
-    global _lock, _sweeper
+    global _entries, _lock, _sweeper
     _lock = threading.Lock()  # another thread may have held it at the fork
     _sweeper = None  # threads do not survive a fork
-    forget_all()
+    _abandoned.append(_entries)
+    _entries = OrderedDict()
 
 
 os.register_at_fork(after_in_child=_after_fork)
