@@ -276,7 +276,7 @@ class FileSource:
                     return m
                 self._map = None  # broken: views in flight keep it until they are done
             fd = self._opened()
-            shared = filemaps.share(
+            got = filemaps.share(
                 fd,
                 self.path,
                 self.dtype,
@@ -287,9 +287,9 @@ class FileSource:
                 short=self._shrunk,
                 shared=self.shared,
             )
-            if shared is None:
+            if got is None:
                 return None
-            self._map, self._lease = shared
+            self._map, self._lease = got
             return self._map
 
     def _lost(self, mapping: np.memmap[Any, Any]) -> None:
