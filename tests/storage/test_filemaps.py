@@ -50,7 +50,7 @@ def test_sources_of_the_same_data_share_one_mapping(tmp_path: Path) -> None:
     a, b = open_npy(path, shared=True), open_npy(path, shared=True)
     assert _mapping_id(a) == _mapping_id(b)
     assert a._lease == b._lease and leases.held(a._lease)
-    # other bytes of the same file are another mapping
+    # the same data opened as a raw file shares it; another dtype and shape does not
     raw = open_raw(path, np.float32, (4096, 8), offset=a.offset, shared=True)
     assert _mapping_id(raw) == _mapping_id(a)
     other = open_raw(path, np.uint8, (4096 * 32,), offset=a.offset, shared=True)
