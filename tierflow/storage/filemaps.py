@@ -112,8 +112,20 @@ def share(  # noqa: PLR0913 -- the mapping's description, as np.memmap takes it
     error raised when the leased file has fewer bytes than the data needs.
     """
     needed = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def fresh() -> tuple[np.memmap[Any, Any], int] | None:
+        """A new mapping of the file under a lease of its own, and the lease."""
+        lease = leases.acquire(fd)
+        if lease is None:
+            return None
+        size = os.fstat(lease).st_size
+        if size < needed:
+            os.close(lease)
+            raise short(size)
+        return leases.map_leased(lease, path, dtype, shape, offset, sequential=sequential), lease
+
     if not shared:
-        got = _map(fd, path, dtype, shape, offset, sequential, needed, short)
+        got = fresh()
         if got is not None:
             _watch(_Entry((), needed - offset, got[1], weakref.ref(got[0])), user)
         return got
@@ -127,7 +139,7 @@ def share(  # noqa: PLR0913 -- the mapping's description, as np.memmap takes it
             _entries.move_to_end(key)
             _trim()
             return m, found.lease
-        got = _map(fd, path, dtype, shape, offset, sequential, needed, short)
+        got = fresh()
         if got is None:
             return None
         m, lease = got
@@ -145,27 +157,6 @@ def share(  # noqa: PLR0913 -- the mapping's description, as np.memmap takes it
 def _watch(entry: _Entry, user: Any) -> None:
     entry.users.add(user)
     leases.watch(entry.lease, _on_break(entry))
-
-
-def _map(  # noqa: PLR0913 -- share's own arguments
-    fd: int,
-    path: str,
-    dtype: np.dtype[Any],
-    shape: tuple[int, ...],
-    offset: int,
-    sequential: bool,
-    needed: int,
-    short: Callable[[int], Exception],
-) -> tuple[np.memmap[Any, Any], int] | None:
-    """A new mapping of ``fd``'s file under a lease of its own, and the lease."""
-    lease = leases.acquire(fd)
-    if lease is None:
-        return None
-    size = os.fstat(lease).st_size
-    if size < needed:
-        os.close(lease)
-        raise short(size)
-    return leases.map_leased(lease, path, dtype, shape, offset, sequential=sequential), lease
 
 
 def kept(mapping: np.memmap[Any, Any]) -> bool:
