@@ -1,15 +1,22 @@
 """Helpers shared by test modules: waiting on a condition, sizing property tests.
 
 Importable from any test module as ``from common import wait_for, examples, Concurrency`` (``tests/``
-is on ``sys.path``, as for ``cgroups``).
+is on ``sys.path``, as for ``cgroups``); the benchmarks put ``tests/`` there too for the
+local clusters and servers (:func:`local_s3`, :func:`separate_disk_cluster`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -126,3 +133,97 @@ class IdleCluster(ClusterExecutor):
 
     def _probe(self, paths: Any) -> dict[str, list[str]]:
         return {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str, *, own_process: bool = False) -> Iterator[dict[str, Any]]:
+    """An S3-compatible server on localhost (moto's server mode) with ``bucket`` made;
+    yields the ``storage_options`` s3fs needs to reach it. ``own_process``: the server
+    runs in a process of its own (a benchmark's driver then does not share its GIL with
+    the server); otherwise on a thread of this process."""
+    import boto3
+    import s3fs
+
+    port = _free_port()
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    proc: subprocess.Popen[bytes] | None = None
+    server: Any = None
+    if own_process:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    else:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+    try:
+        client = boto3.client(
+            "s3",
+            endpoint_url=options["endpoint_url"],
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        for attempt in range(200):  # until the server answers
+            try:
+                client.create_bucket(Bucket=bucket)
+                break
+            except Exception:
+                if attempt == 199:
+                    raise
+                time.sleep(0.05)
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield options
+    finally:
+        if server is not None:
+            server.stop()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+
+
+@contextlib.contextmanager
+def separate_disk_cluster(spills: Sequence[Path]) -> Iterator[Any]:
+    """A Dask cluster of one worker process (one thread) per folder of ``spills``, each
+    with that folder as its spill folder and no folder the workers share, as nodes with
+    disks of their own; yields its client (not the default client)."""
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    workers = {
+        f"node{i}": {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "dashboard": False,
+                "dashboard_address": ":0",
+                "env": {"TIERFLOW_SPILL_DIR": str(spill)},
+            },
+        }
+        for i, spill in enumerate(spills)
+    }
+    cluster = SpecCluster(
+        workers=workers,
+        scheduler={"cls": Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
+        silence_logs=logging.CRITICAL,
+    )
+    client = Client(cluster, set_as_default=False)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()

@@ -140,33 +140,7 @@ def tierflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def s3_server() -> Iterator[dict[str, Any]]:
     """An S3-compatible server on localhost (moto's server mode) with a bucket
     ``tierflow``; yields the ``storage_options`` s3fs needs to reach it."""
-    import socket
+    from common import local_s3
 
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-    try:
-        import boto3
-
-        boto3.client(
-            "s3",
-            endpoint_url=options["endpoint_url"],
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        ).create_bucket(Bucket="tierflow")
-        s3fs.S3FileSystem.clear_instance_cache()
+    with local_s3("tierflow") as options:
         yield options
-    finally:
-        server.stop()

@@ -23,105 +23,41 @@ the input's). Ratios are of one run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests/: common.py
 
 from _harness import make_npy  # noqa: E402
 from bench_sort import check_output  # noqa: E402
+
+from common import local_s3, separate_disk_cluster  # noqa: E402
 
 WIDTH = 8
 ROWS_PER_GB = 31_250_000  # float32 x 8 columns: 10^9 bytes
 BUCKET = "bench"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def s3_server() -> Iterator[dict[str, Any]]:
-    """A local S3 server in a process of its own, with the bucket :data:`BUCKET`; the
-    storage options that reach it."""
-    import boto3
-
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "key": "bench",
-        "secret": "bench",
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-    try:
-        client = boto3.client(
-            "s3",
-            endpoint_url=options["endpoint_url"],
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
-            region_name="us-east-1",
-        )
-        for _ in range(200):
-            try:
-                client.create_bucket(Bucket=BUCKET)
-                break
-            except Exception:
-                time.sleep(0.05)
-        yield options
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def part_objects(folder: Path, gb: float, rounds: int) -> dict[str, Any]:
-    import logging
-
-    from distributed import Client, Nanny, Scheduler, SpecCluster
-
     import tierflow as tw
     from tierflow import config
 
     src = make_npy(folder / "x.npy", int(ROWS_PER_GB * gb), WIDTH)
     x = tw.from_npy(src)
-    workers = {
-        f"node{i}": {
-            "cls": Nanny,
-            "options": {
-                "nthreads": 1,
-                "dashboard": False,
-                "env": {"TIERFLOW_SPILL_DIR": str(folder / f"spill-{i}")},
-            },
-        }
-        for i in range(2)
-    }
     times: dict[str, list[float]] = {"folder": [], "s3": []}
-    with s3_server() as options:
-        cluster = SpecCluster(
-            workers=workers,
-            scheduler={"cls": Scheduler, "options": {"dashboard": False}},
-            silence_logs=logging.CRITICAL,
-        )
-        client = Client(cluster, set_as_default=False)
+    spills = [folder / f"spill-{i}" for i in range(2)]
+    with local_s3(BUCKET, own_process=True) as options, separate_disk_cluster(spills) as client:
         executor = tw.DaskExecutor(client)
         places = {"folder": str(folder / "shared"), "s3": f"s3://{BUCKET}/runs"}
         try:
@@ -138,8 +74,6 @@ def part_objects(folder: Path, gb: float, rounds: int) -> dict[str, Any]:
                     print(f"   round {r + 1}, runs in {name}: {times[name][-1]:.2f} s", flush=True)
         finally:
             executor.close()
-            client.close()
-            cluster.close()
     folder_s, s3_s = statistics.median(times["folder"]), statistics.median(times["s3"])
     print(
         f"1. sort_rows of {gb:g} GB on 2 Dask workers: runs in a shared folder {folder_s:.2f} s, "

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,10 +40,12 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: cgroups.py
+sys.path.insert(0, str(HERE.parent))  # tests/: cgroups.py, common.py
 sys.path.insert(0, str(HERE))  # _harness.py
 
 import _harness  # noqa: E402
+
+from common import local_s3  # noqa: E402
 
 WIDTH = 8
 CHUNK = 1_000_000
@@ -179,26 +180,9 @@ def part_standardise(path: Path, folder: Path) -> None:
 
 
 def part_s3(rows: int, folder: Path) -> None:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
     import tierflow as tw
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        import boto3
-
-        options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"}
-        boto3.client(
-            "s3", endpoint_url=options["endpoint_url"], aws_access_key_id="k",
-            aws_secret_access_key="s", region_name="us-east-1",
-        ).create_bucket(Bucket="bench")  # fmt: skip
+    with local_s3("bench") as options:
         make("s3://bench/a.zarr", rows, options)
         make(str(folder / "s3-local.zarr"), rows, None)
         _warm(folder / "s3-local.zarr")
@@ -218,8 +202,6 @@ def part_s3(rows: int, folder: Path) -> None:
             f"4. over S3 (moto on localhost), {gb:.2f} GB decoded: local disk {gb / lt:.2f} GB/s, "
             f"S3 {gb / rt:.2f} GB/s; S3 / local {lt / rt:.2f}x"
         )
-    finally:
-        server.stop()
 
 
 def main() -> None:

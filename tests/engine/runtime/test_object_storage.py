@@ -4,7 +4,6 @@ server) named by ``shared_dir="s3://..."``, then are removed."""
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from tierflow.storage import intermediates
 pytest.importorskip("distributed")
 pytest.importorskip("s3fs")
 
-from common import wait_for
+from common import separate_disk_cluster, wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -34,33 +33,10 @@ SHARED = "s3://tierflow/shared"
 def separate_disks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, list[Path]]]:
     """Two Dask workers (one thread each), each with a spill folder of its own and no
     folder they share; the client and the spill folders."""
-    from distributed import Client, Nanny, Scheduler, SpecCluster
-
     base = tmp_path_factory.mktemp("nodes")
     spills = [base / f"node{i}" / "spill" for i in range(2)]
-    workers = {
-        f"node{i}": {
-            "cls": Nanny,
-            "options": {
-                "nthreads": 1,
-                "dashboard": False,
-                "dashboard_address": ":0",
-                "env": {"TIERFLOW_SPILL_DIR": str(spill)},
-            },
-        }
-        for i, spill in enumerate(spills)
-    }
-    cluster = SpecCluster(
-        workers=workers,
-        scheduler={"cls": Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
-        silence_logs=logging.CRITICAL,
-    )
-    client = Client(cluster, set_as_default=False)
-    try:
+    with separate_disk_cluster(spills) as client:
         yield client, spills
-    finally:
-        client.close()
-        cluster.close()
 
 
 def _left(options: dict[str, Any]) -> list[str]:
