@@ -54,6 +54,12 @@ otherwise one contender's garbage sets off a collection in the next one's comput
    nannies; Ray's are the processes titled
    ``ray::...``). ``RSS`` counts the file's mapped pages, which the kernel can drop;
    ``anonymous`` is the heap and copies.
+   **CPU a compute**: the driver's (``time.process_time``, all its threads: on Dask the
+   scheduler's too), the workers', and that of every process the driver started (Dask's
+   nannies and workers; Ray's raylet, GCS and workers), from ``/proc/<pid>/stat`` (in
+   ticks of 10 ms: medians over the rounds). From it, the most tierflow on the cluster
+   could reach against threads on this machine: threads' seconds / (that CPU / the
+   cores), as though the cores ran nothing else and never waited (shown, no target).
 3. ``overhead`` (issue 12: <= 1 ms a task on Dask, <= 2 ms on Ray): 2,000 tiny block
    tasks, ``tw.from_array(np.zeros((2000, 1), "float32"), rows=1).sum(axis=0)``. The
    cost per task is (the compute's wall time on the cluster - the work) / the block
@@ -320,19 +326,31 @@ def _timed(
     # land in this one's time (a 20 ms pause at the start of a 1 GB compute, seen).
     gc.collect()
     before = _cpu_seconds(workers)
+    others = _descendants_cpu()
     cpu = time.process_time()
     start = time.perf_counter()
     result = compute(tasks)
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu
     after = _cpu_seconds(workers)
+    others_after = _descendants_cpu()
     return result, {
         "seconds": seconds,
         "driver_cpu": cpu,
         "worker_cpu": sum(t - before.get(pid, 0.0) for pid, t in after.items()),
+        "processes_cpu": sum(t - others.get(pid, 0.0) for pid, t in others_after.items()),
         "busy": tasks.busy,
         "blocks": tasks.blocks,
     }
+
+
+def _descendants_cpu() -> dict[int, float]:
+    """CPU seconds so far of every process this one started, and theirs: the engine's
+    processes on this machine (Dask's nannies and workers; Ray's raylet, GCS and
+    workers)."""
+    import psutil
+
+    return _cpu_seconds([p.pid for p in psutil.Process().children(recursive=True)])
 
 
 SETTLE_S = 10.0  # longest wait of _dask_settle
@@ -768,6 +786,19 @@ def column_ratios(case: dict[str, Any], slower: str, faster: str = "tierflow") -
     return [r[slower]["seconds"] / r[faster]["seconds"] for r in case["rounds"]]
 
 
+def cpu_bounds(case: dict[str, Any], cores: int) -> list[float]:
+    """Per round, the most tierflow on the cluster / on threads could be, given the CPU
+    its compute used in all the engine's processes here (the driver, with a Dask
+    scheduler in it, and every process it started): threads' seconds / (that CPU /
+    ``cores``), as though every core ran nothing else and never waited."""
+    return [
+        r["threads"]["seconds"]
+        / max(1e-9, (r["tierflow"]["driver_cpu"] + r["tierflow"]["processes_cpu"]) / cores)
+        for r in case["rounds"]
+        if "processes_cpu" in r["tierflow"]
+    ]
+
+
 def per_task_costs(part: dict[str, Any]) -> list[float]:
     """(engine wall - serial wall) / block tasks, per round, in seconds."""
     return [
@@ -797,6 +828,13 @@ def targets(report: dict[str, Any]) -> list[Target]:
                         f"2 {case}: tierflow on {engine} / on threads",
                         _median(column_ratios(found, "threads")),  # its speed over threads
                         CLUSTER_TARGET,
+                    )
+                )
+                rows.append(
+                    Target(
+                        f"2 {case}: the most {engine}'s CPU allows (extra)",
+                        _median(cpu_bounds(found, int(report.get("cores") or 1))),
+                        None,
                     )
                 )
         dask_part = engines.get("dask", {}).get("columns", {})
@@ -869,7 +907,7 @@ def print_report(report: dict[str, Any], rows: Sequence[Target]) -> None:
         if "mapblocks" in figures:
             _print_mapblocks(engine, report["rows"], figures["mapblocks"])
         if "columns" in figures:
-            _print_columns(engine, report["size_gb"], figures["columns"])
+            _print_columns(engine, report["size_gb"], figures["columns"], report["cores"])
         if "overhead" in figures:
             _print_overhead(engine, figures["overhead"])
         waits = [w for part in PARTS for w in figures.get(part, {}).get("quiet_waits", [])]
@@ -925,7 +963,7 @@ def _print_mapblocks(engine: str, rows: int, part: dict[str, Any]) -> None:
         )
 
 
-def _print_columns(engine: str, size_gb: float, part: dict[str, Any]) -> None:
+def _print_columns(engine: str, size_gb: float, part: dict[str, Any], cores: int) -> None:
     others = [
         n
         for n in (part["cases"][COLUMN_CASES[0]]["rounds"] or [{}])[0]
@@ -951,6 +989,8 @@ def _print_columns(engine: str, size_gb: float, part: dict[str, Any]) -> None:
         )
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in found["difference"].items())
         print(f"      relative differences from tierflow on threads: {diffs}")
+        if all("processes_cpu" in r["tierflow"] for r in rounds):
+            _print_cpu(engine, found, cores)
     print(
         "    peak RSS per worker, MB (anonymous), and in brackets the largest growth within"
         " one compute:"
@@ -970,6 +1010,25 @@ def _print_columns(engine: str, size_gb: float, part: dict[str, Any]) -> None:
         print(f"      while {name} ran: {shown or '-'}")
     if part.get("dask_skipped"):
         print(f"    dask.array not run: {part['dask_skipped']}")
+
+
+def _print_cpu(engine: str, case: dict[str, Any], cores: int) -> None:
+    """Where a compute's CPU went (medians, ms): threads' in the driver; the cluster's in
+    the driver (with a Dask scheduler in it), in its workers, and in all the processes
+    the driver started (the workers among them); and the ratio to threads that CPU
+    allows on ``cores`` cores at most."""
+    rounds = case["rounds"]
+
+    def med(who: str, key: str) -> float:
+        return statistics.median(r[who][key] for r in rounds) * 1e3
+
+    print(
+        f"      CPU a compute, ms: threads {med('threads', 'driver_cpu'):.0f}; tierflow on "
+        f"{engine} {med('tierflow', 'driver_cpu'):.0f} in the driver + "
+        f"{med('tierflow', 'processes_cpu'):.0f} in the processes it started (its workers "
+        f"{med('tierflow', 'worker_cpu'):.0f}); on {cores} cores that CPU allows "
+        f"{span(cpu_bounds(case, cores))} of threads' speed at most"
+    )
 
 
 def _print_overhead(engine: str, part: dict[str, Any]) -> None:
