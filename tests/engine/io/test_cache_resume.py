@@ -160,6 +160,7 @@ class Kills:
     kills: int
 
 
+@pytest.mark.executors("threads")  # child processes, on their own executor
 @pytest.mark.parametrize(
     "case",
     [Kills(1, "npy", 2), Kills(2, "compute", 1)],
@@ -205,6 +206,7 @@ def test_a_killed_run_resumes_with_the_missing_blocks_only(
         assert info["spilled"], "the result did not go to a spill file; the test lost its point"
 
 
+@pytest.mark.executors("threads")  # child processes, on their own executor
 def test_two_processes_compute_one_cached_graph_at_once(
     workdir: Path, uninterrupted: bytes, tmp_path: Path
 ) -> None:

@@ -399,6 +399,7 @@ def test_zarr_errors_say_what_is_wrong(tmp_path: Path) -> None:
         tw.from_zarr(tmp_path / "s.zarr")
 
 
+@pytest.mark.executors("threads")  # refused before any compute
 def test_an_unreachable_url_is_a_clear_error_in_seconds() -> None:
     with socket.socket() as s:  # a port nothing listens on once closed
         s.bind(("127.0.0.1", 0))

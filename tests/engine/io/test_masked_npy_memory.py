@@ -102,6 +102,7 @@ def _write_source(path: Path, nbytes: int) -> int:
     return rows
 
 
+@pytest.mark.executors("threads")  # a child process, on its own executor
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc/self/status")
 def test_masked_to_npy_keeps_rss_within_budget(tmp_path: Path) -> None:
     import numpy as np

@@ -227,6 +227,7 @@ def test_one_row_that_does_not_fit_on_the_gpu_names_the_case(case: str) -> None:
     assert sizes == [4, 2, 1]
 
 
+@pytest.mark.executors("threads")  # a child process, on its own executor
 def test_emptying_the_gpu_caches_imports_neither_torch_nor_cupy() -> None:
     code = (
         "import sys; from tierflow.storage import oom; oom.empty_gpu_caches(); "
